@@ -1,0 +1,192 @@
+"""The ``ember`` command: a table of verbs, each a thin call into the library.
+
+    ember --help
+    ember data prepare python data.vocab_size=8192
+
+Every verb that takes a config accepts a YAML path or a preset name (``configs/NAME.yaml``)
+followed by ``key.sub=value`` overrides. An ``EmberError`` is printed as one short message
+and exits with code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import ember
+from ember.errors import EmberError
+
+CONFIG_HELP = "a YAML config file or a preset name from configs/ (e.g. python, tiny)"
+OVERRIDES_HELP = "config overrides as key.sub=value (e.g. data.vocab_size=8192 run.seed=3)"
+
+
+def _command_line() -> str:
+    return shlex.join(["ember", *sys.argv[1:]])
+
+
+# ---------------------------------------------------------------- verbs
+
+
+def cmd_config_show(args) -> int:
+    from ember.config import config_to_yaml, load_config
+
+    print(config_to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def cmd_config_keys(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ember.config import config_keys
+
+    table = Table("key", "type", "default", "meaning", box=None, header_style="bold")
+    for key, type_name, default, help_text in config_keys():
+        if args.prefix and not key.startswith(args.prefix):
+            continue
+        table.add_row(key, type_name, default, help_text)
+    Console(width=max(120, Console().width)).print(table)
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from ember.config import load_config
+    from ember.data.prepare import prepare
+    from ember.data.stats import print_manifest
+
+    cfg = load_config(args.config, args.overrides)
+    result = prepare(cfg, force=args.force, command=_command_line())
+    print_manifest(result.manifest, result.directory)
+    return 0
+
+
+def cmd_data_stats(args) -> int:
+    from ember.data.stats import print_manifest, verify
+
+    manifest = verify(args.dir, check_sha256=args.verify)
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        print_manifest(manifest, Path(args.dir))
+        if args.verify:
+            print("verified: every shard's header, size and sha256, and the tokenizer's sha256")
+    return 0
+
+
+def cmd_quickstart(args) -> int:
+    from ember.config import load_config
+    from ember.data.prepare import prepare
+    from ember.data.stats import print_manifest
+
+    overrides = list(args.overrides)
+    if args.data_dir:
+        overrides.append(f"data.dir={args.data_dir}")
+    cfg = load_config("python", overrides)
+    print(f"ember {ember.__version__} quickstart: preparing the embedded Python corpus into {cfg.data.dir}")
+    result = prepare(cfg, command=_command_line())
+    print_manifest(result.manifest, result.directory)
+    print(
+        f"\nshards, tokenizer and manifest: {result.directory}/  (inspect with `ember data stats {result.directory}`)"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ember",
+        description="ember: a hackable, PyTorch-native lab for small GPT-style language models.",
+        epilog="Run `ember VERB --help` for the options of each verb.",
+    )
+    parser.add_argument("--version", action="version", version=f"ember {ember.__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+
+    p = verbs.add_parser(
+        "quickstart",
+        help="the main job: prepare the embedded corpus (later: train, evaluate, sample)",
+        description="Prepare the embedded Python corpus (CPython's docs and standard library) into "
+        "tokenizer + train/val shards and print the manifest. Reuses earlier work when nothing changed.",
+    )
+    p.add_argument(
+        "--data-dir", help="where the shards go (default: data.dir of the python preset, data/python)"
+    )
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_quickstart)
+
+    cfg = verbs.add_parser(
+        "config",
+        help="show the resolved config or list every key",
+        description="Inspect configs: resolved values and the keys that exist.",
+    )
+    cfg_verbs = cfg.add_subparsers(dest="config_verb", metavar="ACTION", required=True)
+    p = cfg_verbs.add_parser(
+        "show",
+        help="print the resolved config as YAML",
+        description="Load CONFIG (following its `base:` chain), apply overrides, "
+        "validate, and print the result as YAML.",
+    )
+    p.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    p.set_defaults(func=cmd_config_show)
+    p = cfg_verbs.add_parser(
+        "keys",
+        help="list every config key with its type, default and meaning",
+        description="List every config key with its type, default and meaning.",
+    )
+    p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. data.)")
+    p.set_defaults(func=cmd_config_keys)
+
+    data = verbs.add_parser(
+        "data",
+        help="prepare token shards and inspect them",
+        description="Turn sources into a tokenizer and train/val token shards.",
+    )
+    data_verbs = data.add_subparsers(dest="data_verb", metavar="ACTION", required=True)
+    p = data_verbs.add_parser(
+        "prepare",
+        help="stream sources → clean → train tokenizer → write shards + manifest",
+        description="Read data.sources, clean and deduplicate, train the tokenizer (data.tokenizer, "
+        "data.vocab_size), encode in parallel and write train/val shards and manifest.json into "
+        "data.dir. The directory appears only when complete. Same inputs again: reused.",
+    )
+    p.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even if data.dir holds the same result, or replace data prepared from other inputs",
+    )
+    p.set_defaults(func=cmd_data_prepare)
+    p = data_verbs.add_parser(
+        "stats",
+        help="print a prepared directory's manifest as tables",
+        description="Print what a prepared data directory holds: sources, "
+        "cleaning, tokenizer, splits. Checks shard headers and the tokenizer hash.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a directory written by `ember data prepare`")
+    p.add_argument("--verify", action="store_true", help="also re-hash every shard against the manifest")
+    p.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    p.set_defaults(func=cmd_data_stats)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EmberError as e:
+        print(f"ember: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("ember: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

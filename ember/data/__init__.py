@@ -1,0 +1,1 @@
+"""The data path: sources → cleaning → tokenizer → shards + manifest → loader."""

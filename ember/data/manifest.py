@@ -1,0 +1,74 @@
+"""``manifest.json``: what a prepared data directory holds and how it was made.
+
+    manifest = read_manifest("data/python")          # validated; DataError if not usable
+    tok = load_tokenizer("data/python")               # checked against the manifest's sha256
+
+A data directory is complete exactly when its ``manifest.json`` exists: ``prepare`` writes
+the manifest last, inside a temporary directory that is renamed into place, so a reader
+never sees shards without the record of what they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ember.data.tokenizer import Tokenizer, file_sha256
+from ember.errors import DataError
+
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+FORMAT = "ember-shards"
+FORMAT_VERSION = 1
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:
+    path = Path(directory) / MANIFEST
+    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        hint = "it is not a prepared data directory" if directory.is_dir() else "it does not exist"
+        raise DataError(f"no {MANIFEST} in {directory} ({hint}); run `ember data prepare CONFIG` first")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(
+            f"{path} is not valid JSON ({e}); re-run `ember data prepare CONFIG --force`"
+        ) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError(f"{path} is not an ember data manifest; re-run `ember data prepare CONFIG --force`")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path} has format version {manifest.get('format_version')}, this ember reads "
+            f"{FORMAT_VERSION}; re-run `ember data prepare CONFIG --force`"
+        )
+    return manifest
+
+
+def load_tokenizer(directory: str | os.PathLike, manifest: dict | None = None) -> Tokenizer:
+    """Load the tokenizer beside the shards, refusing one that is not the one they were made with."""
+    directory = Path(directory)
+    manifest = manifest or read_manifest(directory)
+    path = directory / TOKENIZER
+    if not path.is_file():
+        raise DataError(f"{path} is missing; re-run `ember data prepare CONFIG --force`")
+    expected = manifest["tokenizer"]["sha256"]
+    actual = file_sha256(path)
+    if actual != expected:
+        raise DataError(
+            f"{path} does not match {directory / MANIFEST} (sha256 {actual[:12]}… vs {expected[:12]}…): "
+            "the shards were encoded with a different tokenizer; restore it or re-run "
+            "`ember data prepare CONFIG --force`"
+        )
+    return Tokenizer.load(path)

@@ -1,0 +1,278 @@
+"""Where text comes from: source strings resolved to a deterministic stream of documents.
+
+A source string is one of
+
+- ``embedded:python-docs``   the English documentation topics inside every CPython
+                             (``pydoc_data.topics``), one document per topic;
+- ``embedded:python-stdlib`` the standard library's own ``.py`` files, one document per
+                             file, without test suites (any ``test``/``tests`` folder),
+                             ``idlelib`` and ``site-packages``;
+- ``embedded:python``        both of the above;
+- a path: a text file (one document), a directory (every file below it, recursively,
+  hidden files and folders skipped) or a glob (``corpus/**/*.md``);
+  ``*.jsonl`` files give one document per line (field ``data.jsonl_field``) and
+  ``*.parquet`` files one per row (column ``data.parquet_column``, needs ``ember[data]``).
+
+    docs = list(open_source("embedded:python-docs", cfg.data).documents())
+
+Design choices:
+
+- Every listing is sorted, so the document order is the same on every machine and run.
+- Files are read as bytes. A file with a NUL byte in its first 8 KiB is binary: it is
+  skipped and counted. Bytes that are not UTF-8 are replaced with U+FFFD and counted.
+- Each source hashes the raw bytes it read (sha256) for the manifest, and offers a cheap
+  ``fingerprint`` (paths, sizes, mtimes) so ``prepare`` can tell when nothing changed
+  without reading everything again.
+- A plain text file is one document, read whole; corpora larger than memory come as many
+  files, JSONL or Parquet, which stream.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.errors import DataError
+
+EMBEDDED = ("embedded:python", "embedded:python-docs", "embedded:python-stdlib")
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
+)
+BINARY_SNIFF_BYTES = 8192
+
+
+@dataclass
+class Document:
+    """One unit of text; ``origin`` says where it came from (file, file:line, topic)."""
+
+    text: str
+    origin: str
+
+
+@dataclass
+class SourceStats:
+    """What reading one source found; goes into the manifest."""
+
+    spec: str
+    files: int = 0
+    documents: int = 0
+    bytes: int = 0
+    binary_skipped: int = 0
+    invalid_utf8: int = 0
+    _hash: object = field(default_factory=hashlib.sha256, repr=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "spec": self.spec,
+            "sha256": self._hash.hexdigest(),
+            "files": self.files,
+            "documents": self.documents,
+            "bytes": self.bytes,
+            "binary_skipped": self.binary_skipped,
+            "invalid_utf8": self.invalid_utf8,
+        }
+
+
+def _decode(raw: bytes, stats: SourceStats) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.invalid_utf8 += 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def _stat_key(path: Path) -> list:
+    st = path.stat()
+    return [str(path), st.st_size, st.st_mtime_ns]
+
+
+class Source:
+    """A resolved source string. ``documents()`` may be called more than once."""
+
+    def __init__(self, spec: str, jsonl_field: str = "text", parquet_column: str = "text"):
+        self.spec = spec
+        self.jsonl_field = jsonl_field
+        self.parquet_column = parquet_column
+        self.stats = SourceStats(spec)
+        self.parts: list[str] = []  # "docs", "stdlib"
+        self.files: list[Path] = []
+        if spec.startswith("embedded:"):
+            if spec not in EMBEDDED:
+                raise DataError(f"unknown embedded source {spec!r}; choose one of: {', '.join(EMBEDDED)}")
+            name = spec.split(":", 1)[1]
+            self.parts = {"python": ["docs", "stdlib"], "python-docs": ["docs"], "python-stdlib": ["stdlib"]}[
+                name
+            ]
+            if "stdlib" in self.parts:
+                self.files = _stdlib_files()
+        else:
+            self.files = _resolve_path(spec)
+
+    def _read(self, stats: SourceStats) -> Iterator[Document]:
+        if "docs" in self.parts:
+            yield from _pydoc_topics(stats)
+        for path in self.files:
+            stats.files += 1
+            suffix = path.suffix.lower()
+            if suffix == ".jsonl":
+                yield from _jsonl_documents(path, self.jsonl_field, stats)
+            elif suffix == ".parquet":
+                yield from _parquet_documents(path, self.parquet_column, stats)
+            else:
+                yield from _text_document(path, stats)
+
+    def fingerprint(self) -> list:
+        """Cheap identity of the inputs: names, sizes and mtimes, plus the Python version for
+        embedded text (which is what decides the embedded content)."""
+        key: list = [self.spec, self.jsonl_field, self.parquet_column]
+        if self.parts:
+            key.append(sys.version)
+        key.extend(_stat_key(p) for p in self.files)
+        return key
+
+    def documents(self) -> Iterator[Document]:
+        """Stream the documents in order; resets and refills ``self.stats``."""
+        self.stats = stats = SourceStats(self.spec)
+        for doc in self._read(stats):
+            stats.documents += 1
+            yield doc
+        if stats.documents == 0 and stats.binary_skipped:
+            raise DataError(
+                f"source {self.spec!r} holds only binary files ({stats.binary_skipped} skipped); "
+                "point data.sources at text, .jsonl or .parquet files"
+            )
+
+
+def open_source(spec: str, data_cfg=None) -> Source:
+    """Resolve a source string (raises DataError when it names nothing)."""
+    if data_cfg is None:
+        return Source(spec)
+    return Source(spec, data_cfg.jsonl_field, data_cfg.parquet_column)
+
+
+# ---------------------------------------------------------------- embedded sources
+
+
+def _pydoc_topics(stats: SourceStats) -> Iterator[Document]:
+    from pydoc_data.topics import topics
+
+    for key in sorted(topics):
+        raw = topics[key].encode("utf-8")
+        stats._hash.update(raw)
+        stats.bytes += len(raw)
+        yield Document(topics[key], f"pydoc_data.topics:{key}")
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS and not d.startswith(".")]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    if not files:
+        raise DataError(
+            f"no standard library .py files found under {root}; this Python ships without sources"
+        )
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+# ---------------------------------------------------------------- paths
+
+
+def _walk_dir(root: Path) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        files.extend(Path(dirpath, f) for f in filenames if not f.startswith("."))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _resolve_path(spec: str) -> list[Path]:
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _walk_dir(path)
+    if path.is_file():
+        return [path]
+    if any(ch in spec for ch in "*?["):
+        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(spec), recursive=True))
+        files = [p for p in matches if p.is_file()]
+        if not files:
+            raise DataError(
+                f"source glob {spec!r} matches no files; check the pattern (use ** for subfolders)"
+            )
+        return files
+    raise DataError(
+        f"source {spec!r} not found: no such file or directory "
+        f"(use a path, a glob, or one of {', '.join(EMBEDDED)})"
+    )
+
+
+def _text_document(path: Path, stats: SourceStats) -> Iterator[Document]:
+    raw = path.read_bytes()
+    stats._hash.update(raw)
+    stats.bytes += len(raw)
+    if b"\x00" in raw[:BINARY_SNIFF_BYTES]:
+        stats.binary_skipped += 1
+        return
+    yield Document(_decode(raw, stats), str(path))
+
+
+def _jsonl_documents(path: Path, field_name: str, stats: SourceStats) -> Iterator[Document]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            stats._hash.update(raw)
+            stats.bytes += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(_decode(raw, stats))
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); fix or remove that line"
+                ) from None
+            if not isinstance(record, dict) or field_name not in record:
+                keys = ", ".join(sorted(record)) if isinstance(record, dict) else type(record).__name__
+                raise DataError(
+                    f"{path}:{lineno}: record has no field {field_name!r} (found: {keys}); "
+                    f"set data.jsonl_field to the field that holds the text"
+                )
+            text = record[field_name]
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{path}:{lineno}: field {field_name!r} is {type(text).__name__}, expected a string"
+                )
+            yield Document(text, f"{path}:{lineno}")
+
+
+def _parquet_documents(path: Path, column: str, stats: SourceStats) -> Iterator[Document]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"{path}: reading Parquet needs pyarrow; install it with `pip install 'ember[data]'`"
+        ) from None
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            stats._hash.update(block)
+            stats.bytes += len(block)
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a file that is not Parquet
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise DataError(
+            f"{path}: no column {column!r} (columns: {', '.join(names)}); set data.parquet_column"
+        )
+    row = 0
+    for batch in pf.iter_batches(columns=[column], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            yield Document(text if isinstance(text, str) else "", f"{path}#{row}")

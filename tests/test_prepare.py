@@ -1,0 +1,246 @@
+"""``ember data prepare`` end to end: shards, manifest, reuse, atomicity, bad input, CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ember.cli import main
+from ember.config import load_config
+from ember.data.clean import content_digest, is_validation
+from ember.data.loader import TokenDataset
+from ember.data.manifest import load_tokenizer, read_manifest
+from ember.data.prepare import prepare
+from ember.data.shards import read_shard
+from ember.data.stats import verify
+from ember.errors import DataError
+
+
+def _corpus(root: Path, n: int = 60) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"doc{i:03d}.txt").write_text(
+            f"Document {i}. " + "def f(x): return x * %d\n" % i * (1 + i % 5)
+        )
+    (root / "dup.txt").write_text((root / "doc001.txt").read_text())  # exact duplicate
+    (root / "empty.txt").write_text("")  # too short
+    (root / "blob.bin").write_bytes(b"\x00\x01" * 50)  # binary
+    return root
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(
+        None,
+        [
+            f"data.sources=[{tmp_path / 'corpus'}]",
+            f"data.dir={tmp_path / 'out'}",
+            "data.vocab_size=300",
+            "data.val_fraction=0.2",
+            *overrides,
+        ],
+    )
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    _corpus(tmp_path / "corpus")
+    return prepare(_cfg(tmp_path), log=lambda _: None), tmp_path
+
+
+def test_shards_hold_every_document_then_eos(prepared):
+    result, tmp_path = prepared
+    m = result.manifest
+    tok = load_tokenizer(result.directory)
+    texts = sorted((p.name, p.read_text()) for p in (tmp_path / "corpus").glob("doc*.txt"))
+    expected = {"train": [], "val": []}
+    for _, text in texts:  # dup.txt sorts after doc*.txt, so the original is the one kept
+        split = "val" if is_validation(content_digest(text), 0.2) else "train"
+        expected[split].extend(tok.encode(text) + [tok.eos_id])
+    for split in ("train", "val"):
+        got = np.concatenate([read_shard(result.directory / s["name"]) for s in m["splits"][split]["shards"]])
+        assert got.dtype == np.uint16
+        assert got.tolist() == expected[split]
+        assert m["splits"][split]["tokens"] == len(expected[split])
+    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 60
+    assert m["cleaning"] == {"documents_in": 62, "too_short": 1, "nontext": 0, "duplicate": 1, "kept": 60}
+    src = m["sources"][0]
+    assert (src["files"], src["documents"], src["binary_skipped"]) == (63, 62, 1)
+    assert m["tokenizer"]["kind"] == "bpe" and m["dtype"] == "uint16"
+    assert m["ember_version"] and m["config"]["data"]["vocab_size"] == 300 and m["command"]
+    assert verify(result.directory, check_sha256=True) == read_manifest(result.directory)
+
+
+def test_reuse_force_and_changed_inputs(prepared, capsys):
+    result, tmp_path = prepared
+    shard = result.directory / "train-000000.bin"
+    mtime = shard.stat().st_mtime_ns
+    again = prepare(_cfg(tmp_path))
+    assert again.reused and "reusing" in capsys.readouterr().out
+    assert shard.stat().st_mtime_ns == mtime
+    forced = prepare(_cfg(tmp_path), force=True, log=lambda _: None)
+    assert not forced.reused and forced.manifest["splits"] == result.manifest["splits"]
+    with pytest.raises(DataError, match="different inputs.*--force"):
+        prepare(_cfg(tmp_path, "data.vocab_size=320"))
+    (tmp_path / "corpus" / "new.txt").write_text("a new document appears")
+    with pytest.raises(DataError, match="different inputs"):
+        prepare(_cfg(tmp_path))
+
+
+def test_char_tokenizer_and_multiple_shards(tmp_path):
+    _corpus(tmp_path / "corpus")
+    r = prepare(
+        _cfg(tmp_path, "data.tokenizer=char", "data.vocab_size=40", "data.shard_tokens=1000"),
+        log=lambda _: None,
+    )
+    shards = r.manifest["splits"]["train"]["shards"]
+    assert len(shards) > 1 and all(s["n_tokens"] <= 1000 for s in shards)
+    assert sum(s["n_tokens"] for s in shards) == r.manifest["splits"]["train"]["tokens"]
+    ds = TokenDataset(r.directory, "train")
+    assert len(ds) == r.manifest["splits"]["train"]["tokens"]
+    assert load_tokenizer(r.directory).kind == "char"
+
+
+def test_interrupted_prepare_leaves_nothing(tmp_path, monkeypatch):
+    _corpus(tmp_path / "corpus")
+    import ember.data.prepare as prep
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "write_manifest", boom)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_cfg(tmp_path), log=lambda _: None)
+    assert sorted(os.listdir(tmp_path)) == ["corpus"]  # no out/, no temp dir
+
+
+def test_interrupted_rebuild_keeps_the_old_result(prepared, monkeypatch):
+    result, tmp_path = prepared
+    import ember.data.prepare as prep
+
+    monkeypatch.setattr(prep, "write_manifest", lambda *a: (_ for _ in ()).throw(RuntimeError("crash")))
+    with pytest.raises(RuntimeError):
+        prepare(_cfg(tmp_path), force=True, log=lambda _: None)
+    assert read_manifest(result.directory) == result.manifest
+    assert sorted(os.listdir(tmp_path)) == ["corpus", "out"]
+
+
+def test_stale_temp_dir_from_a_killed_run_is_removed(tmp_path):
+    _corpus(tmp_path / "corpus")
+    stale = tmp_path / ".out.tmp-999999999"
+    (stale / "x").mkdir(parents=True)
+    prepare(_cfg(tmp_path), log=lambda _: None)
+    assert not stale.exists()
+
+
+def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
+    _corpus(tmp_path / "corpus")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    for force in (False, True):
+        with pytest.raises(DataError, match="not an ember data directory"):
+            prepare(_cfg(tmp_path), force=force, log=lambda _: None)
+    assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
+
+
+def test_bad_inputs(tmp_path):
+    _corpus(tmp_path / "corpus")
+    with pytest.raises(DataError, match="not found"):
+        prepare(load_config(None, [f"data.sources=[{tmp_path / 'nope'}]", f"data.dir={tmp_path / 'o'}"]))
+    with pytest.raises(DataError, match="empty after cleaning|no training text"):
+        prepare(_cfg(tmp_path, "data.min_chars=100000"), log=lambda _: None)
+    with pytest.raises(DataError, match="vocab_size=100 is too small"):
+        prepare(_cfg(tmp_path, "data.vocab_size=100"), log=lambda _: None)
+    with pytest.raises(DataError, match="no document fell into the val split"):
+        prepare(_cfg(tmp_path, "data.val_fraction=0.000001"), log=lambda _: None)
+    assert sorted(os.listdir(tmp_path)) == ["corpus"]
+
+
+def test_tokenizer_mismatch_and_corrupt_shard_detected(prepared):
+    result, _ = prepared
+    shard = result.directory / "train-000000.bin"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-2])
+    with pytest.raises(DataError, match="train-000000.bin"):
+        verify(result.directory)
+    shard.write_bytes(raw[:-2] + b"\xff\xff")
+    with pytest.raises(DataError, match="sha256"):
+        verify(result.directory, check_sha256=True)
+    shard.write_bytes(raw)
+    tok = result.directory / "tokenizer.json"
+    tok.write_text(tok.read_text().replace("<|reserved_7|>", "<|reserved_X|>"))
+    with pytest.raises(DataError, match="does not match"):
+        load_tokenizer(result.directory)
+
+
+def test_cli_prepare_stats_and_errors(tmp_path, capsys):
+    _corpus(tmp_path / "corpus")
+    args = [
+        f"data.sources=[{tmp_path / 'corpus'}]",
+        f"data.dir={tmp_path / 'out'}",
+        "data.vocab_size=300",
+        "data.val_fraction=0.2",
+    ]
+    assert main(["data", "prepare", "tiny", *args]) == 0
+    assert "splits" in capsys.readouterr().out
+    assert main(["data", "stats", str(tmp_path / "out"), "--verify"]) == 0
+    assert "verified" in capsys.readouterr().out
+    assert main(["data", "stats", str(tmp_path / "out"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "ember-shards"
+    assert main(["data", "stats", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ember: error: no manifest.json") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["data", "prepare", "tiny", "data.sources=[/no/such/dir]"], "not found"),
+        (["config", "show", "tiny", "data.vocab_sise=3"], "did you mean data.vocab_size"),
+        (["data", "prepare", "no-such-preset"], "no-such-preset"),
+    ],
+)
+def test_cli_errors_exit_2_without_traceback(argv, message, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ember", *argv], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) <= 2
+    assert os.listdir(tmp_path) == []
+
+
+def test_every_verb_has_help():
+    for argv in (
+        ["--help"],
+        ["data", "prepare", "--help"],
+        ["data", "stats", "--help"],
+        ["config", "show", "--help"],
+        ["config", "keys", "--help"],
+        ["quickstart", "--help"],
+    ):
+        proc = subprocess.run([sys.executable, "-m", "ember", *argv], capture_output=True, text=True)
+        assert proc.returncode == 0 and "usage: ember" in proc.stdout, argv
+
+
+@pytest.mark.slow
+def test_quickstart_prepares_the_embedded_corpus(tmp_path, capsys):
+    assert (
+        main(
+            [
+                "quickstart",
+                "--data-dir",
+                str(tmp_path / "py"),
+                "data.sources=[embedded:python-docs]",
+                "data.vocab_size=600",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "splits" in out and str(tmp_path / "py") in out
+    m = read_manifest(tmp_path / "py")
+    assert m["splits"]["train"]["tokens"] > 100_000 and m["tokenizer"]["vocab_size"] == 600
