@@ -89,9 +89,8 @@ def cmd_quickstart(args) -> int:
     print(f"ember {ember.__version__} quickstart: preparing the embedded Python corpus into {cfg.data.dir}")
     result = prepare(cfg, command=_command_line())
     print_manifest(result.manifest, result.directory)
-    print(
-        f"\nshards, tokenizer and manifest: {result.directory}/  (inspect with `ember data stats {result.directory}`)"
-    )
+    where = result.directory
+    print(f"\nshards, tokenizer and manifest: {where}/  (inspect with `ember data stats {where}`)")
     return 0
 
 

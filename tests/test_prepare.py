@@ -24,7 +24,7 @@ def _corpus(root: Path, n: int = 60) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         (root / f"doc{i:03d}.txt").write_text(
-            f"Document {i}. " + "def f(x): return x * %d\n" % i * (1 + i % 5)
+            f"Document {i}. " + f"def f(x): return x * {i}\n" * (1 + i % 5)
         )
     (root / "dup.txt").write_text((root / "doc001.txt").read_text())  # exact duplicate
     (root / "empty.txt").write_text("")  # too short
