@@ -23,9 +23,7 @@ from ember.errors import DataError
 def _corpus(root: Path, n: int = 60) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        (root / f"doc{i:03d}.txt").write_text(
-            f"Document {i}. " + f"def f(x): return x * {i}\n" * (1 + i % 5)
-        )
+        (root / f"doc{i:03d}.txt").write_text(f"Document {i}. " + f"def f(x): return x * {i}\n" * (1 + i % 5))
     (root / "dup.txt").write_text((root / "doc001.txt").read_text())  # exact duplicate
     (root / "empty.txt").write_text("")  # too short
     (root / "blob.bin").write_bytes(b"\x00\x01" * 50)  # binary
@@ -244,3 +242,38 @@ def test_quickstart_prepares_the_embedded_corpus(tmp_path, capsys):
     assert "splits" in out and str(tmp_path / "py") in out
     m = read_manifest(tmp_path / "py")
     assert m["splits"]["train"]["tokens"] > 100_000 and m["tokenizer"]["vocab_size"] == 600
+
+
+def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
+    """Python-side peak memory (tracemalloc) for a 4x larger corpus stays about the same:
+    documents stream through fixed-size batches straight into the shards."""
+    import tracemalloc
+
+    import ember.data.prepare as prep
+
+    monkeypatch.setattr(prep, "BATCH_CHARS", 1 << 18)
+    line = "for item in range(10):  # a line of code, numbered {}\n"
+
+    def peak(n_files):
+        corpus = tmp_path / f"c{n_files}"
+        corpus.mkdir()
+        for f in range(n_files):
+            (corpus / f"{f:04d}.txt").write_text("".join(line.format(f * 1000 + i) for i in range(1000)))
+        cfg = load_config(
+            None,
+            [
+                f"data.sources=[{corpus}]",
+                f"data.dir={tmp_path / f'o{n_files}'}",
+                "data.vocab_size=300",
+                "data.tokenizer_train_bytes=300000",
+                "data.val_fraction=0.1",
+            ],
+        )
+        tracemalloc.start()
+        prepare(cfg, log=lambda _: None)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    small, large = peak(40), peak(160)  # ~2 MB and ~9 MB of text
+    assert large < 1.3 * small, (small, large)
