@@ -167,17 +167,189 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The decoder's shape. Filled in by the model issue."""
+    """The decoder's shape and options (see ember/model/gpt.py)."""
+
+    vocab_size: int = field(
+        default=0, metadata=_help("vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple")
+    )
+    vocab_multiple: int = field(
+        default=64, metadata=_help("round a tokenizer-derived vocab_size up to a multiple of this")
+    )
+    n_layer: int = field(default=6, metadata=_help("number of transformer blocks"))
+    n_head: int = field(default=6, metadata=_help("attention (query) heads per block"))
+    n_kv_head: int = field(
+        default=0, metadata=_help("key/value heads (GQA/MQA); 0 = n_head (plain multi-head attention)")
+    )
+    d_model: int = field(default=384, metadata=_help("residual stream width"))
+    max_seq_len: int = field(default=256, metadata=_help("longest sequence the positions support"))
+    mlp: str = field(default="gelu", metadata=_help("'gelu' (GPT-2 MLP) or 'swiglu' (Llama MLP)"))
+    mlp_hidden: int = field(
+        default=0,
+        metadata=_help("MLP hidden width; 0 = 4*d_model (gelu) or 8/3*d_model rounded to 64 (swiglu)"),
+    )
+    norm: str = field(default="layernorm", metadata=_help("'layernorm' or 'rmsnorm'"))
+    norm_eps: float = field(default=1e-5, metadata=_help("epsilon of the norms"))
+    pos: str = field(default="learned", metadata=_help("'learned' absolute positions or 'rope'"))
+    rope_theta: float = field(default=10000.0, metadata=_help("RoPE base frequency"))
+    tie_embeddings: bool = field(
+        default=True, metadata=_help("share the token embedding with the output head")
+    )
+    bias: bool = field(default=True, metadata=_help("biases in linear layers and norms (GPT-2 style)"))
+    dropout: float = field(default=0.0, metadata=_help("dropout on attention weights and residual branches"))
+    qk_norm: bool = field(
+        default=False, metadata=_help("normalize queries and keys per head before attention")
+    )
+    init_std: float = field(
+        default=0.02,
+        metadata=_help("std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)"),
+    )
+
+    def __post_init__(self) -> None:
+        _one_of(self.mlp, "model.mlp", ("gelu", "swiglu"))
+        _one_of(self.norm, "model.norm", ("layernorm", "rmsnorm"))
+        _one_of(self.pos, "model.pos", ("learned", "rope"))
+        for key in ("n_layer", "n_head", "d_model", "max_seq_len", "vocab_multiple"):
+            value = getattr(self, key)
+            _require(value >= 1, f"model.{key}", f"model.{key} must be >= 1; got {value}")
+        for key in ("vocab_size", "n_kv_head", "mlp_hidden"):
+            value = getattr(self, key)
+            _require(value >= 0, f"model.{key}", f"model.{key} must be >= 0; got {value}")
+        _require(
+            self.d_model % self.n_head == 0,
+            "model.n_head",
+            f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}; "
+            "choose a head count that divides the width",
+        )
+        kv = self.n_kv_head or self.n_head
+        _require(
+            kv <= self.n_head and self.n_head % kv == 0,
+            "model.n_kv_head",
+            f"model.n_kv_head={kv} does not divide model.n_head={self.n_head}; "
+            "each key/value head must serve a whole group of query heads",
+        )
+        _require(
+            self.pos != "rope" or (self.d_model // self.n_head) % 2 == 0,
+            "model.pos",
+            f"RoPE needs an even head dimension; d_model/n_head = {self.d_model // self.n_head}",
+        )
+        _require(
+            0.0 <= self.dropout < 1.0, "model.dropout", f"model.dropout must be in [0, 1); got {self.dropout}"
+        )
 
 
 @dataclass
 class TrainConfig:
-    """Optimizer, schedule, batch and loop settings. Filled in by the trainer issue."""
+    """Batch, budget, optimizer, schedule, precision, evaluation and checkpoint settings."""
+
+    seq_len: int = field(default=256, metadata=_help("tokens per training sequence (<= model.max_seq_len)"))
+    batch_tokens: int = field(
+        default=16384,
+        metadata=_help("global batch in tokens per optimizer step, across ranks and accumulation"),
+    )
+    micro_batch: int = field(default=16, metadata=_help("sequences per rank per forward/backward"))
+    max_steps: int = field(default=0, metadata=_help("stop after this many optimizer steps (0 = no limit)"))
+    max_tokens: int = field(default=0, metadata=_help("stop after this many training tokens (0 = no limit)"))
+    max_time: float = field(
+        default=0.0, metadata=_help("stop after this many wall-clock seconds (0 = no limit)")
+    )
+    lr: float = field(default=1e-3, metadata=_help("peak learning rate"))
+    min_lr_ratio: float = field(default=0.1, metadata=_help("final learning rate as a fraction of lr"))
+    warmup_steps: int = field(default=50, metadata=_help("linear warmup steps"))
+    schedule: str = field(
+        default="cosine",
+        metadata=_help("after warmup: 'cosine', 'linear', 'wsd' (stable then decay) or 'constant'"),
+    )
+    decay_fraction: float = field(default=0.2, metadata=_help("wsd: fraction of the budget spent decaying"))
+    weight_decay: float = field(
+        default=0.1, metadata=_help("AdamW decay on matrices (not norms, biases, embeddings)")
+    )
+    beta1: float = field(default=0.9, metadata=_help("AdamW beta1"))
+    beta2: float = field(default=0.95, metadata=_help("AdamW beta2"))
+    eps: float = field(default=1e-8, metadata=_help("AdamW epsilon"))
+    grad_clip: float = field(default=1.0, metadata=_help("clip the global gradient norm to this (0 = off)"))
+    z_loss: float = field(default=0.0, metadata=_help("weight of the z-loss on log-sum-exp of logits (PaLM)"))
+    precision: str = field(
+        default="fp32", metadata=_help("'fp32', 'bf16' (autocast) or 'fp16' (autocast + GradScaler)")
+    )
+    compile: bool = field(default=False, metadata=_help("torch.compile each block"))
+    activation_checkpointing: bool = field(
+        default=False, metadata=_help("recompute block activations in backward")
+    )
+    deterministic: bool = field(
+        default=False, metadata=_help("deterministic algorithms, cuBLAS workspace, seeds")
+    )
+    device: str = field(default="auto", metadata=_help("'auto' (cuda if present), 'cpu' or 'cuda'"))
+    eval_every: int = field(
+        default=100, metadata=_help("evaluate every this many steps (0 = only at the end)")
+    )
+    eval_windows: int = field(
+        default=256, metadata=_help("at most this many validation windows per evaluation")
+    )
+    log_every: int = field(default=10, metadata=_help("print a log line every this many steps"))
+    ckpt_every: int = field(
+        default=0, metadata=_help("save a checkpoint every this many steps (0 = only at the end)")
+    )
+    keep_last: int = field(default=2, metadata=_help("checkpoints kept, newest first (>= 2)"))
+    keep_best: bool = field(
+        default=True, metadata=_help("also keep the checkpoint with the best validation loss")
+    )
+    resume: str = field(
+        default="never", metadata=_help("'never', 'auto' (newest committed checkpoint) or a step folder")
+    )
+    nonfinite: str = field(
+        default="stop", metadata=_help("on NaN/Inf loss or grads: 'stop' (and name the module) or 'skip'")
+    )
+    tensorboard: bool = field(
+        default=False, metadata=_help("also log to TensorBoard (needs the track extra)")
+    )
+
+    def __post_init__(self) -> None:
+        _one_of(self.schedule, "train.schedule", ("cosine", "linear", "wsd", "constant"))
+        _one_of(self.precision, "train.precision", ("fp32", "bf16", "fp16"))
+        _one_of(self.device, "train.device", ("auto", "cpu", "cuda"))
+        _one_of(self.nonfinite, "train.nonfinite", ("stop", "skip"))
+        for key in ("seq_len", "batch_tokens", "micro_batch", "log_every"):
+            value = getattr(self, key)
+            _require(value >= 1, f"train.{key}", f"train.{key} must be >= 1; got {value}")
+        for key in (
+            "max_steps",
+            "max_tokens",
+            "max_time",
+            "warmup_steps",
+            "eval_every",
+            "ckpt_every",
+            "grad_clip",
+            "z_loss",
+            "weight_decay",
+            "lr",
+        ):
+            value = getattr(self, key)
+            _require(value >= 0, f"train.{key}", f"train.{key} must be >= 0; got {value}")
+        _require(
+            self.keep_last >= 2, "train.keep_last", f"train.keep_last must be >= 2; got {self.keep_last}"
+        )
+        _require(
+            0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "train.min_lr_ratio must be in [0, 1]"
+        )
+        _require(
+            0.0 < self.decay_fraction <= 1.0, "train.decay_fraction", "train.decay_fraction must be in (0, 1]"
+        )
 
 
 @dataclass
 class ParallelConfig:
-    """Device mesh and parallel layout. Filled in by the parallel issue."""
+    """How ranks share the work (launch with `ember train CONFIG --nproc N` or torchrun)."""
+
+    data: str = field(default="ddp", metadata=_help("data parallelism across ranks: 'ddp' or 'fsdp' (FSDP2)"))
+    backend: str = field(
+        default="auto", metadata=_help("'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'")
+    )
+    timeout_s: int = field(default=600, metadata=_help("collective timeout in seconds"))
+
+    def __post_init__(self) -> None:
+        _one_of(self.data, "parallel.data", ("ddp", "fsdp"))
+        _one_of(self.backend, "parallel.backend", ("auto", "nccl", "gloo"))
+        _require(self.timeout_s >= 1, "parallel.timeout_s", "parallel.timeout_s must be >= 1")
 
 
 @dataclass
@@ -187,6 +359,14 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig, metadata=_help("model architecture"))
     train: TrainConfig = field(default_factory=TrainConfig, metadata=_help("training loop"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata=_help("parallel layout"))
+
+    def __post_init__(self) -> None:
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            "train.seq_len",
+            f"train.seq_len={self.train.seq_len} is beyond model.max_seq_len={self.model.max_seq_len}; "
+            "lower train.seq_len or raise model.max_seq_len",
+        )
 
 
 # ---------------------------------------------------------------------------

@@ -181,10 +181,12 @@ def test_key_in_wrong_section_suggests_the_right_one() -> None:
         load_config(None, ["vocab_size=3"])
 
 
-def test_empty_sections_reject_keys(tmp_path: Path) -> None:
-    for section in ("model", "train", "parallel"):
+def test_sections_reject_unknown_keys(tmp_path: Path) -> None:
+    for section in ("train", "parallel"):
         with pytest.raises(ConfigError, match=rf"unknown config key {section}\.n_layer"):
             load_config(None, [f"{section}.n_layer=2"])
+    with pytest.raises(ConfigError, match=r"model\.n_layers .*did you mean model\.n_layer"):
+        load_config(None, ["model.n_layers=2"])
     cfg = load_config(write(tmp_path / "e.yaml", "model: {}\ntrain:\nparallel: {}\n"))
     assert cfg == Config()
 
@@ -368,7 +370,7 @@ def test_config_keys_cover_every_leaf() -> None:
     names = [k for k, _, _, _ in keys]
     expected = [
         f"{section}.{f.name}"
-        for section in ("run", "data")
+        for section in ("run", "data", "model", "train", "parallel")
         for f in dataclasses.fields(getattr(Config(), section))
     ]
     assert names == expected
