@@ -77,6 +77,34 @@ def cmd_data_stats(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    import os
+    import subprocess
+
+    from ember.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={args.nproc}",
+            "-m",
+            "ember",
+            "train",
+            args.config,
+            *args.overrides,
+        ]
+        print(f"launching {args.nproc} processes: {shlex.join(cmd)}", flush=True)
+        return subprocess.call(cmd)
+    from ember.train.trainer import train
+
+    train(cfg)
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from ember.config import load_config
     from ember.data.prepare import prepare

@@ -91,3 +91,12 @@ def test_vocab_too_small_and_bad_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="not a valid tokenizer.json"):
         Tokenizer.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_token_byte_lengths_sum_to_utf8_bytes(kind, bpe, char):
+    tok = bpe if kind == "bpe" else char
+    lengths = tok.token_byte_lengths()
+    assert lengths[: len(SPECIAL_TOKENS)] == [0] * len(SPECIAL_TOKENS)
+    for text in CORPUS:
+        assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))

@@ -136,6 +136,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
+    def token_byte_lengths(self) -> list[int]:
+        """UTF-8 bytes each id stands for; 0 for special tokens. Byte-level BPE tokens are
+        strings over a 256-symbol alphabet, one symbol per byte, so their length is exact
+        even for tokens that are only part of a multi-byte character."""
+        n_special = len(SPECIAL_TOKENS)
+        if self.kind == "bpe":
+            return [0 if i < n_special else len(self.hf.id_to_token(i)) for i in range(self.vocab_size)]
+        return [0 if i < n_special else len(self.hf.id_to_token(i).encode()) for i in range(self.vocab_size)]
+
     def id_to_token(self, i: int) -> str | None:
         return self.hf.id_to_token(i)
 

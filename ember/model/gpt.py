@@ -1,0 +1,390 @@
+"""The decoder: one ``GPT`` class that is GPT-2 or Llama-style depending on its ``ModelConfig``.
+
+    cfg = ModelConfig(vocab_size=512, n_layer=2, n_head=4, d_model=64, max_seq_len=128)
+    model = GPT.build(cfg, seed=0)                        # meta -> to_empty -> init_weights
+    logits = model(torch.randint(0, 512, (2, 16)))        # (2, 16, 512), fp32
+
+Design choices:
+
+- Options are chosen once, in ``__init__``, by constructing the right submodule
+  (LayerNorm or RMSNorm, GELU or SwiGLU MLP, learned or rotary positions, RMSNorm
+  or Identity for qk_norm) or by storing the right function (``Attention.rotate``,
+  ``Attention.attend``). ``forward`` never reads the config.
+- The model is built on the meta device and materialised by ``to_empty()`` and
+  ``init_weights()`` (DESIGN rule 1). The RoPE tables are non-persistent buffers:
+  not in the state dict, recomputed by ``init_buffers()``, which ``init_weights()``
+  calls. After ``to_empty()`` + ``load_state_dict()``, call ``init_buffers()``.
+- RoPE uses the rotate-half convention of GPT-NeoX and HF Llama: dimension ``i``
+  pairs with ``i + head_dim/2`` (Meta's complex form pairs ``2i`` with ``2i+1``).
+  Export to HF is then a renaming, with no permutation of ``wq``/``wk`` rows.
+- Head counts are read from the weight shapes (``view(B, T, -1, head_dim)``), so
+  tensor parallelism may shard the rows of ``wq, wk, wv`` and the columns of ``wo``.
+- Attention is ``F.scaled_dot_product_attention`` (GQA by ``enable_gqa``);
+  ``reference_attention`` spells out softmax(QK^T/sqrt(d) + mask) V for tests.
+  ``model.set_attention("reference")`` swaps the function each Attention calls.
+- GELU is the tanh approximation (``gelu_new`` in GPT-2 and HF), so GPT-2
+  checkpoints match exactly.
+- Tied embeddings share one Parameter. ``to_empty()`` gives each module a fresh
+  tensor, which would untie it, so ``GPT.to_empty`` ties again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ember.config import ModelConfig
+from ember.errors import ConfigError
+
+Rope = tuple[Tensor, Tensor]  # (cos, sin), each (T, head_dim / 2)
+
+
+class KVCache(Protocol):
+    """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds one).
+
+    One forward call: the model reads ``pos``, every layer calls ``update`` once,
+    then the model calls ``advance(T)``.
+    """
+
+    @property
+    def pos(self) -> int:
+        """Tokens already held; the T new tokens take positions pos .. pos + T - 1."""
+        ...
+
+    def update(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v (B, n_kv_head, T, head_dim) of ``layer``; return all held
+        keys and values, (B, n_kv_head, pos + T, head_dim)."""
+        ...
+
+    def advance(self, n: int) -> None:
+        """Every layer has written its n new positions."""
+        ...
+
+
+def mlp_hidden_size(cfg: ModelConfig) -> int:
+    """The MLP width: ``cfg.mlp_hidden``, or 4*d (GELU), or 8d/3 rounded up to 64 (SwiGLU,
+    which has three matrices instead of two, so this keeps the parameter count of 4*d)."""
+    if cfg.mlp_hidden:
+        return cfg.mlp_hidden
+    if cfg.mlp == "gelu":
+        return 4 * cfg.d_model
+    return -(-int(8 * cfg.d_model / 3) // 64) * 64
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+# ---------------------------------------------------------------------------
+# Positions
+# ---------------------------------------------------------------------------
+
+
+class LearnedPositions(nn.Module):
+    """GPT-2: a learned vector per position, added to the token embeddings."""
+
+    def __init__(self, max_seq_len: int, d_model: int) -> None:
+        super().__init__()
+        self.wpe = nn.Embedding(max_seq_len, d_model)
+
+    def forward(self, x: Tensor, start: int) -> tuple[Tensor, Rope | None]:
+        pos = torch.arange(start, start + x.size(1), device=x.device)  # (T,)
+        return x + self.wpe(pos), None
+
+
+class RotaryPositions(nn.Module):
+    """RoPE (Su et al. 2021): leaves x alone and hands the attention layers the
+    cos/sin tables for positions start .. start + T - 1."""
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("cos", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, head_dim // 2), persistent=False)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        # RoFormer eq. 15: pair i turns by angle pos * theta^(-2i/head_dim); float64, then rounded once.
+        device = self.cos.device
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device) / self.head_dim
+        positions = torch.arange(self.cos.size(0), dtype=torch.float64, device=device)
+        angles = torch.outer(positions, self.theta**-exponent)  # (max_seq_len, head_dim / 2)
+        self.cos.copy_(angles.cos())
+        self.sin.copy_(angles.sin())
+
+    def forward(self, x: Tensor, start: int) -> tuple[Tensor, Rope | None]:
+        end = start + x.size(1)
+        return x, (self.cos[start:end], self.sin[start:end])
+
+
+def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
+    """Rotate x (B, heads, T, head_dim): dimension i pairs with i + head_dim/2 (rotate-half)."""
+    cos, sin = rope  # (T, head_dim / 2), broadcast over B and heads
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_qk(q: Tensor, k: Tensor, rope: Rope | None) -> tuple[Tensor, Tensor]:
+    assert rope is not None
+    return apply_rotary(q, rope), apply_rotary(k, rope)
+
+
+def keep_qk(q: Tensor, k: Tensor, rope: Rope | None) -> tuple[Tensor, Tensor]:
+    return q, k
+
+
+# ---------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
+    """(t_q, t_k) bool, True where a query may look. The queries are the last t_q of the
+    t_k positions (bottom-right aligned), as when decoding after a cache."""
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """q (B, n_head, T, hd); k, v (B, n_kv_head, S, hd) -> (B, n_head, T, hd)."""
+    gqa = q.size(1) != k.size(1)  # query head h reads key/value head h // (n_head / n_kv_head)
+    if q.size(-2) == k.size(-2):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """The formula, for tests: softmax(Q K^T / sqrt(hd) + causal mask) V."""
+    n_rep = q.size(1) // k.size(1)
+    k = k.repeat_interleave(n_rep, dim=1)  # (B, n_head, S, hd)
+    v = v.repeat_interleave(n_rep, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, n_head, T, S)
+    scores = scores.masked_fill(~causal_mask(q.size(-2), k.size(-2), q.device), float("-inf"))
+    weights = F.dropout(scores.softmax(dim=-1), p=dropout_p)
+    return weights @ v  # (B, n_head, T, hd)
+
+
+ATTENTION: dict[str, Callable[[Tensor, Tensor, Tensor, float], Tensor]] = {
+    "sdpa": sdpa_attention,
+    "reference": reference_attention,
+}
+
+
+class Attention(nn.Module):
+    """Causal self-attention with optional GQA, RoPE and qk_norm."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: str) -> None:
+        super().__init__()
+        self.layer_id = layer_id  # the key a KV cache files this layer under
+        self.head_dim = cfg.d_model // cfg.n_head
+        n_kv_head = cfg.n_kv_head or cfg.n_head
+        d, hd = cfg.d_model, self.head_dim
+        self.wq = nn.Linear(d, cfg.n_head * hd, bias=cfg.bias)
+        self.wk = nn.Linear(d, n_kv_head * hd, bias=cfg.bias)
+        self.wv = nn.Linear(d, n_kv_head * hd, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_head * hd, d, bias=cfg.bias)
+        # qk_norm (OLMo 2, Qwen3): RMSNorm over each head's vector, before RoPE.
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.rotate = rotate_qk if cfg.pos == "rope" else keep_qk
+        self.attend = sdpa_attention
+        self.attn_dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        q, k = self.rotate(self.q_norm(q), self.k_norm(k), rope)
+        if cache is not None:
+            k, v = cache.update(self.layer_id, k, v)  # (B, n_kv_head, S, hd), S = cache.pos + T
+        y = self.attend(q, k, v, self.attn_dropout if self.training else 0.0)  # (B, n_head, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * hd)
+        return self.resid_dropout(self.wo(y))
+
+
+# ---------------------------------------------------------------------------
+# MLP and block
+# ---------------------------------------------------------------------------
+
+
+class GeluMLP(nn.Module):
+    """GPT-2: w2(gelu(w1 x)), with the tanh approximation GPT-2 was trained with."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = mlp_hidden_size(cfg)
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))  # (B, T, hidden) inside
+
+
+class SwiGLU(nn.Module):
+    """Llama (Shazeer 2020, "GLU Variants"): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = mlp_hidden_size(cfg)
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)  # down
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))  # (B, T, hidden) inside
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: str) -> None:
+        super().__init__()
+        self.attention_norm = make_norm(cfg, cfg.d_model)
+        self.attention = Attention(cfg, layer_id)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
+
+    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+
+
+class GPT(nn.Module):
+    """Token embedding, positions, ``n_layer`` blocks, final norm, output head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ConfigError(
+                "model.vocab_size is 0 (take it from the tokenizer); the trainer resolves it, "
+                "code that builds a GPT directly must set model.vocab_size"
+            )
+        self.cfg = cfg
+        head_dim = cfg.d_model // cfg.n_head
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos: nn.Module = (
+            RotaryPositions(head_dim, cfg.max_seq_len, cfg.rope_theta)
+            if cfg.pos == "rope"
+            else LearnedPositions(cfg.max_seq_len, cfg.d_model)
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+        # String keys, so that a pipeline stage can delete the layers it does not run.
+        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i)) for i in range(cfg.n_layer)})
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32."""
+        T = idx.size(1)
+        start = 0 if cache is None else cache.pos
+        if start + T > self.cfg.max_seq_len:
+            raise ConfigError(
+                f"a sequence of {start + T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
+                "shorten the input or use a model with a larger max_seq_len"
+            )
+        x, rope = self.pos(self.tok_embeddings(idx), start)  # (B, T, C)
+        x = self.dropout(x)
+        for layer in self.layers.values():
+            x = layer(x, rope, cache)
+        if cache is not None:
+            cache.advance(T)
+        return self.output(self.norm(x)).float()  # (B, T, vocab_size)
+
+    # -- building ---------------------------------------------------------
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> GPT:
+        """Construct on the meta device, allocate on ``device``, initialise."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        model.init_weights(seed)
+        return model
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def to_empty(self, *, device: str | torch.device | None, recurse: bool = True) -> GPT:
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()  # to_empty made a separate tensor for each module that shared one
+        return self
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE tables)."""
+        for module in self.modules():
+            if isinstance(module, RotaryPositions):
+                module.init_buffers()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """N(0, init_std) for matrices and embeddings, the residual projections (wo, w2)
+        scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3), zero biases, unit norms.
+        ``seed`` draws from a private generator; None uses the global RNG."""
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:  # RMSNorm has none
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Linear):
+                if module.weight is self.tok_embeddings.weight:  # tied head, drawn as the embedding
+                    continue
+                module_std = resid_std if name.endswith((".wo", ".w2")) else std
+                nn.init.normal_(module.weight, mean=0.0, std=module_std, generator=generator)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+        self.init_buffers()
+
+    def set_attention(self, kind: str) -> GPT:
+        """Use ``"sdpa"`` (default) or ``"reference"`` attention in every layer."""
+        if kind not in ATTENTION:
+            raise ConfigError(f"unknown attention {kind!r}; choose one of {', '.join(ATTENTION)}")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.attend = ATTENTION[kind]
+        return self
+
+    # -- accounting -------------------------------------------------------
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count, a tied weight once. ``non_embedding`` leaves out the lookup
+        tables (token and learned position embeddings) but keeps the output head, which
+        is a matmul; a tied embedding therefore stays counted, as the head."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
+        if non_embedding:
+            tables = [m.weight for m in self.modules() if isinstance(m, nn.Embedding)]
+            n -= sum(t.numel() for t in tables if t is not self.output.weight)
+        return n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at context ``seq_len``."""
+        # PaLM (Chowdhery et al. 2022) appendix B: 6N + 12·L·H·Q·T, N the non-embedding
+        # parameters (matmuls with weights), 12LHQT the attention scores and weighted sums.
+        n_head, head_dim = self.cfg.n_head, self.cfg.d_model // self.cfg.n_head
+        return 6 * self.num_params(non_embedding=True) + 12 * len(self.layers) * n_head * head_dim * seq_len

@@ -1,0 +1,1 @@
+"""Scaling across ranks: process group and mesh (dist.py), layouts applied to a model (parallelize.py)."""

@@ -1,0 +1,1 @@
+"""Training: the loop (trainer.py), optimizer and schedule (optim.py), checkpoints, metrics."""

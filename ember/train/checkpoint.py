@@ -1,0 +1,209 @@
+"""Checkpoints that never lie, and the weights that inference needs.
+
+    save_checkpoint(run_dir / "checkpoints", step, model, optimizer, meta, keep_last=2)
+    folder = latest_checkpoint(run_dir / "checkpoints")      # newest *committed* step, or None
+    meta = load_checkpoint(folder, model, optimizer)
+    export_weights(model, run_dir / "model", model_cfg)        # model.safetensors + model_config.json
+
+Layout of ``checkpoints/step-NNNNNN/``: the model and optimizer state written by
+``torch.distributed.checkpoint`` (each rank writes its own shards; a checkpoint saved by
+FSDP2 at one world size loads at another, because DCP re-shards by global shape), one
+``rng-rankR.pt`` per rank, ``meta.json`` (step, tokens, elapsed time, best val loss, grad
+scaler state), and last of all the ``COMMITTED`` marker. A folder without the marker —
+a save that was killed — is ignored on resume and removed at the next save.
+
+Nothing is loaded with ``weights_only=False``: DCP reads tensors, the RNG files hold
+only tensors, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from ember.errors import EmberError
+from ember.parallel.dist import barrier, get_rank
+
+MARKER = "COMMITTED"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def _steps(root: Path) -> list[tuple[int, Path, bool]]:
+    """(step, folder, committed) for every step folder, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p, (p / MARKER).exists()))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest step whose commit marker exists (half-written folders are skipped)."""
+    committed = [p for _, p, done in _steps(root) if done]
+    return committed[-1] if committed else None
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: dict,
+    keep_last: int = 2,
+    keep_steps: tuple[int, ...] = (),
+) -> Path:
+    """Save on every rank (collective); rank 0 commits and prunes. Returns the folder."""
+    root = Path(root)
+    folder = step_dir(root, step)
+    rank = get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)  # leftovers of an uncommitted earlier attempt
+        folder.mkdir()
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        _write_json(folder / "meta.json", {"step": step, **meta})
+        _write_json(folder / MARKER, {"step": step})
+        _prune(root, keep_last, set(keep_steps) | {step})
+    barrier()
+    return folder
+
+
+def _prune(root: Path, keep_last: int, keep: set[int]) -> None:
+    """Keep the newest ``keep_last`` committed steps and ``keep``; drop older half-written ones."""
+    steps = _steps(root)
+    committed = [s for s, _, done in steps if done]
+    keep = keep | set(committed[-keep_last:])
+    for s, p, _ in steps:
+        if s not in keep and s < committed[-1]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Load model (+ optimizer) state and this rank's RNG; returns meta.json's content."""
+    folder = Path(folder)
+    if not (folder / MARKER).exists():
+        raise EmberError(
+            f"checkpoint {folder} has no {MARKER} marker: it was never finished; "
+            "resume from an earlier step or use train.resume=auto"
+        )
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(folder))
+            set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=str(folder))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError) as e:
+        raise EmberError(
+            f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
+            "delete that folder to resume from the one before"
+        ) from None
+    rank_file = folder / f"rng-rank{get_rank()}.pt"
+    if not rank_file.exists():  # resumed at a different world size: take rank 0's stream
+        rank_file = folder / "rng-rank0.pt"
+    rng = torch.load(rank_file, weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return meta
+
+
+# ------------------------------------------------------------------ inference weights
+
+
+def export_weights(
+    model: torch.nn.Module, out: Path, model_cfg: dict, extra_files: dict[str, Path] | None = None
+):
+    """Write ``model.safetensors`` + ``model_config.json`` (+ e.g. tokenizer.json) into ``out``
+    atomically. Collective under FSDP (gathers the full state); rank 0 writes."""
+    from safetensors.torch import save_file
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if get_rank() != 0:
+        return
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors, seen = {}, {}
+    for name, t in full.items():  # tied weights share storage: safetensors stores each once
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen[key] = name
+        tensors[name] = t.detach().contiguous().cpu()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(tmp / "model_config.json", model_cfg)
+    for name, src in (extra_files or {}).items():
+        shutil.copyfile(src, tmp / name)
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load ``model.safetensors`` into ``model`` (tied weights are re-shared by the model)."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "model.safetensors"
+    if not path.is_file():
+        raise EmberError(f"{path} not found; train the run first (`ember train CONFIG`)")
+    state = load_file(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    first: dict[int, str] = {}
+    aliases = set()  # second names of tied parameters, which export_weights stores once
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            aliases.add(name)
+    if unexpected or set(missing) - aliases:
+        raise EmberError(
+            f"{path} does not match the model (missing {sorted(missing)[:4]}, "
+            f"unexpected {sorted(unexpected)[:4]})"
+        )

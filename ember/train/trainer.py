@@ -1,0 +1,505 @@
+"""``ember train``: one loop for a CPU, a GPU, or many ranks under torchrun.
+
+    result = train(load_config("tiny", ["train.max_steps=20"]))
+
+The loop (``Trainer.run``) reads top to bottom: budget check, learning rate, batch,
+micro-batches with loss scaled by accumulation, backward, unscale + clip, non-finite
+guard agreed across ranks, optimizer step, log, evaluate, checkpoint. What is trained is a
+*task* (``LMTask`` here: next-token prediction), which supplies ``loss`` and ``evaluate``;
+post-training tasks plug into the same loop later.
+
+Numbers you can trust:
+
+- the global batch at step ``s`` is a pure function of ``(run.seed, s)`` (see
+  ``ember.data.loader``), the schedule is a pure function of step and budget progress, and
+  checkpoints hold model, optimizer, scaler, RNG, step, tokens and elapsed time: resuming
+  reproduces the uninterrupted run bitwise on CPU in fp32 deterministic mode;
+- the weights are initialised identically on every rank (seeded, on the CPU, before the
+  layout is applied), so DDP and FSDP2 runs match a single process at the same global batch.
+  Building on the meta device and initialising sharded parameters in place, which very
+  large models need, comes with the scaling work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import ember
+from ember.config import config_to_yaml
+from ember.data.loader import TokenDataset, TrainLoader, ValLoader
+from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
+from ember.errors import ConfigError, EmberError
+from ember.model.gpt import GPT
+from ember.parallel.dist import all_reduce, destroy_distributed, init_distributed, print0
+from ember.parallel.parallelize import parallelize, unwrap
+from ember.train.checkpoint import export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
+from ember.train.metrics import MetricsLog, peak_flops, peak_memory_mb
+from ember.train.optim import build_optimizer, lr_at
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class NonFiniteError(EmberError):
+    """Loss or gradients became NaN/Inf."""
+
+
+# ---------------------------------------------------------------- the task
+
+
+class LMTask:
+    """Next-token prediction: cross-entropy on shifted windows, optional z-loss (PaLM §5).
+    ``token_bytes[i]`` is the number of UTF-8 bytes token ``i`` stands for, so bits per byte
+    counts the bytes of the evaluated text exactly, whatever the tokenizer."""
+
+    def __init__(self, z_loss: float, token_bytes: torch.Tensor):
+        self.z_loss = z_loss
+        self.token_bytes = token_bytes
+
+    def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
+        x, y = batch
+        logits = model(x).float()  # (B, T, V)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        if self.z_loss:
+            loss = loss + self.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return loss, {}
+
+    @torch.no_grad()
+    def evaluate(self, model, val_loader, autocast) -> dict:
+        token_bytes = self.token_bytes
+        device = token_bytes.device
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+        model.eval()
+        for x, y in val_loader:
+            with autocast:
+                logits = model(x).float()
+            nats = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+            sums += torch.stack(
+                [
+                    nats.double(),
+                    torch.tensor(y.numel(), device=device, dtype=torch.float64),
+                    token_bytes[y].sum().double(),
+                ]
+            )
+        model.train()
+        all_reduce(sums)
+        nats, tokens, nbytes = sums.tolist()
+        loss = nats / max(tokens, 1)
+        return {
+            "val_loss": loss,
+            "val_ppl": math.exp(min(loss, 50)),
+            "val_bpb": nats / math.log(2) / max(nbytes, 1),
+        }
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _set_deterministic(on: bool) -> None:
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def _env_record(env) -> dict:
+    return {
+        "ember": ember.__version__,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "device": str(env.device),
+        "device_name": torch.cuda.get_device_name(env.device)
+        if env.device.type == "cuda"
+        else platform.processor(),
+        "world_size": env.world_size,
+        "cpu_threads": torch.get_num_threads(),
+        "git_sha": _git_sha(),
+        "command": " ".join(sys.argv),
+    }
+
+
+def resolve_model_config(model_cfg, tokenizer):
+    """Fill ``vocab_size`` from the tokenizer (rounded up to ``vocab_multiple``) and check it."""
+    vocab = model_cfg.vocab_size
+    if vocab == 0:
+        m = model_cfg.vocab_multiple
+        vocab = (tokenizer.vocab_size + m - 1) // m * m
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; "
+            "set model.vocab_size=0 to take it from the tokenizer"
+        )
+    return replace(model_cfg, vocab_size=vocab)
+
+
+def _batch_layout(train_cfg, world_size: int) -> tuple[int, int]:
+    """(global rows per step, micro-steps of accumulation), or a ConfigError that says why not."""
+    T, mb = train_cfg.seq_len, train_cfg.micro_batch
+    if train_cfg.batch_tokens % T:
+        raise ConfigError(
+            f"train.batch_tokens={train_cfg.batch_tokens} is not a multiple of train.seq_len={T}"
+        )
+    rows = train_cfg.batch_tokens // T
+    if rows % (mb * world_size):
+        raise ConfigError(
+            f"train.batch_tokens={train_cfg.batch_tokens} gives {rows} sequences per step, which does not "
+            f"split into micro-batches of {mb} on {world_size} rank(s); make batch_tokens a multiple of "
+            f"seq_len*micro_batch*ranks = {T * mb * world_size}"
+        )
+    return rows, rows // (mb * world_size)
+
+
+def _find_nonfinite_module(model, task, batch) -> str:
+    """Re-run a forward with hooks; name the first module (in execution order) whose output
+    is not finite."""
+    found: list[str] = []
+    hooks = []
+    for name, module in unwrap(model).named_modules():
+
+        def hook(mod, args, out, name=name):
+            t = out[0] if isinstance(out, tuple) else out
+            if (
+                not found
+                and isinstance(t, torch.Tensor)
+                and t.is_floating_point()
+                and not torch.isfinite(t).all()
+            ):
+                found.append(name or "<model>")
+
+        hooks.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            task.loss(model, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found[0] if found else "none in the forward pass (the backward pass or the loss)"
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    def __init__(self, cfg, run_dir: Path | None = None):
+        self.cfg = cfg
+        t = cfg.train
+        if not (t.max_steps or t.max_tokens or t.max_time):
+            raise ConfigError("no training budget: set train.max_steps, train.max_tokens or train.max_time")
+        self.env = env = init_distributed(cfg.parallel, t.device)
+        if t.precision == "bf16" and env.device.type == "cpu":
+            print0("ember: note: bf16 autocast on a CPU without bf16 units is slow; fp32 is the CPU default")
+        if t.precision == "fp16" and env.device.type != "cuda":
+            raise ConfigError("train.precision=fp16 needs CUDA (GradScaler); use fp32 or bf16 on the CPU")
+        _set_deterministic(t.deterministic)
+
+        manifest = read_manifest(cfg.data.dir)
+        self.tokenizer = load_tokenizer(cfg.data.dir, manifest)
+        self.model_cfg = resolve_model_config(cfg.model, self.tokenizer)
+        self.global_rows, self.grad_accum = _batch_layout(t, env.world_size)
+        self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
+        self.resume_from = self._resume_folder()
+        self._prepare_run_dir()
+
+        torch.manual_seed(cfg.run.seed)
+        with torch.device("meta"):
+            model = GPT(self.model_cfg)
+        model.to_empty(device="cpu")
+        model.init_weights()
+        self.n_params = model.num_params()
+        self.flops_per_token = model.flops_per_token(t.seq_len)
+        model.to(env.device)
+        self.model = parallelize(model, env, cfg)
+        self.optimizer = build_optimizer(self.model, t, env.device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=t.precision == "fp16")
+        dtype = AUTOCAST.get(t.precision)
+        fsdp_casts = env.distributed and cfg.parallel.data == "fsdp"  # its MixedPrecisionPolicy does it
+        self.autocast = (
+            torch.autocast(env.device.type, dtype=dtype)
+            if dtype and not fsdp_casts
+            else contextlib.nullcontext()
+        )
+        token_bytes = torch.zeros(self.model_cfg.vocab_size, dtype=torch.int64)
+        token_bytes[: self.tokenizer.vocab_size] = torch.tensor(self.tokenizer.token_byte_lengths())
+        self.task = LMTask(t.z_loss, token_bytes.to(env.device))
+
+        train_set = TokenDataset(cfg.data.dir, "train")
+        self.loader = TrainLoader(
+            train_set,
+            t.seq_len,
+            self.global_rows,
+            cfg.run.seed,
+            env.rank,
+            env.world_size,
+            mode=cfg.data.sampling,
+            device=env.device,
+        )
+        val_set = TokenDataset(cfg.data.dir, "val")
+        probe = ValLoader(val_set, t.seq_len, t.micro_batch, max_windows=t.eval_windows)
+        usable = probe.n_windows_total // env.world_size * env.world_size  # equal forward counts on all ranks
+        self.val_loader = (
+            ValLoader(
+                val_set,
+                t.seq_len,
+                t.micro_batch,
+                max_windows=usable,
+                rank=env.rank,
+                world_size=env.world_size,
+                device=env.device,
+            )
+            if usable
+            else None
+        )
+
+        self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
+        self.best_val, self.best_step, self.skipped = math.inf, -1, 0
+        if self.resume_from is not None:
+            meta = load_checkpoint(self.resume_from, self.model, self.optimizer)
+            self.step, self.tokens = meta["step"], meta["tokens"]
+            self.elapsed_before = meta["elapsed"]
+            self.best_val, self.best_step = meta.get("best_val", math.inf), meta.get("best_step", -1)
+            self.skipped = meta.get("skipped", 0)
+            if meta.get("scaler"):
+                self.scaler.load_state_dict(meta["scaler"])
+            print0(f"resumed from {self.resume_from} (step {self.step}, {self.tokens:,} tokens)")
+        self.metrics = MetricsLog(self.run_dir, enabled=env.is_main, tensorboard=t.tensorboard)
+
+    # ------------------------------------------------------------ run directory
+
+    def _resume_folder(self) -> Path | None:
+        resume = self.cfg.train.resume
+        ckpts = self.run_dir / "checkpoints"
+        if resume == "never":
+            if latest_checkpoint(ckpts) is not None:
+                raise ConfigError(
+                    f"{self.run_dir} already holds checkpoints; resume it with train.resume=auto, "
+                    "or pick another run.name (nothing was overwritten)"
+                )
+            return None
+        if resume == "auto":
+            return latest_checkpoint(ckpts)
+        folder = Path(resume) if Path(resume).is_dir() else ckpts / resume
+        if not folder.is_dir():
+            raise ConfigError(
+                f"train.resume={resume!r}: no such checkpoint folder (use 'auto' or step-NNNNNN)"
+            )
+        return folder
+
+    def _prepare_run_dir(self) -> None:
+        if not self.env.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = replace(self.cfg, model=self.model_cfg)
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        (self.run_dir / "env.json").write_text(json.dumps(_env_record(self.env), indent=2) + "\n")
+        shutil.copyfile(Path(self.cfg.data.dir) / TOKENIZER, self.run_dir / TOKENIZER)
+
+    # ------------------------------------------------------------ budget
+
+    def progress(self, elapsed: float) -> float:
+        t = self.cfg.train
+        fractions = [
+            self.step / t.max_steps if t.max_steps else 0.0,
+            self.tokens / t.max_tokens if t.max_tokens else 0.0,
+            elapsed / t.max_time if t.max_time else 0.0,
+        ]
+        return max(fractions)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self) -> dict:
+        t, env = self.cfg.train, self.env
+        print0(
+            f"training {self.n_params / 1e6:.2f}M parameters on {env.world_size} × {env.device.type}, "
+            f"{t.batch_tokens:,} tokens/step ({self.grad_accum} micro-steps of {t.micro_batch}×{t.seq_len} "
+            f"per rank) → {self.run_dir}"
+        )
+        peak = peak_flops(env.device)
+        start = time.perf_counter()
+        last = {}
+        progress = self.progress(self.elapsed_before)
+        while progress < 1.0:
+            t0 = time.perf_counter()
+            lr = lr_at(self.step, progress, t)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            x, y = self.loader.batch(self.step)
+            t1 = time.perf_counter()
+
+            loss_sum = torch.zeros((), device=env.device)
+            for micro in range(self.grad_accum):
+                rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
+                with self._sync_grads(micro == self.grad_accum - 1), self.autocast:
+                    loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
+                    loss = loss / self.grad_accum
+                self.scaler.scale(loss).backward()
+                loss_sum += loss.detach()
+            t2 = time.perf_counter()
+
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            all_reduce(loss_sum, "avg")
+            bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
+            if all_reduce(bad, "max").item():
+                self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
+                continue
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+
+            self.step += 1
+            self.tokens += t.batch_tokens
+            elapsed = torch.tensor(self.elapsed_before + time.perf_counter() - start)
+            elapsed = all_reduce(elapsed, "max").item()  # ranks agree on the wall clock
+            progress = self.progress(elapsed)
+            dt = t3 - t0
+            last = {
+                "step": self.step,
+                "tokens": self.tokens,
+                "loss": loss_sum.item(),
+                "lr": lr,
+                "grad_norm": grad_norm.item(),
+                "tokens_per_s": t.batch_tokens / dt,
+                "step_s": dt,
+                "data_s": t1 - t0,
+                "fwd_bwd_s": t2 - t1,
+                "opt_s": t3 - t2,
+                "elapsed_s": elapsed,
+                "peak_mem_mb": peak_memory_mb(env.device),
+            }
+            if peak:
+                last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (peak * env.world_size)
+            self.metrics.write(last)
+            if self.step % t.log_every == 0 or self.step == 1:
+                eta = elapsed / max(progress, 1e-9) * (1 - progress)
+                print0(
+                    f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
+                    f"| grad {last['grad_norm']:.2f} | "
+                    f"{last['tokens_per_s']:,.0f} tok/s | {100 * progress:5.1f}% | eta {eta:6.0f}s"
+                )
+            final = progress >= 1.0
+            if (t.eval_every and self.step % t.eval_every == 0) or final:
+                last.update(self._evaluate())
+            if (t.ckpt_every and self.step % t.ckpt_every == 0) or final:
+                self._checkpoint(elapsed)
+        self._finish(last)
+        return last
+
+    def _sync_grads(self, sync: bool):
+        """Skip the gradient all-reduce on all but the last micro-step of accumulation."""
+        if not sync and hasattr(self.model, "no_sync"):  # DDP
+            return self.model.no_sync()
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2
+            self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def _on_nonfinite(self, x, y) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.train.nonfinite == "skip":
+            self.skipped += 1
+            print0(
+                f"step {self.step + 1}: non-finite loss or gradient norm; step skipped "
+                f"({self.skipped} so far)"
+            )
+            self.metrics.write({"step": self.step + 1, "skipped": self.skipped})
+            self.step += 1  # the data moves on: the next step draws the next batch
+            return
+        module = _find_nonfinite_module(self.model, self.task, (x, y))
+        raise NonFiniteError(
+            f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
+            "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip"
+        )
+
+    def _evaluate(self) -> dict:
+        if self.val_loader is None:
+            return {}
+        result = self.task.evaluate(self.model, self.val_loader, self.autocast)
+        print0(
+            f"step {self.step:6d} | val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
+            f"bpb {result['val_bpb']:.4f}"
+        )
+        self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
+        if result["val_loss"] < self.best_val:
+            self.best_val, self.best_step = result["val_loss"], self.step
+            if self.cfg.train.keep_best:
+                self._export("model-best")
+        return result
+
+    def _checkpoint(self, elapsed: float) -> None:
+        meta = {
+            "tokens": self.tokens,
+            "elapsed": elapsed,
+            "best_val": self.best_val,
+            "best_step": self.best_step,
+            "skipped": self.skipped,
+            "world_size": self.env.world_size,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+        }
+        keep = (self.best_step,) if self.cfg.train.keep_best and self.best_step >= 0 else ()
+        save_checkpoint(
+            self.run_dir / "checkpoints",
+            self.step,
+            self.model,
+            self.optimizer,
+            meta,
+            keep_last=self.cfg.train.keep_last,
+            keep_steps=keep,
+        )
+
+    def _export(self, name: str) -> None:
+        export_weights(
+            self.model,
+            self.run_dir / name,
+            asdict(self.model_cfg),
+            {TOKENIZER: Path(self.cfg.data.dir) / TOKENIZER},
+        )
+
+    def _finish(self, last: dict) -> None:
+        self._export("model")
+        if self.env.is_main:
+            summary = {
+                **last,
+                "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+                "best_step": self.best_step,
+                "skipped_steps": self.skipped,
+                "n_params": self.n_params,
+            }
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print0(f"done: step {self.step}, {self.tokens:,} tokens; weights in {self.run_dir / 'model'}")
+        self.metrics.close()
+
+
+def train(cfg, run_dir: Path | None = None) -> dict:
+    """Build a Trainer for ``cfg``, run it, and leave the process group."""
+    try:
+        return Trainer(cfg, run_dir).run()
+    finally:
+        destroy_distributed()
