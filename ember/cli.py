@@ -146,6 +146,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_quickstart)
 
+    p = verbs.add_parser(
+        "train",
+        help="pretrain a GPT on prepared shards (CPU, GPU, or N ranks with DDP/FSDP2)",
+        description="Train the model in CONFIG on the shards in data.dir until a budget "
+        "(train.max_steps, max_tokens, max_time) is spent. Writes RUN = run.out_dir/run.name: config.yaml, "
+        "env.json, metrics.jsonl, checkpoints/step-NNNNNN/ (DCP, committed), model/ (safetensors + "
+        "model_config.json + tokenizer.json). Resume with train.resume=auto. Under torchrun, each "
+        "process joins the group from the environment.",
+        epilog="examples: ember train tiny | ember train cpu-quick train.max_time=60 | "
+        "ember train tiny --nproc 2 parallel.data=fsdp",
+    )
+    p.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="launch N processes on this machine through torch.distributed.run (default 1)",
+    )
+    p.set_defaults(func=cmd_train)
+
     cfg = verbs.add_parser(
         "config",
         help="show the resolved config or list every key",
@@ -204,7 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options too (`ember train tiny --nproc 2 run.seed=3`).
+    args, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(args, "overrides") or any("=" not in a or a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except EmberError as e:

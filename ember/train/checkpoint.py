@@ -18,10 +18,12 @@ only tensors, everything else is JSON.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +40,18 @@ from ember.parallel.dist import barrier, get_rank
 
 MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def _dist_on() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it 'assumes' a single process even when told so (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -98,7 +112,8 @@ def save_checkpoint(
         folder.mkdir()
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder), no_dist=not _dist_on())
     torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -131,12 +146,14 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
         meta = json.loads((folder / "meta.json").read_text())
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(folder))
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
             set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(folder))
+            with _quiet_single_process():
+                dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError) as e:
         raise EmberError(

@@ -1,0 +1,290 @@
+"""Weights between ember's ``GPT`` and HF transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
+
+    hf = to_hf(model)     # an HF model with the same logits (fp32, CPU)
+    back = from_hf(hf)    # and back to a GPT
+
+Two layouts map; anything else raises ``ConfigError`` naming the option:
+
+- GPT-2: learned positions, LayerNorm, GELU MLP, biases, multi-head attention,
+  tied or untied head. HF's GPT-2 keeps its linear layers in ``Conv1D``, whose
+  weight is (in, out), the transpose of ``nn.Linear``'s, and fuses q, k, v in
+  ``c_attn`` as [q | k | v] along the output dimension.
+- Llama: RoPE, RMSNorm, SwiGLU, no qk_norm; GQA, biases (HF's ``attention_bias``
+  and ``mlp_bias`` together), tied or untied head. ember's RoPE already uses HF's
+  rotate-half convention, so ``q_proj``/``k_proj`` are plain copies; Meta's
+  original checkpoints pair dimensions (2i, 2i+1) and would need HF's row
+  permutation, which is not needed here.
+
+Dropout is carried over as far as HF has it (Llama has attention dropout only).
+transformers is an optional dependency (the ``dev`` extra), imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ember.config import ModelConfig
+from ember.errors import ConfigError
+from ember.model.gpt import GPT, mlp_hidden_size
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# (HF key, ember keys concatenated along dim 0, transpose)
+Mapping = list[tuple[str, tuple[str, ...], bool]]
+
+
+def _layout(cfg: ModelConfig) -> str:
+    """'gpt2' or 'llama', or a ConfigError saying what HF cannot represent."""
+    if cfg.qk_norm:
+        raise ConfigError("model.qk_norm has no counterpart in HF GPT-2 or Llama; export needs qk_norm=false")
+    if cfg.pos == "learned":
+        wrong = [
+            f"model.{key}={value}"
+            for key, value, want in (
+                ("norm", cfg.norm, "layernorm"),
+                ("mlp", cfg.mlp, "gelu"),
+                ("bias", cfg.bias, True),
+                ("n_kv_head", cfg.n_kv_head or cfg.n_head, cfg.n_head),
+            )
+            if value != want
+        ]
+        if wrong:
+            raise ConfigError(
+                f"learned positions export as HF GPT-2, which has no {', '.join(wrong)}; "
+                "GPT-2 needs norm=layernorm, mlp=gelu, bias=true and n_kv_head=n_head"
+            )
+        return "gpt2"
+    wrong = [
+        f"model.{k}={v}"
+        for k, v, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu"))
+        if v != want
+    ]
+    if wrong:
+        raise ConfigError(
+            f"RoPE exports as HF Llama, which has no {', '.join(wrong)}; "
+            "Llama needs norm=rmsnorm and mlp=swiglu"
+        )
+    return "llama"
+
+
+def _gpt2_mapping(cfg: ModelConfig) -> Mapping:
+    m: Mapping = [
+        ("transformer.wte.weight", ("tok_embeddings.weight",), False),
+        ("transformer.wpe.weight", ("pos.wpe.weight",), False),
+        ("transformer.ln_f.weight", ("norm.weight",), False),
+        ("transformer.ln_f.bias", ("norm.bias",), False),
+    ]
+    for i in range(cfg.n_layer):
+        hf, ours = f"transformer.h.{i}", f"layers.{i}"
+        qkv = tuple(f"{ours}.attention.{w}" for w in ("wq", "wk", "wv"))
+        m += [
+            (f"{hf}.ln_1.weight", (f"{ours}.attention_norm.weight",), False),
+            (f"{hf}.ln_1.bias", (f"{ours}.attention_norm.bias",), False),
+            (f"{hf}.attn.c_attn.weight", tuple(f"{k}.weight" for k in qkv), True),
+            (f"{hf}.attn.c_attn.bias", tuple(f"{k}.bias" for k in qkv), False),
+            (f"{hf}.attn.c_proj.weight", (f"{ours}.attention.wo.weight",), True),
+            (f"{hf}.attn.c_proj.bias", (f"{ours}.attention.wo.bias",), False),
+            (f"{hf}.ln_2.weight", (f"{ours}.mlp_norm.weight",), False),
+            (f"{hf}.ln_2.bias", (f"{ours}.mlp_norm.bias",), False),
+            (f"{hf}.mlp.c_fc.weight", (f"{ours}.mlp.w1.weight",), True),
+            (f"{hf}.mlp.c_fc.bias", (f"{ours}.mlp.w1.bias",), False),
+            (f"{hf}.mlp.c_proj.weight", (f"{ours}.mlp.w2.weight",), True),
+            (f"{hf}.mlp.c_proj.bias", (f"{ours}.mlp.w2.bias",), False),
+        ]
+    if not cfg.tie_embeddings:
+        m.append(("lm_head.weight", ("output.weight",), False))
+    return m
+
+
+def _llama_mapping(cfg: ModelConfig) -> Mapping:
+    m: Mapping = [
+        ("model.embed_tokens.weight", ("tok_embeddings.weight",), False),
+        ("model.norm.weight", ("norm.weight",), False),
+    ]
+    linears = [
+        ("self_attn.q_proj", "attention.wq"),
+        ("self_attn.k_proj", "attention.wk"),
+        ("self_attn.v_proj", "attention.wv"),
+        ("self_attn.o_proj", "attention.wo"),
+        ("mlp.gate_proj", "mlp.w1"),
+        ("mlp.up_proj", "mlp.w3"),
+        ("mlp.down_proj", "mlp.w2"),
+    ]
+    params = ("weight", "bias") if cfg.bias else ("weight",)
+    for i in range(cfg.n_layer):
+        hf, ours = f"model.layers.{i}", f"layers.{i}"
+        m += [
+            (f"{hf}.input_layernorm.weight", (f"{ours}.attention_norm.weight",), False),
+            (f"{hf}.post_attention_layernorm.weight", (f"{ours}.mlp_norm.weight",), False),
+        ]
+        m += [(f"{hf}.{a}.{p}", (f"{ours}.{b}.{p}",), False) for a, b in linears for p in params]
+    if not cfg.tie_embeddings:
+        m.append(("lm_head.weight", ("output.weight",), False))
+    return m
+
+
+def _hf_config(cfg: ModelConfig, layout: str) -> Any:
+    import transformers
+
+    if layout == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size,
+            n_positions=cfg.max_seq_len,
+            n_embd=cfg.d_model,
+            n_layer=cfg.n_layer,
+            n_head=cfg.n_head,
+            n_inner=cfg.mlp_hidden or None,  # None = 4 * n_embd, as in ember
+            activation_function="gelu_new",
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            layer_norm_epsilon=cfg.norm_eps,
+            initializer_range=cfg.init_std,
+            tie_word_embeddings=cfg.tie_embeddings,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=mlp_hidden_size(cfg),
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+        head_dim=cfg.d_model // cfg.n_head,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,  # transformers 5 moves it into rope_parameters
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=cfg.bias,
+        mlp_bias=cfg.bias,
+        attention_dropout=cfg.dropout,
+        initializer_range=cfg.init_std,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def _rope(config: Any) -> tuple[str, float]:
+    """(rope type, theta) from a transformers 4 (rope_theta, rope_scaling) or 5 (rope_parameters) config."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return rope_type, float(theta)
+
+
+def _check_mapping(mapping: Mapping, names: set[str], side: str, pick: int) -> None:
+    covered = {name for entry in mapping for name in ([entry[0]] if pick == 0 else entry[1])}
+    if missing := names - covered:  # a bug in the tables above, not a user error
+        raise RuntimeError(f"the {side} weights {sorted(missing)} have no mapping")
+
+
+def to_hf(model: GPT) -> PreTrainedModel:
+    """An HF ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (fp32, CPU, same train/eval mode)
+    holding copies of ``model``'s weights."""
+    import transformers
+
+    cfg = model.cfg
+    layout = _layout(cfg)
+    mapping = _gpt2_mapping(cfg) if layout == "gpt2" else _llama_mapping(cfg)
+    hf_class = transformers.GPT2LMHeadModel if layout == "gpt2" else transformers.LlamaForCausalLM
+    hf = hf_class(_hf_config(cfg, layout))
+    _check_mapping(mapping, {name for name, _ in hf.named_parameters()}, "HF", pick=0)
+    ours, theirs = model.state_dict(), hf.state_dict()
+    with torch.no_grad():
+        for hf_key, keys, transpose in mapping:
+            weight = torch.cat([ours[k] for k in keys]) if len(keys) > 1 else ours[keys[0]]
+            theirs[hf_key].copy_(weight.t() if transpose else weight)
+    return hf.train(model.training)
+
+
+def _config_from_gpt2(config: Any) -> ModelConfig:
+    unsupported = {
+        "activation_function": (config.activation_function, ("gelu_new", "gelu_pytorch_tanh")),
+        "scale_attn_weights": (config.scale_attn_weights, (True,)),
+        "scale_attn_by_inverse_layer_idx": (config.scale_attn_by_inverse_layer_idx, (False,)),
+        "add_cross_attention": (getattr(config, "add_cross_attention", False), (False,)),
+    }
+    for key, (value, allowed) in unsupported.items():
+        if value not in allowed:
+            raise ConfigError(
+                f"GPT-2 config {key}={value!r} has no ember equivalent (ember needs {allowed[0]!r})"
+            )
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        d_model=config.n_embd,
+        max_seq_len=config.n_positions,
+        mlp="gelu",
+        mlp_hidden=config.n_inner or 0,
+        norm="layernorm",
+        norm_eps=config.layer_norm_epsilon,
+        pos="learned",
+        tie_embeddings=config.tie_word_embeddings,
+        bias=True,
+        dropout=config.resid_pdrop,
+        init_std=config.initializer_range,
+    )
+
+
+def _config_from_llama(config: Any) -> ModelConfig:
+    rope_type, theta = _rope(config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    problems = {
+        "hidden_act": (config.hidden_act, "silu"),
+        "rope_type": (rope_type, "default"),
+        "head_dim": (head_dim, config.hidden_size // config.num_attention_heads),
+        "mlp_bias": (getattr(config, "mlp_bias", False), config.attention_bias),
+    }
+    for key, (value, want) in problems.items():
+        if value != want:
+            raise ConfigError(f"Llama config {key}={value!r} has no ember equivalent (ember needs {want!r})")
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        n_layer=config.num_hidden_layers,
+        n_head=config.num_attention_heads,
+        n_kv_head=config.num_key_value_heads or 0,
+        d_model=config.hidden_size,
+        max_seq_len=config.max_position_embeddings,
+        mlp="swiglu",
+        mlp_hidden=config.intermediate_size,
+        norm="rmsnorm",
+        norm_eps=config.rms_norm_eps,
+        pos="rope",
+        rope_theta=theta,
+        tie_embeddings=config.tie_word_embeddings,
+        bias=config.attention_bias,
+        dropout=float(config.attention_dropout),
+        init_std=config.initializer_range,
+    )
+
+
+def from_hf(hf_model: PreTrainedModel) -> GPT:
+    """A ``GPT`` (CPU, the HF model's dtype cast to fp32) with the weights of an HF
+    GPT-2 or Llama causal LM."""
+    config = hf_model.config
+    if config.model_type == "gpt2":
+        cfg = _config_from_gpt2(config)
+        mapping = _gpt2_mapping(cfg)
+    elif config.model_type == "llama":
+        cfg = _config_from_llama(config)
+        mapping = _llama_mapping(cfg)
+    else:
+        raise ConfigError(f"cannot import an HF {config.model_type!r} model; ember reads 'gpt2' and 'llama'")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    _check_mapping(mapping, {name for name, _ in model.named_parameters()}, "ember", pick=1)
+    ours, theirs = model.state_dict(), hf_model.state_dict()
+    with torch.no_grad():
+        for hf_key, keys, transpose in mapping:
+            weight = theirs[hf_key].t() if transpose else theirs[hf_key]
+            for key, part in zip(keys, weight.split([ours[k].size(0) for k in keys]), strict=True):
+                ours[key].copy_(part)
+    return model.train(hf_model.training)

@@ -1,0 +1,285 @@
+"""The trainer: exact resume, accumulation, budgets, non-finite guard, outputs, layouts."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ember.errors import ConfigError
+from ember.model.gpt import GPT
+from ember.train.checkpoint import MARKER, latest_checkpoint, load_weights
+from ember.train.metrics import read_metrics
+from ember.train.trainer import NonFiniteError, Trainer, train
+
+DET = ["train.deterministic=true", "train.precision=fp32"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
+def run_dir(cfg) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def _child_env():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def test_exact_resume_is_bitwise(tiny_cfg):
+    cfg = tiny_cfg(*DET, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3")
+    train(cfg)
+    full = losses(run_dir(cfg))
+    assert sorted(full) == list(range(1, 9))
+    # stop after step 4: keep only what existed then, and resume to 8
+    rd = run_dir(cfg)
+    shutil.rmtree(rd / "checkpoints" / "step-000008")
+    lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 4))
+    train(tiny_cfg(*DET, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3", "train.resume=auto"))
+    resumed = [r for r in read_metrics(rd) if "loss" in r]
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert {r["step"]: r["loss"] for r in resumed} == full  # bitwise equal floats
+
+
+def test_half_written_checkpoint_is_ignored(tiny_cfg):
+    cfg = tiny_cfg(*DET, "train.max_steps=4", "train.ckpt_every=2")
+    train(cfg)
+    ckpts = run_dir(cfg) / "checkpoints"
+    assert latest_checkpoint(ckpts).name == "step-000004"
+    (ckpts / "step-000004" / MARKER).unlink()  # as if killed before the commit
+    assert latest_checkpoint(ckpts).name == "step-000002"
+    (ckpts / "step-000006").mkdir()  # a folder with nothing in it
+    assert latest_checkpoint(ckpts).name == "step-000002"
+
+
+def test_sigkill_mid_run_resumes_from_last_commit(tiny_cfg, tmp_path):
+    args = [
+        "tiny",
+        f"data.dir={tiny_cfg().data.dir}",
+        "data.val_fraction=0.1",
+        f"run.out_dir={tmp_path / 'k'}",
+        "train.device=cpu",
+        *DET,
+        "train.max_steps=30",
+        "train.ckpt_every=1",
+        "train.eval_every=0",
+    ]
+    ref = subprocess.run(
+        [sys.executable, "-m", "ember", "train", *args[:4], f"run.out_dir={tmp_path / 'ref'}", *args[5:]],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert ref.returncode == 0, ref.stderr
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ember", "train", *args],
+        env=_child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ckpts = tmp_path / "k" / "tiny" / "checkpoints"
+    deadline = time.time() + 120
+    while latest_checkpoint(ckpts) is None or latest_checkpoint(ckpts).name < "step-000005":
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = latest_checkpoint(ckpts)
+    assert killed_at is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "ember", "train", *args, "train.resume=auto"],
+        env=_child_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resumed from {killed_at}" in done.stdout
+    want, got = losses(tmp_path / "ref" / "tiny"), losses(tmp_path / "k" / "tiny")
+    assert sorted(got) == list(range(1, 31))
+    assert got == want
+
+
+def test_accumulation_matches_one_big_micro_batch(tiny_cfg):
+    a = tiny_cfg(*DET, "run.name=a", "train.max_steps=3", "train.micro_batch=2", "train.eval_every=0")
+    b = tiny_cfg(*DET, "run.name=b", "train.max_steps=3", "train.micro_batch=8", "train.eval_every=0")
+    train(a), train(b)
+    la, lb = losses(run_dir(a)), losses(run_dir(b))
+    assert all(abs(la[s] - lb[s]) <= 1e-6 for s in la), (la, lb)
+
+
+@pytest.mark.parametrize(
+    "budget, expect_steps",
+    [(["train.max_steps=7"], 7), (["train.max_steps=0", "train.max_tokens=1000"], 4)],  # 256 tokens/step
+)
+def test_step_and_token_budgets(tiny_cfg, budget, expect_steps):
+    cfg = tiny_cfg(*budget, "train.eval_every=0")
+    result = train(cfg)
+    assert result["step"] == expect_steps
+    assert max(losses(run_dir(cfg))) == expect_steps
+
+
+def test_time_budget(tiny_cfg):
+    cfg = tiny_cfg("train.max_steps=0", "train.max_time=2", "train.eval_every=0")
+    t0 = time.perf_counter()
+    result = train(cfg)
+    assert result["elapsed_s"] >= 2.0 and time.perf_counter() - t0 < 30
+    assert result["step"] > 1
+
+
+def test_no_budget_and_bad_layout_fail_before_work(tiny_cfg):
+    with pytest.raises(ConfigError, match="no training budget"):
+        Trainer(tiny_cfg("train.max_steps=0"))
+    with pytest.raises(ConfigError, match="micro-batches"):
+        Trainer(tiny_cfg("train.micro_batch=3"))
+    assert not run_dir(tiny_cfg()).exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_stops_and_names_the_module(tiny_cfg, value):
+    trainer = Trainer(tiny_cfg("train.max_steps=3"))
+    with torch.no_grad():
+        trainer.model.layers["1"].attention.wq.weight[0, 0] = value
+    with pytest.raises(NonFiniteError, match=r"step 1: .*first non-finite output: layers\.1\.attention\.wq"):
+        trainer.run()
+
+
+def test_nonfinite_skip_counts_and_continues(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.max_steps=5", "train.nonfinite=skip", "train.eval_every=0"))
+    real = trainer.task.loss
+    calls = {"n": 0}
+
+    def flaky(model, batch):
+        calls["n"] += 1
+        loss, m = real(model, batch)
+        return (loss * float("inf") if calls["n"] == 3 else loss), m
+
+    trainer.task.loss = flaky
+    result = trainer.run()
+    assert trainer.skipped == 1 and result["step"] == 5
+    summary = json.loads((trainer.run_dir / "summary.json").read_text())
+    assert summary["skipped_steps"] == 1
+
+
+def test_run_directory_outputs_and_weights(tiny_cfg):
+    cfg = tiny_cfg("train.max_steps=10", "train.eval_every=5")
+    trainer = Trainer(cfg)
+    trainer.run()
+    rd = run_dir(cfg)
+    for name in (
+        "config.yaml",
+        "env.json",
+        "tokenizer.json",
+        "metrics.jsonl",
+        "summary.json",
+        "model/model.safetensors",
+        "model/model_config.json",
+        "model/tokenizer.json",
+        "model-best/model.safetensors",
+    ):
+        assert (rd / name).is_file(), name
+    records = read_metrics(rd)
+    step_rec = next(r for r in records if r.get("step") == 10 and "loss" in r)
+    for key in ("tokens", "lr", "grad_norm", "tokens_per_s", "data_s", "fwd_bwd_s", "opt_s", "peak_mem_mb"):
+        assert key in step_rec
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [5, 10]
+    assert all(
+        r["val_bpb"] > 0
+        and abs(r["val_ppl"] - torch.tensor(r["val_loss"]).exp().item()) < 1e-3 * r["val_ppl"]
+        for r in evals
+    )
+    # the exported weights reproduce the trained model's logits
+    from ember.config import ModelConfig
+
+    model_cfg = ModelConfig(**json.loads((rd / "model" / "model_config.json").read_text()))
+    fresh = GPT.build(model_cfg)
+    load_weights(fresh, rd / "model")
+    x = torch.randint(0, 500, (2, 16))
+    trainer.model.eval()
+    assert torch.equal(fresh.eval()(x), trainer.model(x))
+    # the loss went down
+    ls = losses(rd)
+    assert ls[10] < ls[1]
+
+
+def test_refuses_to_overwrite_an_existing_run(tiny_cfg):
+    train(tiny_cfg("train.max_steps=2"))
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        Trainer(tiny_cfg("train.max_steps=2"))
+
+
+# ---------------------------------------------------------------- 2 processes (gloo)
+
+
+def _torchrun(tmp_path, name, *overrides, data_dir):
+    cmd = [
+        sys.executable,
+        "-m",
+        "ember",
+        "train",
+        "tiny",
+        "--nproc",
+        "2",
+        f"data.dir={data_dir}",
+        "data.val_fraction=0.1",
+        f"run.out_dir={tmp_path}",
+        f"run.name={name}",
+        "train.device=cpu",
+        *DET,
+        *overrides,
+    ]
+    proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return losses(tmp_path / name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_two_ranks_match_one_process(tiny_cfg, tmp_path, layout):
+    single = tiny_cfg(*DET, "train.max_steps=5", "train.eval_every=0", "run.name=single")
+    train(single)
+    want = losses(run_dir(single))
+    got = _torchrun(
+        tmp_path,
+        layout,
+        "train.max_steps=5",
+        "train.eval_every=0",
+        f"parallel.data={layout}",
+        data_dir=single.data.dir,
+    )
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_at_world_size_one(tiny_cfg, tmp_path):
+    data_dir = tiny_cfg().data.dir
+    got = _torchrun(
+        tmp_path,
+        "fs",
+        "train.max_steps=6",
+        "train.ckpt_every=3",
+        "train.eval_every=0",
+        "parallel.data=fsdp",
+        data_dir=data_dir,
+    )
+    rd = tmp_path / "fs"
+    shutil.rmtree(rd / "checkpoints" / "step-000006")
+    cfg = tiny_cfg(*DET, "train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.resume=auto")
+    cfg.run.out_dir, cfg.run.name = str(tmp_path), "fs"
+    (rd / "metrics.jsonl").write_text("")
+    train(cfg)
+    resumed = losses(rd)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(abs(resumed[s] - got[s]) <= 1e-5 for s in resumed), (resumed, got)
