@@ -83,7 +83,11 @@ def cmd_train(args) -> int:
 
     from ember.config import load_config
 
+    from ember.data.prepare import prepare
+
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
+    if "LOCAL_RANK" not in os.environ:  # once, before any rank starts: reuses prepared data
+        prepare(cfg, command=_command_line())
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         cmd = [
             sys.executable,
@@ -150,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="pretrain a GPT on prepared shards (CPU, GPU, or N ranks with DDP/FSDP2)",
         description="Train the model in CONFIG on the shards in data.dir until a budget "
-        "(train.max_steps, max_tokens, max_time) is spent. Writes RUN = run.out_dir/run.name: config.yaml, "
+        "(train.max_steps, max_tokens, max_time) is spent; data.dir is prepared first if needed. Writes RUN = run.out_dir/run.name: config.yaml, "
         "env.json, metrics.jsonl, checkpoints/step-NNNNNN/ (DCP, committed), model/ (safetensors + "
         "model_config.json + tokenizer.json). Resume with train.resume=auto. Under torchrun, each "
         "process joins the group from the environment.",

@@ -199,6 +199,10 @@ def test_cli_prepare_stats_and_errors(tmp_path, capsys):
         (["data", "prepare", "tiny", "data.sources=[/no/such/dir]"], "not found"),
         (["config", "show", "tiny", "data.vocab_sise=3"], "did you mean data.vocab_size"),
         (["data", "prepare", "no-such-preset"], "no-such-preset"),
+        (["train", "tiny", "train.seq_len=128"], "beyond model.max_seq_len"),
+        (["train", "tiny", "model.n_head=3"], "does not divide model.d_model"),
+        (["train", "tiny", "model.n_kv_head=3"], "does not divide model.n_head"),
+        (["train", "tiny", "--nproc", "2", "model.n_head=3"], "does not divide model.d_model"),
     ],
 )
 def test_cli_errors_exit_2_without_traceback(argv, message, tmp_path):

@@ -171,6 +171,14 @@ def test_nonfinite_skip_counts_and_continues(tiny_cfg):
     assert summary["skipped_steps"] == 1
 
 
+def test_nonfinite_skip_every_step_still_ends_at_the_budget(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.max_steps=3", "train.nonfinite=skip", "train.eval_every=0"))
+    with torch.no_grad():
+        trainer.model.layers["0"].mlp.w2.weight.fill_(float("nan"))
+    trainer.run()
+    assert trainer.skipped == 3 and trainer.step == 3
+
+
 def test_run_directory_outputs_and_weights(tiny_cfg):
     cfg = tiny_cfg("train.max_steps=10", "train.eval_every=5")
     trainer = Trainer(cfg)

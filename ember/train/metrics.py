@@ -78,6 +78,34 @@ class MetricsLog:
             self.tb.close()
 
 
+class ProgressBar:
+    """A rich progress bar over the budget (0..1) with ETA, on rank 0 at a terminal only;
+    elsewhere (files, CI, other ranks) it does nothing and the log lines carry the ETA."""
+
+    def __init__(self, enabled: bool, description: str = "training"):
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self.task = self.bar.add_task(description, total=1.0, info="")
+            self.bar.start()
+
+    def update(self, progress: float, info: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, completed=min(progress, 1.0), info=info)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return (

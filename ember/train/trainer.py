@@ -46,7 +46,7 @@ from ember.model.gpt import GPT
 from ember.parallel.dist import all_reduce, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
 from ember.train.checkpoint import export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
-from ember.train.metrics import MetricsLog, peak_flops, peak_memory_mb
+from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -341,77 +341,88 @@ class Trainer:
             f"per rank) → {self.run_dir}"
         )
         peak = peak_flops(env.device)
+        bar = ProgressBar(env.is_main)
         start = time.perf_counter()
         last = {}
         progress = self.progress(self.elapsed_before)
-        while progress < 1.0:
-            t0 = time.perf_counter()
-            lr = lr_at(self.step, progress, t)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            x, y = self.loader.batch(self.step)
-            t1 = time.perf_counter()
+        try:
+            while progress < 1.0:
+                t0 = time.perf_counter()
+                lr = lr_at(self.step, progress, t)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                x, y = self.loader.batch(self.step)
+                t1 = time.perf_counter()
 
-            loss_sum = torch.zeros((), device=env.device)
-            for micro in range(self.grad_accum):
-                rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
-                with self._sync_grads(micro == self.grad_accum - 1), self.autocast:
-                    loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
-                    loss = loss / self.grad_accum
-                self.scaler.scale(loss).backward()
-                loss_sum += loss.detach()
-            t2 = time.perf_counter()
+                loss_sum = torch.zeros((), device=env.device)
+                for micro in range(self.grad_accum):
+                    rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
+                    with self._sync_grads(micro == self.grad_accum - 1), self.autocast:
+                        loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
+                        loss = loss / self.grad_accum
+                    self.scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                t2 = time.perf_counter()
 
-            self.scaler.unscale_(self.optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            all_reduce(loss_sum, "avg")
-            bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
-            if all_reduce(bad, "max").item():
-                self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
-                continue
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            t3 = time.perf_counter()
+                self.scaler.unscale_(self.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+                all_reduce(loss_sum, "avg")
+                bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
+                if all_reduce(bad, "max").item():
+                    self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
+                    progress = self.progress(self._elapsed(start))
+                    continue
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+                self.optimizer.zero_grad(set_to_none=True)
+                t3 = time.perf_counter()
 
-            self.step += 1
-            self.tokens += t.batch_tokens
-            elapsed = torch.tensor(self.elapsed_before + time.perf_counter() - start)
-            elapsed = all_reduce(elapsed, "max").item()  # ranks agree on the wall clock
-            progress = self.progress(elapsed)
-            dt = t3 - t0
-            last = {
-                "step": self.step,
-                "tokens": self.tokens,
-                "loss": loss_sum.item(),
-                "lr": lr,
-                "grad_norm": grad_norm.item(),
-                "tokens_per_s": t.batch_tokens / dt,
-                "step_s": dt,
-                "data_s": t1 - t0,
-                "fwd_bwd_s": t2 - t1,
-                "opt_s": t3 - t2,
-                "elapsed_s": elapsed,
-                "peak_mem_mb": peak_memory_mb(env.device),
-            }
-            if peak:
-                last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (peak * env.world_size)
-            self.metrics.write(last)
-            if self.step % t.log_every == 0 or self.step == 1:
-                eta = elapsed / max(progress, 1e-9) * (1 - progress)
-                print0(
-                    f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
-                    f"| grad {last['grad_norm']:.2f} | "
-                    f"{last['tokens_per_s']:,.0f} tok/s | {100 * progress:5.1f}% | eta {eta:6.0f}s"
-                )
-            final = progress >= 1.0
-            if (t.eval_every and self.step % t.eval_every == 0) or final:
-                last.update(self._evaluate())
-            if (t.ckpt_every and self.step % t.ckpt_every == 0) or final:
-                self._checkpoint(elapsed)
+                self.step += 1
+                self.tokens += t.batch_tokens
+                elapsed = self._elapsed(start)
+                progress = self.progress(elapsed)
+                dt = t3 - t0
+                last = {
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    "loss": loss_sum.item(),
+                    "lr": lr,
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_s": t.batch_tokens / dt,
+                    "step_s": dt,
+                    "data_s": t1 - t0,
+                    "fwd_bwd_s": t2 - t1,
+                    "opt_s": t3 - t2,
+                    "elapsed_s": elapsed,
+                    "peak_mem_mb": peak_memory_mb(env.device),
+                }
+                if peak:
+                    last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (peak * env.world_size)
+                self.metrics.write(last)
+                bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
+                if self.step % t.log_every == 0 or self.step == 1:
+                    eta = elapsed / max(progress, 1e-9) * (1 - progress)
+                    print0(
+                        f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
+                        f"| grad {last['grad_norm']:.2f} | "
+                        f"{last['tokens_per_s']:,.0f} tok/s | {100 * progress:5.1f}% | eta {eta:6.0f}s"
+                    )
+                final = progress >= 1.0
+                if (t.eval_every and self.step % t.eval_every == 0) or final:
+                    last.update(self._evaluate())
+                if (t.ckpt_every and self.step % t.ckpt_every == 0) or final:
+                    self._checkpoint(elapsed)
+        finally:
+            bar.close()
         self._finish(last)
         return last
+
+    def _elapsed(self, start: float) -> float:
+        """Seconds of training so far, including earlier legs; the slowest rank's clock, so
+        all ranks agree when a time budget is spent."""
+        elapsed = torch.tensor(self.elapsed_before + time.perf_counter() - start)
+        return all_reduce(elapsed, "max").item()
 
     def _sync_grads(self, sync: bool):
         """Skip the gradient all-reduce on all but the last micro-step of accumulation."""
