@@ -41,7 +41,7 @@ from ember.data.sources import Source, open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import DataError
 
-BATCH_CHARS = 4 << 20  # text per encode_batch call: large enough to keep all cores busy
+BATCH_CHARS = 1 << 20  # text per encode_batch call: keeps all cores busy, bounds the in-flight memory
 SPLITS = ("train", "val")
 
 
