@@ -82,7 +82,6 @@ def cmd_train(args) -> int:
     import subprocess
 
     from ember.config import load_config
-
     from ember.data.prepare import prepare
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
@@ -154,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="pretrain a GPT on prepared shards (CPU, GPU, or N ranks with DDP/FSDP2)",
         description="Train the model in CONFIG on the shards in data.dir until a budget "
-        "(train.max_steps, max_tokens, max_time) is spent; data.dir is prepared first if needed. Writes RUN = run.out_dir/run.name: config.yaml, "
+        "(train.max_steps, max_tokens, max_time) is spent; data.dir is prepared first if needed. "
+        "Writes RUN = run.out_dir/run.name: config.yaml, "
         "env.json, metrics.jsonl, checkpoints/step-NNNNNN/ (DCP, committed), model/ (safetensors + "
         "model_config.json + tokenizer.json). Resume with train.resume=auto. Under torchrun, each "
         "process joins the group from the environment.",

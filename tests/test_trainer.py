@@ -1,6 +1,7 @@
 """The trainer: exact resume, accumulation, budgets, non-finite guard, outputs, layouts."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -131,10 +132,12 @@ def test_step_and_token_budgets(tiny_cfg, budget, expect_steps):
 
 def test_time_budget(tiny_cfg):
     cfg = tiny_cfg("train.max_steps=0", "train.max_time=2", "train.eval_every=0")
-    t0 = time.perf_counter()
     result = train(cfg)
-    assert result["elapsed_s"] >= 2.0 and time.perf_counter() - t0 < 30
-    assert result["step"] > 1
+    assert result["elapsed_s"] >= 2.0 and result["step"] > 1
+    steps = [r["step"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
+    assert steps == list(range(1, result["step"] + 1))  # it stopped at the first step past the budget
+    step_records = [r for r in read_metrics(run_dir(cfg)) if "loss" in r]
+    assert step_records[-2]["elapsed_s"] < 2.0 <= step_records[-1]["elapsed_s"]
 
 
 def test_no_budget_and_bad_layout_fail_before_work(tiny_cfg):
@@ -291,3 +294,101 @@ def test_fsdp_checkpoint_resumes_at_world_size_one(tiny_cfg, tmp_path):
     resumed = losses(rd)
     assert sorted(resumed) == [4, 5, 6]
     assert all(abs(resumed[s] - got[s]) <= 1e-5 for s in resumed), (resumed, got)
+
+
+def test_keep_last_and_keep_best(tiny_cfg):
+    cfg = tiny_cfg("train.max_steps=6", "train.ckpt_every=1", "train.eval_every=2", "train.keep_last=2")
+    train(cfg)
+    ckpts = run_dir(cfg) / "checkpoints"
+    kept = sorted(p.name for p in ckpts.iterdir())
+    best = json.loads((ckpts / "step-000006" / "meta.json").read_text())["best_step"]
+    assert kept == sorted({f"step-{s:06d}" for s in (5, 6, best)})
+    assert all((ckpts / k / MARKER).exists() for k in kept)
+
+
+def test_activation_checkpointing_equals_plain(tiny_cfg):
+    a = tiny_cfg(*DET, "run.name=plain", "train.max_steps=3", "train.eval_every=0")
+    b = tiny_cfg(
+        *DET, "run.name=ac", "train.max_steps=3", "train.eval_every=0", "train.activation_checkpointing=true"
+    )
+    train(a), train(b)
+    assert losses(run_dir(a)) == losses(run_dir(b))
+
+
+def test_bf16_autocast_trains_close_to_fp32(tiny_cfg):
+    a = tiny_cfg("run.name=fp32", "train.max_steps=3", "train.eval_every=0")
+    b = tiny_cfg("run.name=bf16", "train.max_steps=3", "train.eval_every=0", "train.precision=bf16")
+    train(a), train(b)
+    la, lb = losses(run_dir(a)), losses(run_dir(b))
+    assert all(abs(la[s] - lb[s]) < 0.05 for s in la), (la, lb)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tiny_cfg):
+    a = tiny_cfg(*DET, "run.name=eager", "train.max_steps=3", "train.eval_every=0")
+    b = tiny_cfg(
+        "train.precision=fp32",
+        "run.name=compiled",
+        "train.max_steps=3",
+        "train.eval_every=0",
+        "train.compile=true",
+    )
+    train(a), train(b)
+    la, lb = losses(run_dir(a)), losses(run_dir(b))
+    assert all(abs(la[s] - lb[s]) < 1e-4 for s in la), (la, lb)
+
+
+def test_explicit_resume_from_an_older_step_is_refused(tiny_cfg):
+    train(tiny_cfg("train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0"))
+    with pytest.raises(ConfigError, match="older than step-000004"):
+        Trainer(tiny_cfg("train.max_steps=6", "train.resume=step-000002"))
+
+
+def test_resume_keeps_one_history_in_metrics(tiny_cfg):
+    cfg = tiny_cfg(*DET, "train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0")
+    train(cfg)
+    shutil.rmtree(run_dir(cfg) / "checkpoints" / "step-000006")
+    train(
+        tiny_cfg(*DET, "train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.resume=auto")
+    )
+    steps = [r["step"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert (run_dir(cfg) / "config.yaml").exists() and (
+        run_dir(cfg) / "config-resume-step-000003.yaml"
+    ).exists()
+
+
+def test_no_validation_split_trains_without_eval(tiny_data, tmp_path):
+    from ember.config import load_config
+    from ember.data.prepare import prepare
+
+    cfg = load_config(
+        "tiny",
+        [
+            f"data.dir={tmp_path / 'noval'}",
+            "data.val_fraction=0",
+            "train.max_steps=2",
+            f"run.out_dir={tmp_path / 'runs'}",
+            "train.device=cpu",
+        ],
+    )
+    prepare(cfg, log=lambda _: None)
+    result = train(cfg)
+    assert result["step"] == 2 and "val_loss" not in result
+
+
+def test_bits_per_byte_counts_text_only(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.max_steps=1"))
+    result = trainer.task.evaluate(trainer.model, trainer.val_loader, trainer.autocast)
+    # recompute by hand: CE on targets that stand for bytes, over those bytes
+    nats = nbytes = 0.0
+    tb = trainer.task.token_bytes
+    with torch.no_grad():
+        for x, y in trainer.val_loader:
+            ce = torch.nn.functional.cross_entropy(
+                trainer.model(x).flatten(0, 1), y.flatten(), reduction="none"
+            )
+            mask = tb[y.flatten()] > 0
+            nats += ce[mask].sum().item()
+            nbytes += tb[y.flatten()].sum().item()
+    assert abs(result["val_bpb"] - nats / nbytes / math.log(2)) < 1e-6

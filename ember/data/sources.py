@@ -214,8 +214,17 @@ def _resolve_path(spec: str) -> list[Path]:
     )
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(
+            f"cannot read source file {path} ({e.strerror or e}); fix its permissions or remove it"
+        ) from None
+
+
 def _text_document(path: Path, stats: SourceStats) -> Iterator[Document]:
-    raw = path.read_bytes()
+    raw = _read_bytes(path)
     stats._hash.update(raw)
     stats.bytes += len(raw)
     if b"\x00" in raw[:BINARY_SNIFF_BYTES]:
@@ -248,6 +257,12 @@ def _jsonl_documents(path: Path, field_name: str, stats: SourceStats) -> Iterato
                 raise DataError(
                     f"{path}:{lineno}: field {field_name!r} is {type(text).__name__}, expected a string"
                 )
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:  # a JSON "\ud800" escape: a lone surrogate, not text
+                    stats.invalid_utf8 += 1
+                    text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
             yield Document(text, f"{path}:{lineno}")
 
 

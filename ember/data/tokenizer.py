@@ -189,7 +189,3 @@ class Tokenizer:
 
 def file_sha256(path: str | os.PathLike) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def tokenizer_json(path: str | os.PathLike) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))

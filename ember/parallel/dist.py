@@ -2,7 +2,7 @@
 
     env = init_distributed(cfg.parallel, cfg.train.device)   # reads torchrun's env vars
     print0(f"world size {env.world_size}")                    # prints on rank 0 only
-    loss = all_reduce_mean(loss)
+    all_reduce(loss, "avg")                                    # in place, no-op alone
 
 Works unchanged as a single process (no process group is created when WORLD_SIZE is 1 or
 unset) and under ``torchrun``/``ember train --nproc N`` (gloo on CPU, nccl on CUDA). The
@@ -109,11 +109,3 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-
-
-def broadcast_object(obj, src: int = 0):
-    if dist.is_available() and dist.is_initialized():
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
-    return obj

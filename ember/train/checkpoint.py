@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -144,26 +145,28 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
         )
     try:
         meta = json.loads((folder / "meta.json").read_text())
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
-            with _quiet_single_process():
+        with _quiet_single_process():
+            if optimizer is None:
+                state = {"model": get_model_state_dict(model)}
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
-            set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            with _quiet_single_process():
+                set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError) as e:
+                set_state_dict(
+                    model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                )
+        rank_file = folder / f"rng-rank{get_rank()}.pt"
+        if not rank_file.exists():  # resumed at a different world size: take rank 0's stream
+            rank_file = folder / "rng-rank0.pt"
+        rng = torch.load(rank_file, weights_only=True)
+    # DCP wraps load failures in CheckpointException, a BaseException subclass
+    except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError, CheckpointException) as e:
         raise EmberError(
             f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
             "delete that folder to resume from the one before"
         ) from None
-    rank_file = folder / f"rng-rank{get_rank()}.pt"
-    if not rank_file.exists():  # resumed at a different world size: take rank 0's stream
-        rank_file = folder / "rng-rank0.pt"
-    rng = torch.load(rank_file, weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])

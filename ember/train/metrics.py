@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -44,8 +45,18 @@ def _clean(v):
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = False):
+    def __init__(
+        self, run_dir: Path, enabled: bool, tensorboard: bool = False, truncate_after: int | None = None
+    ):
+        """``truncate_after``: on resume, drop records of steps after the checkpoint (they are
+        about to be trained again), so the file holds one history."""
         self.enabled = enabled
+        path = Path(run_dir) / "metrics.jsonl"
+        if enabled and truncate_after is not None and path.exists():
+            keep = [r for r in read_metrics(run_dir) if r.get("step", 0) <= truncate_after]
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
+            os.replace(tmp, path)
         self.file = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
         self.tb = None
         if enabled and tensorboard:

@@ -41,7 +41,7 @@ import ember
 from ember.config import config_to_yaml
 from ember.data.loader import TokenDataset, TrainLoader, ValLoader
 from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
-from ember.errors import ConfigError, EmberError
+from ember.errors import ConfigError, DataError, EmberError
 from ember.model.gpt import GPT
 from ember.parallel.dist import all_reduce, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
@@ -80,27 +80,31 @@ class LMTask:
     def evaluate(self, model, val_loader, autocast) -> dict:
         token_bytes = self.token_bytes
         device = token_bytes.device
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # nats, tokens, bytes
+        sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats on text, bytes
         model.eval()
         for x, y in val_loader:
             with autocast:
                 logits = model(x).float()
-            nats = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="sum")
+            nats_per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="none")
+            text = token_bytes[y.view(-1)] > 0  # <|eos|> and friends stand for no bytes of text
+            nats = nats_per_token.sum()
             sums += torch.stack(
                 [
                     nats.double(),
                     torch.tensor(y.numel(), device=device, dtype=torch.float64),
+                    nats_per_token[text].sum().double(),
                     token_bytes[y].sum().double(),
                 ]
             )
         model.train()
         all_reduce(sums)
-        nats, tokens, nbytes = sums.tolist()
+        nats, tokens, text_nats, nbytes = sums.tolist()
         loss = nats / max(tokens, 1)
         return {
             "val_loss": loss,
             "val_ppl": math.exp(min(loss, 50)),
-            "val_bpb": nats / math.log(2) / max(nbytes, 1),
+            # bits per UTF-8 byte of the text, so tokenizers compare fairly (special tokens excluded)
+            "val_bpb": text_nats / math.log(2) / max(nbytes, 1),
         }
 
 
@@ -124,7 +128,7 @@ def _git_sha() -> str | None:
             cwd=Path(__file__).resolve().parents[2],
         )
         return out.stdout.strip() or None
-    except OSError:
+    except (OSError, subprocess.SubprocessError):
         return None
 
 
@@ -260,22 +264,7 @@ class Trainer:
             mode=cfg.data.sampling,
             device=env.device,
         )
-        val_set = TokenDataset(cfg.data.dir, "val")
-        probe = ValLoader(val_set, t.seq_len, t.micro_batch, max_windows=t.eval_windows)
-        usable = probe.n_windows_total // env.world_size * env.world_size  # equal forward counts on all ranks
-        self.val_loader = (
-            ValLoader(
-                val_set,
-                t.seq_len,
-                t.micro_batch,
-                max_windows=usable,
-                rank=env.rank,
-                world_size=env.world_size,
-                device=env.device,
-            )
-            if usable
-            else None
-        )
+        self.val_loader = self._val_loader(manifest)
 
         self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
         self.best_val, self.best_step, self.skipped = math.inf, -1, 0
@@ -288,7 +277,35 @@ class Trainer:
             if meta.get("scaler"):
                 self.scaler.load_state_dict(meta["scaler"])
             print0(f"resumed from {self.resume_from} (step {self.step}, {self.tokens:,} tokens)")
-        self.metrics = MetricsLog(self.run_dir, enabled=env.is_main, tensorboard=t.tensorboard)
+        resumed_at = self.step if self.resume_from is not None else None
+        self.metrics = MetricsLog(self.run_dir, env.is_main, t.tensorboard, truncate_after=resumed_at)
+
+    def _val_loader(self, manifest: dict) -> ValLoader | None:
+        """Fixed validation windows, the same count on every rank (FSDP forwards are collective);
+        None, with a note, when the val split is empty or shorter than one window."""
+        t, env = self.cfg.train, self.env
+        if not manifest["splits"]["val"]["shards"]:
+            print0("ember: note: the data has no validation split (data.val_fraction=0): no evaluation")
+            return None
+        val_set = TokenDataset(self.cfg.data.dir, "val")
+        try:
+            probe = ValLoader(val_set, t.seq_len, t.micro_batch, max_windows=t.eval_windows)
+        except DataError as e:
+            print0(f"ember: note: no evaluation: {e}")
+            return None
+        usable = probe.n_windows_total // env.world_size * env.world_size
+        if not usable:
+            print0("ember: note: fewer validation windows than ranks: no evaluation")
+            return None
+        return ValLoader(
+            val_set,
+            t.seq_len,
+            t.micro_batch,
+            max_windows=usable,
+            rank=env.rank,
+            world_size=env.world_size,
+            device=env.device,
+        )
 
     # ------------------------------------------------------------ run directory
 
@@ -309,6 +326,16 @@ class Trainer:
             raise ConfigError(
                 f"train.resume={resume!r}: no such checkpoint folder (use 'auto' or step-NNNNNN)"
             )
+        newest = latest_checkpoint(ckpts)
+        if (
+            newest is not None
+            and newest.name > folder.name
+            and newest.parent.resolve() == folder.parent.resolve()
+        ):
+            raise ConfigError(
+                f"train.resume={resume!r} is older than {newest.name}; resuming from it would mix two "
+                "histories. Move the newer step folders out of checkpoints/ first, or use train.resume=auto"
+            )
         return folder
 
     def _prepare_run_dir(self) -> None:
@@ -316,17 +343,21 @@ class Trainer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg = replace(self.cfg, model=self.model_cfg)
-        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        name = "config.yaml" if self.resume_from is None else f"config-resume-{self.resume_from.name}.yaml"
+        (self.run_dir / name).write_text(config_to_yaml(cfg))  # the first leg's config.yaml is kept
         (self.run_dir / "env.json").write_text(json.dumps(_env_record(self.env), indent=2) + "\n")
         shutil.copyfile(Path(self.cfg.data.dir) / TOKENIZER, self.run_dir / TOKENIZER)
 
     # ------------------------------------------------------------ budget
 
-    def progress(self, elapsed: float) -> float:
+    def progress(self, elapsed: float, steps_done: int = 0) -> float:
+        """Fraction of the budget spent, counting ``steps_done`` more steps: a step's lr is set by
+        where the budget stands when that step ends, so the last step of a step or token budget
+        runs at the final learning rate."""
         t = self.cfg.train
         fractions = [
-            self.step / t.max_steps if t.max_steps else 0.0,
-            self.tokens / t.max_tokens if t.max_tokens else 0.0,
+            (self.step + steps_done) / t.max_steps if t.max_steps else 0.0,
+            (self.tokens + steps_done * t.batch_tokens) / t.max_tokens if t.max_tokens else 0.0,
             elapsed / t.max_time if t.max_time else 0.0,
         ]
         return max(fractions)
@@ -345,13 +376,14 @@ class Trainer:
         start = time.perf_counter()
         last = {}
         progress = self.progress(self.elapsed_before)
+        batches = self.loader.iterate(self.step)  # background prefetch + pinned copies on CUDA
         try:
             while progress < 1.0:
                 t0 = time.perf_counter()
-                lr = lr_at(self.step, progress, t)
+                lr = lr_at(self.step, self.progress(self._elapsed(start), steps_done=1), t)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                x, y = self.loader.batch(self.step)
+                _, x, y = next(batches)
                 t1 = time.perf_counter()
 
                 loss_sum = torch.zeros((), device=env.device)
@@ -368,12 +400,13 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
                 grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
                 all_reduce(loss_sum, "avg")
-                bad = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).float()
-                if all_reduce(bad, "max").item():
+                bad = ~torch.isfinite(loss_sum)
+                if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
+                    bad |= ~torch.isfinite(grad_norm)
+                if all_reduce(bad.float(), "max").item():
                     self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
-                    progress = self.progress(self._elapsed(start))
-                    continue
-                self.scaler.step(self.optimizer)
+                else:
+                    self.scaler.step(self.optimizer)
                 self.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 t3 = time.perf_counter()
@@ -384,6 +417,7 @@ class Trainer:
                 progress = self.progress(elapsed)
                 dt = t3 - t0
                 last = {
+                    "skipped": self.skipped,
                     "step": self.step,
                     "tokens": self.tokens,
                     "loss": loss_sum.item(),
@@ -415,13 +449,15 @@ class Trainer:
                     self._checkpoint(elapsed)
         finally:
             bar.close()
+            self.loader.close()
+            self.metrics.close()
         self._finish(last)
         return last
 
     def _elapsed(self, start: float) -> float:
         """Seconds of training so far, including earlier legs; the slowest rank's clock, so
         all ranks agree when a time budget is spent."""
-        elapsed = torch.tensor(self.elapsed_before + time.perf_counter() - start)
+        elapsed = torch.tensor(self.elapsed_before + time.perf_counter() - start, device=self.env.device)
         return all_reduce(elapsed, "max").item()
 
     def _sync_grads(self, sync: bool):
@@ -433,15 +469,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _on_nonfinite(self, x, y) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        """Skip the update (the step still counts: the data moves on), or stop naming the culprit."""
         if self.cfg.train.nonfinite == "skip":
             self.skipped += 1
             print0(
-                f"step {self.step + 1}: non-finite loss or gradient norm; step skipped "
-                f"({self.skipped} so far)"
+                f"step {self.step + 1}: non-finite loss or gradient norm; "
+                f"update skipped ({self.skipped} so far)"
             )
-            self.metrics.write({"step": self.step + 1, "skipped": self.skipped})
-            self.step += 1  # the data moves on: the next step draws the next batch
             return
         module = _find_nonfinite_module(self.model, self.task, (x, y))
         raise NonFiniteError(
@@ -505,7 +539,6 @@ class Trainer:
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print0(f"done: step {self.step}, {self.tokens:,} tokens; weights in {self.run_dir / 'model'}")
-        self.metrics.close()
 
 
 def train(cfg, run_dir: Path | None = None) -> dict:
