@@ -25,7 +25,6 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
