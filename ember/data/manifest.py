@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from ember.atomic import write_text_atomic
 from ember.data.tokenizer import Tokenizer, file_sha256
 from ember.errors import DataError
 
@@ -24,14 +25,7 @@ FORMAT_VERSION = 1
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:
-    path = Path(directory) / MANIFEST
-    tmp = path.with_name(f".{MANIFEST}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(Path(directory) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:

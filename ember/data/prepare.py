@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import queue
 import shutil
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 import ember
+from ember.atomic import publish_dir, staging_dir
 from ember.data.clean import Cleaner, content_digest, is_validation
 from ember.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER, read_manifest, write_manifest
 from ember.data.shards import ShardSplitWriter, token_dtype
@@ -133,26 +133,6 @@ def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
         thread.join(timeout=5)
 
 
-def _remove_stale_temps(target: Path) -> None:
-    for tmp in target.parent.glob(f".{target.name}.tmp-*"):
-        pid = tmp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and _pid_alive(int(pid)):
-            continue
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _check_target(target: Path, fingerprint: str, force: bool) -> dict | None:
     """Return the existing manifest when it can be reused; refuse to overwrite what is not ours."""
     if not target.exists():
@@ -195,18 +175,10 @@ def prepare(
         log(f"reusing {target}: already prepared from the same inputs (pass --force to rebuild)")
         return PrepareResult(target, existing, reused=True)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = staging_dir(target)
     try:
         manifest = _build(cfg, sources, tmp, fingerprint, command, log)
-        old = target.parent / f".{target.name}.old-{os.getpid()}"
-        if target.exists():
-            os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -33,6 +33,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from ember.atomic import write_text_atomic
 from ember.errors import DataError
 
 SPECIAL_TOKENS = [
@@ -158,11 +159,8 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> str:
         """Write atomically (temp file then rename); returns the sha256 of the file written."""
-        path = Path(path)
         text = self.to_str()
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, text)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     @classmethod

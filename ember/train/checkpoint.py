@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import warnings
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from ember.atomic import publish_dir, staging_dir, write_text_atomic
 from ember.errors import EmberError
 from ember.parallel.dist import barrier, get_rank
 
@@ -79,12 +79,7 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -186,10 +181,7 @@ def export_weights(
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if get_rank() != 0:
         return
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out)
     tensors, seen = {}, {}
     for name, t in full.items():  # tied weights share storage: safetensors stores each once
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
@@ -201,11 +193,7 @@ def export_weights(
     _write_json(tmp / "model_config.json", model_cfg)
     for name, src in (extra_files or {}).items():
         shutil.copyfile(src, tmp / name)
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    publish_dir(tmp, out)
 
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:

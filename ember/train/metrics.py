@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 from pathlib import Path
 
 import torch
+
+from ember.atomic import write_text_atomic
 
 # Dense bf16/fp16 tensor-core peak FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "4090": 165e12}
@@ -54,9 +55,7 @@ class MetricsLog:
         path = Path(run_dir) / "metrics.jsonl"
         if enabled and truncate_after is not None and path.exists():
             keep = [r for r in read_metrics(run_dir) if r.get("step", 0) <= truncate_after]
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep), encoding="utf-8")
-            os.replace(tmp, path)
+            write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
         self.file = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
         self.tb = None
         if enabled and tensorboard:
