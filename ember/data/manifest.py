@@ -42,6 +42,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{path} is not an ember data manifest; re-run `ember data prepare CONFIG --force`")
+    missing = [k for k in ("splits", "tokenizer", "sources", "cleaning") if k not in manifest]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}; re-run `ember data prepare CONFIG --force`")
     if manifest.get("format_version") != FORMAT_VERSION:
         raise DataError(
             f"{path} has format version {manifest.get('format_version')}, this ember reads "

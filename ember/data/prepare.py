@@ -103,20 +103,24 @@ def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
     done = object()
     stop = threading.Event()
 
+    def put(item) -> bool:
+        """Hand over an item unless the consumer has gone away; True when handed over."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def work():
         try:
             for item in it:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(done)
+            put(done)
         except BaseException as e:  # handed to the consumer, which re-raises it
-            q.put(e)
+            put(e)
 
     thread = threading.Thread(target=work, name="ember-prepare-reader", daemon=True)
     thread.start()

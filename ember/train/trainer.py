@@ -180,7 +180,7 @@ def _batch_layout(train_cfg, world_size: int) -> tuple[int, int]:
     return rows, rows // (mb * world_size)
 
 
-def _find_nonfinite_module(model, task, batch) -> str:
+def _find_nonfinite_module(model, task, batch, autocast) -> str:
     """Re-run a forward with hooks; name the first module (in execution order) whose output
     is not finite."""
     found: list[str] = []
@@ -199,7 +199,7 @@ def _find_nonfinite_module(model, task, batch) -> str:
 
         hooks.append(module.register_forward_hook(hook))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocast:  # as in training, so an overflow reproduces
             task.loss(model, batch)
     finally:
         for h in hooks:
@@ -389,10 +389,11 @@ class Trainer:
                 loss_sum = torch.zeros((), device=env.device)
                 for micro in range(self.grad_accum):
                     rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
-                    with self._sync_grads(micro == self.grad_accum - 1), self.autocast:
-                        loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
-                        loss = loss / self.grad_accum
-                    self.scaler.scale(loss).backward()
+                    with self._sync_grads(micro == self.grad_accum - 1):
+                        with self.autocast:
+                            loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
+                            loss = loss / self.grad_accum
+                        self.scaler.scale(loss).backward()
                     loss_sum += loss.detach()
                 t2 = time.perf_counter()
 
@@ -477,7 +478,7 @@ class Trainer:
                 f"update skipped ({self.skipped} so far)"
             )
             return
-        module = _find_nonfinite_module(self.model, self.task, (x, y))
+        module = _find_nonfinite_module(self.model, self.task, (x, y), self.autocast)
         raise NonFiniteError(
             f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip"
