@@ -108,6 +108,25 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ember.infer.evaluate import evaluate_run
+
+    results = evaluate_run(
+        Path(args.run), args.data, args.ckpt, args.seq_len, args.batch_size, args.max_windows
+    )
+    table = Table(
+        "data", "loss", "perplexity", "bits/byte", title=f"{args.run} ({args.ckpt})", title_justify="left"
+    )
+    for name, r in results.items():
+        table.add_row(name, f"{r['val_loss']:.4f}", f"{r['val_ppl']:.2f}", f"{r['val_bpb']:.4f}")
+    Console(width=max(Console().width, 100)).print(table)
+    print(f"written {Path(args.run) / 'eval.json'}")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from ember.config import load_config
     from ember.data.prepare import prepare
@@ -171,6 +190,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch N processes on this machine through torch.distributed.run (default 1)",
     )
     p.set_defaults(func=cmd_train)
+
+    p = verbs.add_parser(
+        "eval",
+        help="loss, perplexity and bits per byte of a run's model on its val split or any text",
+        description="Evaluate RUN's model on its validation split (default) or on --data sources "
+        "(files, directories, globs, .jsonl/.parquet, embedded:NAME), tokenized with the run's "
+        "tokenizer. Bits per byte count the UTF-8 bytes of the text, so runs with different "
+        "tokenizers compare fairly. Prints a table and writes RUN/eval.json.",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
+    p.add_argument("--data", action="append", metavar="SOURCE", help="text to evaluate on (repeatable)")
+    p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len)"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
+    p.add_argument("--max-windows", type=int, default=512, help="at most this many windows per dataset")
+    p.set_defaults(func=cmd_eval)
 
     cfg = verbs.add_parser(
         "config",

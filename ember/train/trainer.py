@@ -81,12 +81,13 @@ class LMTask:
         token_bytes = self.token_bytes
         device = token_bytes.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats on text, bytes
+        was_training = model.training
         model.eval()
         for x, y in val_loader:
             with autocast:
                 logits = model(x).float()
-            nats_per_token = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1), reduction="none")
-            text = token_bytes[y.view(-1)] > 0  # <|eos|> and friends stand for no bytes of text
+            nats_per_token = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none")
+            text = token_bytes[y.reshape(-1)] > 0  # <|eos|> and friends stand for no bytes of text
             nats = nats_per_token.sum()
             sums += torch.stack(
                 [
@@ -96,7 +97,7 @@ class LMTask:
                     token_bytes[y].sum().double(),
                 ]
             )
-        model.train()
+        model.train(was_training)
         all_reduce(sums)
         nats, tokens, text_nats, nbytes = sums.tolist()
         loss = nats / max(tokens, 1)
