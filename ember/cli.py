@@ -128,19 +128,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_quickstart(args) -> int:
-    from ember.config import load_config
-    from ember.data.prepare import prepare
-    from ember.data.stats import print_manifest
+    from ember.quickstart import quickstart
 
-    overrides = list(args.overrides)
-    if args.data_dir:
-        overrides.append(f"data.dir={args.data_dir}")
-    cfg = load_config("python", overrides)
-    print(f"ember {ember.__version__} quickstart: preparing the embedded Python corpus into {cfg.data.dir}")
-    result = prepare(cfg, command=_command_line())
-    print_manifest(result.manifest, result.directory)
-    where = result.directory
-    print(f"\nshards, tokenizer and manifest: {where}/  (inspect with `ember data stats {where}`)")
+    print(f"ember {ember.__version__} quickstart")
+    quickstart(args.minutes, args.out, args.data_dir, args.overrides, command=_command_line())
     return 0
 
 
@@ -158,13 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser(
         "quickstart",
-        help="the main job: prepare the embedded corpus (later: train, evaluate, sample)",
-        description="Prepare the embedded Python corpus (CPython's docs and standard library) into "
-        "tokenizer + train/val shards and print the manifest. Reuses earlier work when nothing changed.",
+        help="the main job: embedded corpus → tokenizer + shards → trained model → evaluation",
+        description="Prepare the embedded Python corpus (CPython's docs and standard library; reused "
+        "when already prepared), train the cpu-quick preset (gpt2-small on CUDA) for a wall-clock "
+        "budget, evaluate it on the validation split, and print where each output is. Running it "
+        "again replaces the previous quickstart run.",
     )
-    p.add_argument(
-        "--data-dir", help="where the shards go (default: data.dir of the python preset, data/python)"
-    )
+    p.add_argument("--minutes", type=float, default=5.0, help="training budget in minutes (default 5)")
+    p.add_argument("--out", default="runs", help="runs root; the run is OUT/quickstart (default runs)")
+    p.add_argument("--data-dir", help="where the shards go (default: data/python)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     p.set_defaults(func=cmd_quickstart)
 

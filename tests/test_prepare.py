@@ -229,23 +229,30 @@ def test_every_verb_has_help():
 
 
 @pytest.mark.slow
-def test_quickstart_prepares_the_embedded_corpus(tmp_path, capsys):
-    assert (
-        main(
-            [
-                "quickstart",
-                "--data-dir",
-                str(tmp_path / "py"),
-                "data.sources=[embedded:python-docs]",
-                "data.vocab_size=600",
-            ]
-        )
-        == 0
-    )
+def test_quickstart_runs_end_to_end(tmp_path, capsys):
+    """The main job with a tiny budget and corpus: prepare, train, evaluate, report paths."""
+    argv = [
+        "quickstart",
+        "--minutes",
+        "0.1",
+        "--out",
+        str(tmp_path / "runs"),
+        "--data-dir",
+        str(tmp_path / "py"),
+        "data.sources=[embedded:python-docs]",
+        "data.vocab_size=600",
+        "data.val_fraction=0.1",
+    ]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "splits" in out and str(tmp_path / "py") in out
+    run = tmp_path / "runs" / "quickstart"
+    assert str(run / "model") in out and "bits/byte" in out
     m = read_manifest(tmp_path / "py")
     assert m["splits"]["train"]["tokens"] > 100_000 and m["tokenizer"]["vocab_size"] == 600
+    assert (run / "model" / "model.safetensors").is_file()
+    assert json.loads((run / "eval.json").read_text())["results"]
+    assert main(argv) == 0  # again: data reused, run replaced
+    assert "reusing" in capsys.readouterr().out
 
 
 def test_prepare_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
