@@ -127,6 +127,14 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from ember.report.report import write_report
+
+    path = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)
+    print(f"written {path}")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from ember.quickstart import quickstart
 
@@ -201,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     p.add_argument("--max-windows", type=int, default=512, help="at most this many windows per dataset")
     p.set_defaults(func=cmd_eval)
+
+    p = verbs.add_parser(
+        "report",
+        help="write report.md + plots for a run, or compare several runs",
+        description="One RUN: writes RUN/report.md and RUN/plots/*.png (loss, lr, grad norm, tokens/s), "
+        "final metrics, data manifest, environment, evaluation and samples. Several RUNs: overlaid "
+        "curves and a config diff, written into --out. Needs matplotlib (the plots extra).",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories made by `ember train`")
+    p.add_argument("--out", default=None, help="output directory (required for several runs)")
+    p.set_defaults(func=cmd_report)
 
     cfg = verbs.add_parser(
         "config",

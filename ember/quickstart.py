@@ -21,6 +21,7 @@ from ember.config import load_config
 from ember.data.prepare import prepare
 from ember.data.stats import print_manifest
 from ember.infer.evaluate import evaluate_run
+from ember.report.report import write_report
 from ember.train.trainer import train
 
 RUN_NAME = "quickstart"
@@ -71,4 +72,6 @@ def quickstart(
     print(f"run (config, metrics, checkpoints): {run_dir}/")
     print(f"weights for inference:              {run_dir / 'model'}/")
     print(f"evaluation:                         {run_dir / 'eval.json'}")
+    report = write_report([run_dir])
+    print(f"report with plots:                  {report}")
     return {"data": prepared.directory, "run": run_dir, "eval": results}

@@ -521,6 +521,14 @@ class Trainer:
             keep_steps=keep,
         )
 
+    def _write_report(self) -> None:
+        from ember.report.report import write_report
+
+        try:
+            print0(f"report: {write_report([self.run_dir])}")
+        except EmberError as e:  # e.g. matplotlib not installed: the run itself is complete
+            print0(f"ember: note: no report written ({e})")
+
     def _export(self, name: str) -> None:
         export_weights(
             self.model,
@@ -540,6 +548,7 @@ class Trainer:
                 "n_params": self.n_params,
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self._write_report()
         print0(f"done: step {self.step}, {self.tokens:,} tokens; weights in {self.run_dir / 'model'}")
 
 

@@ -1,0 +1,1 @@
+"""Run reports: report.md with final metrics, plots, data, config diff and environment."""
