@@ -1,0 +1,432 @@
+"""Text generation: a preallocated KV cache, sampling, batched and streaming decoding.
+
+    engine = Engine.from_run("runs/tiny")                      # or Engine(model, tokenizer)
+    [c] = engine.generate(["def main("], max_new_tokens=64, temperature=0.8, top_k=50, seed=0)
+    print(c.text, c.finish_reason)                             # finish_reason: eos | stop | length
+    for row, piece in engine.stream(["Once", "In the"], 64, stop=["\\n\\n"]):
+        print(row, piece, end="", flush=True)
+
+The model is touched only through ``model(idx, cache=cache)`` (eval mode, inference
+mode): the first call per stream prefills the whole prompt, every later call feeds the
+one token just sampled. ``KVCache`` here implements the ``KVCache`` protocol of
+ember/model/gpt.py. Written by hand because the cache is what ember studies (DESIGN).
+
+Design choices:
+
+- **Ragged batches are grouped by prompt length.** The model's cache protocol has one
+  ``pos`` for the whole batch and its attention mask is purely causal, so a left-padded
+  row would attend to its pads and read positions shifted by its pad count. Rows whose
+  prompts have the same token count share a cache and decode in lockstep, which is exact;
+  different lengths are different streams, stepped round-robin, one token each per turn,
+  so every row makes progress while streaming. Cost: one forward per distinct prompt
+  length per step. True ragged batching needs a model change: per-row start positions
+  (``cache.pos`` as a (B,) tensor, positions gathered per row for ``wpe`` and the RoPE
+  tables) and a key padding mask handed from the cache to the attention function.
+- **A finished row keeps its slot.** Its group decodes until every row is done and
+  ignores that row's tokens (as nanochat does); compacting the cache would copy it on
+  every finish. Continuous batching with a paged cache is the scheduler's job, later.
+- **Each row samples from its own generator**, seeded ``seed + row``: a prompt's
+  completion does not depend on the other prompts in the call or on how rows are
+  grouped, and the same (prompt, row, seed) gives the same text.
+- **Order of the sampling filters** (as HF's warpers): temperature, then top-k, then
+  top-p on the renormalised top-k distribution. ``temperature=0`` is greedy.
+  Ids the tokenizer does not have (the model's vocab is rounded up to a multiple of 64)
+  are never sampled.
+- **Streaming text is the suffix of a full decode.** Each step decodes a row's whole
+  id list and emits what is new, holding back a trailing U+FFFD (an incomplete UTF-8
+  character from byte-level BPE) and any tail that could be the start of a stop string,
+  so emitted text is never taken back. ``<|eos|>`` and a stop string end a row; neither
+  appears in the text.
+- The prompt is encoded as given, with no ``<|bos|>``: the trainer's stream has no bos,
+  and documents are only separated by ``<|eos|>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ember.config import ModelConfig
+from ember.data.tokenizer import Tokenizer
+from ember.errors import EmberError
+from ember.model.gpt import GPT, Attention
+from ember.train.checkpoint import load_weights
+
+# ---------------------------------------------------------------------------
+# KV cache
+# ---------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of every attention layer for ``batch_size`` rows, up to ``max_len``
+    positions each; the ``KVCache`` protocol of ember/model/gpt.py.
+
+    Head counts and head size are read from each layer's ``wk`` weight (so a tensor-parallel
+    shard gets its own share). The buffers are allocated on a layer's first ``update``, in
+    the dtype and on the device of the keys it hands over (so autocast and quantized models
+    need no special case), and never grow.
+    """
+
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
+        self.batch_size, self.max_len = batch_size, max_len
+        self.shapes: dict[str, tuple[int, int, int, int]] = {}
+        for module in model.modules():
+            if isinstance(module, Attention):
+                n_kv_head = module.wk.weight.size(0) // module.head_dim
+                self.shapes[module.layer_id] = (batch_size, n_kv_head, max_len, module.head_dim)
+        self.k: dict[str, Tensor] = {}  # layer -> (B, n_kv_head, max_len, head_dim)
+        self.v: dict[str, Tensor] = {}
+        self._pos = 0
+
+    @property
+    def pos(self) -> int:
+        return self._pos
+
+    def update(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if layer not in self.k:
+            self.k[layer] = k.new_zeros(self.shapes[layer])
+            self.v[layer] = v.new_zeros(self.shapes[layer])
+        start, end = self._pos, self._pos + k.size(2)
+        if end > self.max_len:  # the engine sizes the cache; reaching here is a bug
+            raise IndexError(f"KV cache of {self.max_len} positions cannot take positions {start}..{end - 1}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, n_kv_head, end, head_dim)
+
+    def advance(self, n: int) -> None:
+        self._pos += n
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature >= 0:  # also catches NaN
+        raise EmberError(f"--temperature must be >= 0 (0 = greedy); got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise EmberError(f"--top-k must be a positive number of tokens (or 0/None for all); got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise EmberError(f"--top-p must be in (0, 1] (1 = no nucleus filter); got {top_p}")
+
+
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """logits (B, V) with everything outside the top-k, then outside the nucleus, set to -inf."""
+    if top_k and top_k < logits.size(-1):
+        kept = logits.topk(top_k, dim=-1).indices  # (B, top_k)
+        mask = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, kept, False)
+        logits = logits.masked_fill(mask, float("-inf"))
+    if top_p is not None and top_p < 1:
+        # Holtzman et al. 2020: the smallest set of most likely tokens whose mass reaches top_p.
+        probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)  # (B, V)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens; 0 for the first
+        drop_sorted = before >= top_p
+        mask = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(mask, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """logits (B, V) -> next ids (B,): argmax when ``temperature == 0``, else a draw from
+    softmax(filter_logits(logits / temperature)) using ``generator``."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)  # (B, V)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------
+# Rows and streams
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One prompt's result."""
+
+    text: str  # generated text, without <|eos|> and without the stop string
+    token_ids: list[int]  # generated ids (up to and including the one that completed a stop string)
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int  # prompt tokens the model saw
+    dropped_tokens: int = 0  # prompt tokens cut from the front by truncate=True
+
+
+@dataclass
+class _Row:
+    """The text state of one prompt: ids so far, what has been emitted, why it ended."""
+
+    row: int
+    prompt: list[int]
+    dropped: int
+    generator: torch.Generator | None
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # emitted so far
+    finish_reason: str | None = None
+
+    def completion(self) -> Completion:
+        assert self.finish_reason is not None
+        return Completion(self.text, self.ids, self.finish_reason, len(self.prompt), self.dropped)
+
+
+class _Stream:
+    """Rows with prompts of one length, sharing one KV cache and decoding in lockstep."""
+
+    def __init__(self, engine: Engine, rows: list[_Row], max_new_tokens: int) -> None:
+        self.engine, self.rows = engine, rows
+        prompt_len = len(rows[0].prompt)
+        # The last sampled token is never fed back, hence the - 1.
+        self.cache = KVCache(engine.model, len(rows), prompt_len + max_new_tokens - 1)
+        self.next_input = torch.tensor([r.prompt for r in rows], device=engine.device)  # (B, prompt_len)
+
+    @property
+    def done(self) -> bool:
+        return all(r.finish_reason is not None for r in self.rows)
+
+    @torch.inference_mode()
+    def step(self, temperature: float, top_k: int | None, top_p: float | None) -> list[int]:
+        """One forward (the prefill on the first call) and one sampled id per row."""
+        model = self.engine.model
+        was_training = model.training
+        model.eval()
+        try:
+            logits = model(self.next_input, cache=self.cache)[:, -1]  # (B, V)
+        finally:
+            model.train(was_training)
+        if self.engine.n_valid < logits.size(-1):  # ids beyond the tokenizer's vocabulary
+            logits[:, self.engine.n_valid :] = float("-inf")
+        if temperature == 0:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            next_ids = torch.cat(
+                [
+                    sample_next(logits[i : i + 1], temperature, top_k, top_p, r.generator)
+                    for i, r in enumerate(self.rows)
+                ]
+            )
+        self.next_input = next_ids[:, None]  # (B, 1)
+        return next_ids.tolist()
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """How many trailing characters may still change or turn into a stop string."""
+    n = len(text) - len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes to U+FFFD
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+# ---------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------
+
+
+class Engine:
+    """Generate text from a ``GPT`` (or anything called as ``model(idx, cache=...)`` with a
+    ``cfg.max_seq_len``) and its tokenizer. ``device`` None keeps the model where it is."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer, device: str | torch.device | None = None):
+        if device is not None:
+            model = model.to(device)
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        vocab_size = model.cfg.vocab_size
+        self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, device: str | torch.device = "cpu") -> Engine:
+        """The final weights of a run: ``model/model.safetensors``, ``model/model_config.json``
+        and ``model/tokenizer.json`` (or the run's ``tokenizer.json``)."""
+        run_dir = Path(run_dir)
+        model_dir = run_dir / "model"
+        config_path = model_dir / "model_config.json"
+        if not config_path.is_file():
+            if not run_dir.is_dir():
+                raise EmberError(f"run directory {run_dir} does not exist")
+            raise EmberError(
+                f"{config_path} not found: {run_dir} has no final weights; "
+                "`ember train CONFIG` writes model/ when training ends"
+            )
+        try:
+            cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+            raise EmberError(
+                f"{config_path} is not a valid model config ({e}); re-export the weights"
+            ) from None
+        tokenizer_path = next(
+            (p for p in (model_dir / "tokenizer.json", run_dir / "tokenizer.json") if p.is_file()), None
+        )
+        if tokenizer_path is None:
+            raise EmberError(
+                f"no tokenizer.json in {model_dir} or {run_dir}; "
+                "copy the tokenizer the run was trained with there"
+            )
+        tokenizer = Tokenizer.load(tokenizer_path)
+        if tokenizer.vocab_size > cfg.vocab_size:
+            raise EmberError(
+                f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the weights in {model_dir} only "
+                f"{cfg.vocab_size}: the tokenizer does not match the weights"
+            )
+        model = GPT.build(cfg, device=device)
+        load_weights(model, model_dir)
+        return cls(model.eval(), tokenizer)
+
+    # -- prompts ------------------------------------------------------------
+
+    def _encode(
+        self, prompts: Sequence[str], max_new_tokens: int, truncate: bool
+    ) -> list[tuple[list[int], int]]:
+        """(prompt ids that fit, count dropped from the front) per prompt, or an EmberError."""
+        if isinstance(prompts, str):
+            raise EmberError("prompts must be a list of strings; wrap a single prompt as [prompt]")
+        if not prompts:
+            raise EmberError("no prompts given")
+        max_seq_len = self.model.cfg.max_seq_len
+        if max_new_tokens < 1:
+            raise EmberError(f"--max-new-tokens must be >= 1; got {max_new_tokens}")
+        if max_new_tokens >= max_seq_len:
+            raise EmberError(
+                f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                f"max_seq_len={max_seq_len}; use at most {max_seq_len - 1}"
+            )
+        room = max_seq_len - max_new_tokens  # prompt tokens that fit
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise EmberError(f"prompt {i} is empty; give at least one character of text to continue")
+            if len(ids) > room and not truncate:
+                lower = (
+                    f"lower --max-new-tokens to {max_seq_len - len(ids)} or less, or "
+                    if len(ids) < max_seq_len
+                    else ""
+                )
+                raise EmberError(
+                    f"prompt {i} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                    f"{len(ids) + max_new_tokens}, beyond the model's max_seq_len={max_seq_len}; "
+                    f"{lower}pass --truncate to keep the last {room} prompt tokens"
+                )
+            dropped = max(0, len(ids) - room)
+            encoded.append((ids[dropped:], dropped))
+        return encoded
+
+    # -- generation -------------------------------------------------------
+
+    def _start(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int,
+        stop: Sequence[str],
+        truncate: bool,
+    ) -> tuple[list[_Row], list[_Stream], list[str]]:
+        """Check the arguments, encode the prompts, group rows by prompt length."""
+        check_sampling(temperature, top_k, top_p)
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if any(not s for s in stop):
+            raise EmberError("a stop string is empty; it would end every row at once")
+        rows = []
+        for i, (ids, dropped) in enumerate(self._encode(prompts, max_new_tokens, truncate)):
+            generator = None
+            if temperature > 0:
+                generator = torch.Generator(device=self.device).manual_seed(seed + i)
+            rows.append(_Row(i, ids, dropped, generator))
+        by_length: dict[int, list[_Row]] = {}
+        for row in rows:
+            by_length.setdefault(len(row.prompt), []).append(row)
+        return rows, [_Stream(self, group, max_new_tokens) for group in by_length.values()], stop
+
+    def _decode(
+        self,
+        streams: list[_Stream],
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None,
+        top_p: float | None,
+        stop: list[str],
+    ) -> Iterator[tuple[int, str]]:
+        """Step the streams round-robin; yield (row, text piece) whenever a row's text grows."""
+        eos_id = self.tokenizer.eos_id
+        for _ in range(max_new_tokens):
+            for stream in streams:
+                if stream.done:
+                    continue
+                for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
+                    if row.finish_reason is not None:
+                        continue
+                    if token == eos_id:
+                        row.finish_reason = "eos"
+                        full = self.tokenizer.decode(row.ids)
+                    else:
+                        row.ids.append(token)
+                        full = self.tokenizer.decode(row.ids)
+                        hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+                        if hits:
+                            row.finish_reason = "stop"
+                            full = full[: max(min(hits), len(row.text))]  # emitted text is never taken back
+                        elif len(row.ids) == max_new_tokens:
+                            row.finish_reason = "length"
+                    end = len(full) if row.finish_reason else len(full) - _held_back(full, stop)
+                    if end > len(row.text):
+                        piece = full[len(row.text) : end]
+                        row.text += piece
+                        yield row.row, piece
+
+    def stream(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        truncate: bool = False,
+    ) -> Iterator[tuple[int, str]]:
+        """Yield (row, text piece) as tokens are produced; a row's pieces join to its
+        ``generate`` text. Arguments as in ``generate``; bad ones raise here, before any step."""
+        _, streams, stop = self._start(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, truncate
+        )
+        return self._decode(streams, max_new_tokens, temperature, top_k, top_p, stop)
+
+    def generate(
+        self,
+        prompts: Sequence[str],
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop: Sequence[str] = (),
+        truncate: bool = False,
+    ) -> list[Completion]:
+        """Continue each prompt by up to ``max_new_tokens`` tokens; stop early at ``<|eos|>``
+        or at any of ``stop`` (excluded from the text). ``temperature=0`` is greedy;
+        ``top_k``/``top_p`` None leave the distribution whole; row i samples with seed + i.
+        A prompt that does not fit with ``max_new_tokens`` raises unless ``truncate``, which
+        keeps its last tokens."""
+        rows, streams, stop = self._start(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, truncate
+        )
+        for _ in self._decode(streams, max_new_tokens, temperature, top_k, top_p, stop):
+            pass
+        return [row.completion() for row in rows]
