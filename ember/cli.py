@@ -127,6 +127,47 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from dataclasses import asdict
+
+    from ember.errors import EmberError
+    from ember.infer.engine import Engine
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            prompts += [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise EmberError(f"cannot read --prompts-file {args.prompts_file} ({e.strerror})") from None
+    if not prompts:
+        raise EmberError("no prompt: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    engine = Engine.from_run(args.run)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop or (),
+        truncate=args.truncate,
+    )
+    if args.json:
+        completions = engine.generate(prompts, **options)
+        print(
+            json.dumps(
+                [{"prompt": p, **asdict(c)} for p, c in zip(prompts, completions, strict=True)], indent=2
+            )
+        )
+        return 0
+    for i, prompt in enumerate(prompts):  # stream each prompt's text as it is produced
+        print(f"--- {i + 1}/{len(prompts)}" if len(prompts) > 1 else "---", flush=True)
+        print(prompt, end="", flush=True)
+        for _, piece in engine.stream([prompt], **options):
+            print(piece, end="", flush=True)
+        print(flush=True)
+    return 0
+
+
 def cmd_report(args) -> int:
     from ember.report.report import write_report
 
@@ -209,6 +250,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
     p.add_argument("--max-windows", type=int, default=512, help="at most this many windows per dataset")
     p.set_defaults(func=cmd_eval)
+
+    p = verbs.add_parser(
+        "generate",
+        help="sample text from a run's model (KV cache, streaming)",
+        description="Continue each prompt with RUN's final weights, streaming text to the terminal as "
+        "it is produced (or --json for machine-readable output). Stops at <|eos|>, a --stop string, "
+        "or --max-new-tokens.",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
+    p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same text")
+    p.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
+    p.add_argument("--truncate", action="store_true", help="drop the start of prompts that are too long")
+    p.add_argument("--json", action="store_true", help="print completions as JSON")
+    p.set_defaults(func=cmd_generate)
 
     p = verbs.add_parser(
         "report",

@@ -17,14 +17,28 @@ from pathlib import Path
 
 import torch
 
+from ember.atomic import write_text_atomic
 from ember.config import load_config
 from ember.data.prepare import prepare
 from ember.data.stats import print_manifest
+from ember.infer.engine import Engine
 from ember.infer.evaluate import evaluate_run
 from ember.report.report import write_report
 from ember.train.trainer import train
 
 RUN_NAME = "quickstart"
+PROMPTS = ["def ", "import ", "class ", "The "]
+
+
+def write_samples(run_dir: Path, prompts: Sequence[str] = PROMPTS, max_new_tokens: int = 64) -> None:
+    """Sample each prompt (temperature 0.8, seed 0) and write ``samples.md``; print them too."""
+    engine = Engine.from_run(run_dir)
+    completions = engine.generate(list(prompts), max_new_tokens, temperature=0.8, seed=0)
+    parts = ["# Samples\n", f"temperature 0.8, seed 0, up to {max_new_tokens} new tokens\n"]
+    for prompt, c in zip(prompts, completions, strict=True):
+        parts.append(f"\n## `{prompt.strip()}`\n\n```\n{prompt}{c.text}\n```\n")
+        print(f"  --- {prompt!r}\n{prompt}{c.text}")
+    write_text_atomic(run_dir / "samples.md", "".join(parts))
 
 
 def quickstart(
@@ -61,17 +75,20 @@ def quickstart(
     )
     train(cfg)
 
-    print("\n[3/3] evaluate on the validation split")
+    print("\n[3/3] evaluate on the validation split, and sample")
     results = evaluate_run(run_dir, max_windows=cfg.train.eval_windows)
     for name, r in results.items():
         print(
             f"  {name}: loss {r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}, bits/byte {r['val_bpb']:.4f}"
         )
 
+    write_samples(run_dir)
+
     print(f"\ndata (shards, tokenizer, manifest): {prepared.directory}/")
     print(f"run (config, metrics, checkpoints): {run_dir}/")
     print(f"weights for inference:              {run_dir / 'model'}/")
     print(f"evaluation:                         {run_dir / 'eval.json'}")
+    print(f"samples:                            {run_dir / 'samples.md'}")
     report = write_report([run_dir])
     print(f"report with plots:                  {report}")
     return {"data": prepared.directory, "run": run_dir, "eval": results}

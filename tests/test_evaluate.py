@@ -69,3 +69,32 @@ def test_bad_runs(run, tmp_path):
     with pytest.raises(EmberError, match="no model/model_config.json"):
         load_model(broken)
     assert main(["eval", str(broken)]) == 2
+
+
+def test_generate_cli(run, capsys):
+    assert (
+        main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    )
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("---\ndef ")
+    assert (
+        main(
+            [
+                "generate",
+                str(run),
+                "--prompt",
+                "def ",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    (record,) = json.loads(capsys.readouterr().out)
+    assert greedy.strip() == ("---\ndef " + record["text"]).strip()  # streamed text = batch text
+    assert main(["generate", str(run)]) == 2
+    assert main(["generate", str(run), "--prompt", "x" * 400, "--max-new-tokens", "8"]) == 2
+    assert "max_seq_len" in capsys.readouterr().err

@@ -251,6 +251,9 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     assert m["splits"]["train"]["tokens"] > 100_000 and m["tokenizer"]["vocab_size"] == 600
     assert (run / "model" / "model.safetensors").is_file()
     assert json.loads((run / "eval.json").read_text())["results"]
+    assert (run / "samples.md").read_text().count("## ") == 4
+    report = (run / "report.md").read_text()
+    assert "plots/loss.png" in report and (run / "plots" / "loss.png").is_file()
     assert main(argv) == 0  # again: data reused, run replaced
     assert "reusing" in capsys.readouterr().out
 
