@@ -233,10 +233,7 @@ class Trainer:
         self._prepare_run_dir()
 
         torch.manual_seed(cfg.run.seed)
-        with torch.device("meta"):
-            model = GPT(self.model_cfg)
-        model.to_empty(device="cpu")
-        model.init_weights()
+        model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         model.to(env.device)
