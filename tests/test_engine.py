@@ -311,7 +311,7 @@ def test_prompt_too_long_raises_and_truncate_keeps_the_tail(tok):
     prompt = TEXT[1]
     ids = tok.encode(prompt)
     assert len(ids) > 64
-    with pytest.raises(EmberError, match=f"prompt 0 is {len(ids)} tokens.*max_seq_len=64.*--truncate"):
+    with pytest.raises(EmberError, match=f"prompt 1 is {len(ids)} tokens.*max_seq_len=64.*--truncate"):
         engine.generate([prompt], 10)
     [c] = engine.generate([prompt], 10, temperature=0, truncate=True)
     assert c.prompt_tokens == 54 and c.dropped_tokens == len(ids) - 54
@@ -332,7 +332,7 @@ def test_prompt_too_long_raises_and_truncate_keeps_the_tail(tok):
 
 def test_empty_prompt_raises(tok):
     engine = Engine(tiny_model(vocab_size=320), tok)
-    with pytest.raises(EmberError, match="prompt 1 is empty"):
+    with pytest.raises(EmberError, match="prompt 2 is empty"):
         engine.generate(["fine", ""], 4)
     with pytest.raises(EmberError):
         engine.generate([], 4)

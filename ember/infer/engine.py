@@ -309,7 +309,7 @@ class Engine:
         for i, prompt in enumerate(prompts):
             ids = self.tokenizer.encode(prompt)
             if not ids:
-                raise EmberError(f"prompt {i} is empty; give at least one character of text to continue")
+                raise EmberError(f"prompt {i + 1} is empty; give at least one character of text to continue")
             if len(ids) > room and not truncate:
                 lower = (
                     f"lower --max-new-tokens to {max_seq_len - len(ids)} or less, or "
@@ -317,7 +317,7 @@ class Engine:
                     else ""
                 )
                 raise EmberError(
-                    f"prompt {i} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                    f"prompt {i + 1} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
                     f"{len(ids) + max_new_tokens}, beyond the model's max_seq_len={max_seq_len}; "
                     f"{lower}pass --truncate to keep the last {room} prompt tokens"
                 )
