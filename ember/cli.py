@@ -11,6 +11,7 @@ and exits with code 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import sys
@@ -168,6 +169,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    from ember.infer.engine import Engine
+
+    engine = Engine.from_run(args.run)
+    print(f"ember chat with {args.run} (a base model: it continues your text). Empty line or Ctrl-D to quit.")
+    for turn in itertools.count(1):
+        try:
+            prompt = input("> ")
+        except EOFError:
+            break
+        if not prompt.strip():
+            break
+        for _, piece in engine.stream(
+            [prompt],
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + turn,
+            truncate=True,
+        ):
+            print(piece, end="", flush=True)
+        print(flush=True)
+    return 0
+
+
 def cmd_report(args) -> int:
     from ember.report.report import write_report
 
@@ -270,6 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true", help="drop the start of prompts that are too long")
     p.add_argument("--json", action="store_true", help="print completions as JSON")
     p.set_defaults(func=cmd_generate)
+
+    p = verbs.add_parser(
+        "chat",
+        help="an interactive loop: type text, the model continues it",
+        description="A small interactive loop over RUN's final weights. A base model has no chat "
+        "format, so each line you type is continued as plain text (long inputs keep their end).",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (each turn adds its number)")
+    p.set_defaults(func=cmd_chat)
 
     p = verbs.add_parser(
         "report",

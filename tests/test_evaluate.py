@@ -98,3 +98,18 @@ def test_generate_cli(run, capsys):
     assert main(["generate", str(run)]) == 2
     assert main(["generate", str(run), "--prompt", "x" * 400, "--max-new-tokens", "8"]) == 2
     assert "max_seq_len" in capsys.readouterr().err
+
+
+def test_chat_cli(run):
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ember", "chat", str(run), "--max-new-tokens", "5", "--temperature", "0"],
+        input="def \nclass \n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") == 3  # two turns, then the empty line ends the loop
