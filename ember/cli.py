@@ -214,6 +214,15 @@ def cmd_quickstart(args) -> int:
 # ---------------------------------------------------------------- parser
 
 
+def _add_sampling_args(p: argparse.ArgumentParser, seed_help: str) -> None:
+    """The sampling options shared by `generate` and `chat`."""
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
+    p.add_argument("--seed", type=int, default=0, help=seed_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ember",
@@ -288,11 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0): same seed, same text")
+    _add_sampling_args(p, seed_help="sampling seed (default 0): same seed, same text")
     p.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     p.add_argument("--truncate", action="store_true", help="drop the start of prompts that are too long")
     p.add_argument("--json", action="store_true", help="print completions as JSON")
@@ -305,11 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         "format, so each line you type is continued as plain text (long inputs keep their end).",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (each turn adds its number)")
+    _add_sampling_args(p, seed_help="sampling seed (each turn adds its number)")
     p.set_defaults(func=cmd_chat)
 
     p = verbs.add_parser(
