@@ -163,7 +163,8 @@ def cmd_generate(args) -> int:
     for i, prompt in enumerate(prompts):  # stream each prompt's text as it is produced
         print(f"--- {i + 1}/{len(prompts)}" if len(prompts) > 1 else "---", flush=True)
         print(prompt, end="", flush=True)
-        for _, piece in engine.stream([prompt], **options):
+        # row i of a batch samples with seed + i: the same text as --json gives for this prompt
+        for _, piece in engine.stream([prompt], **{**options, "seed": args.seed + i}):
             print(piece, end="", flush=True)
         print(flush=True)
     return 0

@@ -49,15 +49,32 @@ def tok() -> Tokenizer:
     return Tokenizer.train_bpe(TEXT, 300)
 
 
+def assert_rows_match_alone(model: GPT, cached: torch.Tensor, history: torch.Tensor, pad: list[int]) -> float:
+    """cached (B, T, V): logits of the last T slots of history (B, S), rows left-padded by
+    ``pad``. Each row's real slots must equal a forward over that row alone, unpadded;
+    returns the largest |diff|."""
+    B, T, _ = cached.shape
+    first_new = history.size(1) - T
+    worst = 0.0
+    for b in range(B):
+        first = max(first_new, pad[b])  # the new slots that hold real tokens
+        if first < history.size(1):
+            alone = model(history[b : b + 1, pad[b] :])[0]  # (S - pad[b], V), no cache, no padding
+            diff = cached[b, first - first_new :] - alone[first - pad[b] :]
+            worst = max(worst, diff.abs().max().item())
+    return worst
+
+
 class Recorder(nn.Module):
-    """Wraps a model; on every cached call, checks the logits against a full forward over the
-    row's whole sequence so far and keeps the largest difference."""
+    """Wraps a model; on every cached call, checks each row's logits against a full forward
+    over that row's own tokens so far (without its left padding) and keeps the largest
+    difference."""
 
     def __init__(self, model: GPT) -> None:
         super().__init__()
         self.model, self.cfg = model, model.cfg
         self.seen: dict[int, tuple[KVCache, torch.Tensor]] = {}
-        self.max_diff, self.max_logit, self.calls = 0.0, 0.0, 0
+        self.max_diff, self.max_logit, self.calls, self.padded_calls = 0.0, 0.0, 0, 0
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         assert cache is not None and cache.pos == self.seen.get(id(cache), (None, idx[:, :0]))[1].size(1)
@@ -65,10 +82,11 @@ class Recorder(nn.Module):
         _, history = self.seen.get(id(cache), (cache, idx[:, :0]))
         history = torch.cat([history, idx], dim=1)  # (B, S)
         self.seen[id(cache)] = (cache, history)
-        full = self.model(history)[:, -idx.size(1) :]  # (B, T, V), no cache
-        self.max_diff = max(self.max_diff, (logits - full).abs().max().item())
-        self.max_logit = max(self.max_logit, full.abs().max().item())
+        pad = [0] * idx.size(0) if cache.pad is None else cache.pad.tolist()
+        self.max_diff = max(self.max_diff, assert_rows_match_alone(self.model, logits, history, pad))
+        self.max_logit = max(self.max_logit, logits.abs().max().item())
         self.calls += 1
+        self.padded_calls += any(pad)
         return logits
 
 
@@ -114,6 +132,50 @@ def test_cache_matches_full_forward_at_every_step(layout):
     assert worst <= 1e-5, f"{layout}: cached vs full max |diff| {worst:.2e}"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_left_padded_rows_match_each_row_alone_at_every_step(layout):
+    # A ragged batch in one cache: row b is its own sequence after pad[b] pad slots. Chunks
+    # cross the pad boundary (prefill 10 holds only pads for row 2), then one token at a time.
+    model = tiny_model(**LAYOUTS[layout])
+    g = torch.Generator().manual_seed(2)
+    pad = [0, 7, 12]
+    seq = torch.randint(0, 64, (3, 40), generator=g)
+    for b, n in enumerate(pad):
+        seq[b, :n] = 63  # any id: the mask must hide it
+    cache = KVCache(model, batch_size=3, max_len=40, pad=pad)
+    worst, largest = 0.0, 0.0
+    with torch.inference_mode():
+        cuts = [0, 10, 15, *range(16, 41)]
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            cached = model(seq[:, a:b], cache=cache)  # (3, b - a, V)
+            assert torch.isfinite(cached).all()
+            worst = max(worst, assert_rows_match_alone(model, cached, seq[:, :b], pad))
+            largest = max(largest, cached.abs().max().item())
+        # and the pad ids do not matter: other pad ids, same logits for the real slots
+        other = seq.clone()
+        for b, n in enumerate(pad):
+            other[b, :n] = 5
+        again = model(other, cache=KVCache(model, batch_size=3, max_len=40, pad=pad))
+        first = model(seq, cache=KVCache(model, batch_size=3, max_len=40, pad=pad))
+    for b, n in enumerate(pad):
+        torch.testing.assert_close(again[b, n:], first[b, n:], rtol=0, atol=1e-6)
+    assert largest > 1
+    assert worst <= 1e-5, f"{layout}: padded cached vs row alone max |diff| {worst:.2e}"
+
+
+def test_cache_positions_and_mask_for_padded_rows():
+    model = tiny_model()
+    cache = KVCache(model, batch_size=2, max_len=6, pad=[0, 2])
+    assert cache.positions(4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    mask = cache.mask(4)  # (2, 1, 4, 4)
+    assert mask[0, 0].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
+    assert mask[1, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    plain = KVCache(model, batch_size=2, max_len=6, pad=[0, 0])
+    assert plain.mask(4) is None and plain.positions(4).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        KVCache(model, batch_size=2, max_len=6, pad=[0, 6])
+
+
 def test_cache_shapes_follow_the_weights():
     model = tiny_model(n_kv_head=2)
     cache = KVCache(model, batch_size=2, max_len=8)
@@ -133,7 +195,7 @@ def test_engine_parity_for_a_batch_of_mixed_length_prompts(tok, layout):
     lengths = {len(tok.encode(p)) for p in prompts}
     assert len(lengths) < len(prompts) and len(lengths) > 1  # shared and distinct lengths
     out = engine.generate(prompts, max_new_tokens=20, temperature=1.0, seed=3)
-    assert recorder.calls > len(lengths)  # prefill plus decode steps of every stream
+    assert recorder.calls > 1 and recorder.padded_calls == recorder.calls  # one ragged stream
     assert recorder.max_logit > 1 and recorder.max_diff <= 1e-5, f"max |diff| {recorder.max_diff:.2e}"
     assert all(len(c.token_ids) >= 1 for c in out)
 

@@ -103,8 +103,27 @@ class ListCache:
         self.kv[layer] = (k, v)
         return k, v
 
+    def positions(self, T):
+        return torch.arange(self.pos, self.pos + T)
+
+    def mask(self, T):
+        return None  # every row starts at slot 0: plain causal attention
+
     def advance(self, n):
         self.pos += n
+
+
+def test_sdpa_equals_reference_under_an_explicit_mask():
+    from ember.model.gpt import reference_attention, sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)  # GQA 4/2
+    mask = torch.rand(2, 1, 5, 9, generator=g) < 0.5
+    mask[..., 0] = True  # no empty softmax row
+    got, want = sdpa_attention(q, k, v, 0.0, mask), reference_attention(q, k, v, 0.0, mask)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(got, sdpa_attention(q, k, v, 0.0), atol=1e-3)  # the mask mattered
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "reference"])

@@ -13,15 +13,15 @@ ember/model/gpt.py. Written by hand because the cache is what ember studies (DES
 
 Design choices:
 
-- **Ragged batches are grouped by prompt length.** The model's cache protocol has one
-  ``pos`` for the whole batch and its attention mask is purely causal, so a left-padded
-  row would attend to its pads and read positions shifted by its pad count. Rows whose
-  prompts have the same token count share a cache and decode in lockstep, which is exact;
-  different lengths are different streams, stepped round-robin, one token each per turn,
-  so every row makes progress while streaming. Cost: one forward per distinct prompt
-  length per step. True ragged batching needs a model change: per-row start positions
-  (``cache.pos`` as a (B,) tensor, positions gathered per row for ``wpe`` and the RoPE
-  tables) and a key padding mask handed from the cache to the attention function.
+- **Ragged batches are left-padded, and the cache hides the pads.** Prompts of different
+  lengths share one cache and one forward per step: row b is padded on the left with
+  ``pad[b]`` slots. The cache gives the model each row's positions (slot - pad[b], so a
+  row's first real token is at position 0, as it would be alone) and a mask that lets a
+  query read only the row's real keys up to itself (a pad query reads only itself, so no
+  softmax row is empty). A row's logits therefore equal those of a forward over that row
+  alone (tested to 1e-5, as HF ``generate`` does with left padding and an attention
+  mask). A batch whose prompts all have one length has no pads, no mask and takes the
+  plain causal path. Cost: the prefill runs the longest prompt's length for every row.
 - **A finished row keeps its slot.** Its group decodes until every row is done and
   ignores that row's tokens (as nanochat does); compacting the cache would copy it on
   every finish. Continuous batching with a paged cache is the scheduler's job, later.
@@ -64,7 +64,11 @@ from ember.train.checkpoint import load_weights
 
 class KVCache:
     """Keys and values of every attention layer for ``batch_size`` rows, up to ``max_len``
-    positions each; the ``KVCache`` protocol of ember/model/gpt.py.
+    slots each; the ``KVCache`` protocol of ember/model/gpt.py.
+
+    ``pad`` (one count per row) says how many slots at the start of each row are left
+    padding: they get position 0 and are masked from every real query. Without pads the
+    positions are the slots and the mask is None (plain causal attention).
 
     Head counts and head size are read from each layer's ``wk`` weight (so a tensor-parallel
     shard gets its own share). The buffers are allocated on a layer's first ``update``, in
@@ -72,8 +76,11 @@ class KVCache:
     need no special case), and never grow.
     """
 
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, batch_size: int, max_len: int, pad: Sequence[int] | None = None
+    ) -> None:
         self.batch_size, self.max_len = batch_size, max_len
+        self.device = next(model.parameters()).device
         self.shapes: dict[str, tuple[int, int, int, int]] = {}
         for module in model.modules():
             if isinstance(module, Attention):
@@ -82,10 +89,30 @@ class KVCache:
         self.k: dict[str, Tensor] = {}  # layer -> (B, n_kv_head, max_len, head_dim)
         self.v: dict[str, Tensor] = {}
         self._pos = 0
+        self.pad: Tensor | None = None  # (B,) left-pad slots per row, None when there are none
+        if pad is not None and any(pad):
+            if len(pad) != batch_size or min(pad) < 0 or max(pad) >= max_len:
+                raise ValueError(f"pad {list(pad)} does not fit {batch_size} rows of {max_len} slots")
+            self.pad = torch.tensor(list(pad), device=self.device)
 
     @property
     def pos(self) -> int:
         return self._pos
+
+    def positions(self, T: int) -> Tensor:
+        slots = torch.arange(self._pos, self._pos + T, device=self.device)  # (T,)
+        if self.pad is None:
+            return slots
+        return (slots[None, :] - self.pad[:, None]).clamp_(min=0)  # (B, T); pads sit at 0
+
+    def mask(self, T: int) -> Tensor | None:
+        if self.pad is None:
+            return None
+        query = torch.arange(self._pos, self._pos + T, device=self.device)[:, None]  # (T, 1)
+        key = torch.arange(self._pos + T, device=self.device)[None, :]  # (1, S)
+        real = key[None] >= self.pad[:, None, None]  # (B, 1, S): not a pad slot
+        # a query reads the real keys up to itself; a pad query reads only itself (no empty softmax row)
+        return ((key <= query)[None] & real | (key == query)[None])[:, None]  # (B, 1, T, S)
 
     def update(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         if layer not in self.k:
@@ -182,14 +209,19 @@ class _Row:
 
 
 class _Stream:
-    """Rows with prompts of one length, sharing one KV cache and decoding in lockstep."""
+    """The rows of one call, left-padded to the longest prompt, sharing one KV cache and
+    decoding in lockstep."""
 
     def __init__(self, engine: Engine, rows: list[_Row], max_new_tokens: int) -> None:
         self.engine, self.rows = engine, rows
-        prompt_len = len(rows[0].prompt)
+        width = max(len(r.prompt) for r in rows)
+        pad = [width - len(r.prompt) for r in rows]
         # The last sampled token is never fed back, hence the - 1.
-        self.cache = KVCache(engine.model, len(rows), prompt_len + max_new_tokens - 1)
-        self.next_input = torch.tensor([r.prompt for r in rows], device=engine.device)  # (B, prompt_len)
+        self.cache = KVCache(engine.model, len(rows), width + max_new_tokens - 1, pad)
+        pad_id = getattr(engine.tokenizer, "pad_id", 0)  # any id would do: the mask hides pad slots
+        self.next_input = torch.tensor(
+            [[pad_id] * n + r.prompt for n, r in zip(pad, rows, strict=True)], device=engine.device
+        )  # (B, width)
 
     @property
     def done(self) -> bool:
@@ -337,8 +369,8 @@ class Engine:
         seed: int,
         stop: Sequence[str],
         truncate: bool,
-    ) -> tuple[list[_Row], list[_Stream], list[str]]:
-        """Check the arguments, encode the prompts, group rows by prompt length."""
+    ) -> tuple[list[_Row], _Stream, list[str]]:
+        """Check the arguments, encode the prompts, set up the rows and their stream."""
         check_sampling(temperature, top_k, top_p)
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not s for s in stop):
@@ -349,46 +381,41 @@ class Engine:
             if temperature > 0:
                 generator = torch.Generator(device=self.device).manual_seed(seed + i)
             rows.append(_Row(i, ids, dropped, generator))
-        by_length: dict[int, list[_Row]] = {}
-        for row in rows:
-            by_length.setdefault(len(row.prompt), []).append(row)
-        return rows, [_Stream(self, group, max_new_tokens) for group in by_length.values()], stop
+        return rows, _Stream(self, rows, max_new_tokens), stop
 
     def _decode(
         self,
-        streams: list[_Stream],
+        stream: _Stream,
         max_new_tokens: int,
         temperature: float,
         top_k: int | None,
         top_p: float | None,
         stop: list[str],
+        ignore_eos: bool,
     ) -> Iterator[tuple[int, str]]:
-        """Step the streams round-robin; yield (row, text piece) whenever a row's text grows."""
-        eos_id = self.tokenizer.eos_id
-        for _ in range(max_new_tokens):
-            for stream in streams:
-                if stream.done:
+        """Step the stream; yield (row, text piece) whenever a row's text grows."""
+        eos_id = None if ignore_eos else self.tokenizer.eos_id
+        while not stream.done:
+            for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
+                if row.finish_reason is not None:
                     continue
-                for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
-                    if row.finish_reason is not None:
-                        continue
-                    if token == eos_id:
-                        row.finish_reason = "eos"
-                        full = self.tokenizer.decode(row.ids)
-                    else:
-                        row.ids.append(token)
-                        full = self.tokenizer.decode(row.ids)
-                        hits = [i for i in (full.find(s) for s in stop) if i >= 0]
-                        if hits:
-                            row.finish_reason = "stop"
-                            full = full[: max(min(hits), len(row.text))]  # emitted text is never taken back
-                        elif len(row.ids) == max_new_tokens:
-                            row.finish_reason = "length"
-                    end = len(full) if row.finish_reason else len(full) - _held_back(full, stop)
-                    if end > len(row.text):
-                        piece = full[len(row.text) : end]
-                        row.text += piece
-                        yield row.row, piece
+                if token == eos_id:
+                    row.finish_reason = "eos"
+                    full = self.tokenizer.decode(row.ids)
+                else:
+                    row.ids.append(token)
+                    full = self.tokenizer.decode(row.ids)
+                    hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+                    if hits:
+                        row.finish_reason = "stop"
+                        full = full[: max(min(hits), len(row.text))]  # emitted text is never taken back
+                    elif len(row.ids) == max_new_tokens:
+                        row.finish_reason = "length"
+                end = len(full) if row.finish_reason else len(full) - _held_back(full, stop)
+                if end > len(row.text):
+                    piece = full[len(row.text) : end]
+                    row.text += piece
+                    yield row.row, piece
 
     def stream(
         self,
@@ -400,13 +427,14 @@ class Engine:
         seed: int = 0,
         stop: Sequence[str] = (),
         truncate: bool = False,
+        ignore_eos: bool = False,
     ) -> Iterator[tuple[int, str]]:
         """Yield (row, text piece) as tokens are produced; a row's pieces join to its
         ``generate`` text. Arguments as in ``generate``; bad ones raise here, before any step."""
-        _, streams, stop = self._start(
+        _, stream, stop = self._start(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, truncate
         )
-        return self._decode(streams, max_new_tokens, temperature, top_k, top_p, stop)
+        return self._decode(stream, max_new_tokens, temperature, top_k, top_p, stop, ignore_eos)
 
     def generate(
         self,
@@ -418,15 +446,17 @@ class Engine:
         seed: int = 0,
         stop: Sequence[str] = (),
         truncate: bool = False,
+        ignore_eos: bool = False,
     ) -> list[Completion]:
         """Continue each prompt by up to ``max_new_tokens`` tokens; stop early at ``<|eos|>``
         or at any of ``stop`` (excluded from the text). ``temperature=0`` is greedy;
         ``top_k``/``top_p`` None leave the distribution whole; row i samples with seed + i.
         A prompt that does not fit with ``max_new_tokens`` raises unless ``truncate``, which
-        keeps its last tokens."""
-        rows, streams, stop = self._start(
+        keeps its last tokens. ``ignore_eos`` decodes past ``<|eos|>`` as if it were any
+        token, so every row makes ``max_new_tokens`` (for benchmarks, like vLLM's option)."""
+        rows, stream, stop = self._start(
             prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, truncate
         )
-        for _ in self._decode(streams, max_new_tokens, temperature, top_k, top_p, stop):
+        for _ in self._decode(stream, max_new_tokens, temperature, top_k, top_p, stop, ignore_eos):
             pass
         return [row.completion() for row in rows]

@@ -22,6 +22,10 @@ Design choices:
 - Attention is ``F.scaled_dot_product_attention`` (GQA by ``enable_gqa``);
   ``reference_attention`` spells out softmax(QK^T/sqrt(d) + mask) V for tests.
   ``model.set_attention("reference")`` swaps the function each Attention calls.
+- The optional inference cache (the ``KVCache`` protocol below) decides where the new
+  tokens sit: it hands the forward their position ids and, for a left-padded ragged
+  batch, a (B, 1, T, S) mask; without a cache the positions are 0 .. T-1 and attention
+  is plainly causal. The model knows nothing of padding.
 - GELU is the tanh approximation (``gelu_new`` in GPT-2 and HF), so GPT-2
   checkpoints match exactly.
 - Tied embeddings share one Parameter. ``to_empty()`` gives each module a fresh
@@ -41,19 +45,31 @@ from torch import Tensor, nn
 from ember.config import ModelConfig
 from ember.errors import ConfigError
 
-Rope = tuple[Tensor, Tensor]  # (cos, sin), each (T, head_dim / 2)
+Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
 
 class KVCache(Protocol):
     """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds one).
 
-    One forward call: the model reads ``pos``, every layer calls ``update`` once,
-    then the model calls ``advance(T)``.
+    One forward call: the model asks for ``positions(T)`` and ``mask(T)``, every layer
+    calls ``update`` once, then the model calls ``advance(T)``. A cache whose rows are
+    left-padded to a common length (a ragged batch) gives each row its own positions and
+    hides the pad slots through the mask; a cache without padding returns ``None`` masks
+    and the plain causal attention applies.
     """
 
     @property
     def pos(self) -> int:
-        """Tokens already held; the T new tokens take positions pos .. pos + T - 1."""
+        """Slots already held; the T new tokens fill slots pos .. pos + T - 1."""
+        ...
+
+    def positions(self, T: int) -> Tensor:
+        """Position ids of the next T slots: (T,) when every row starts at slot 0, else (B, T)."""
+        ...
+
+    def mask(self, T: int) -> Tensor | None:
+        """(B, 1, T, pos + T) bool, True where a query slot may read a key slot; None for
+        the plain causal mask."""
         ...
 
     def update(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,9 +110,8 @@ class LearnedPositions(nn.Module):
         super().__init__()
         self.wpe = nn.Embedding(max_seq_len, d_model)
 
-    def forward(self, x: Tensor, start: int) -> tuple[Tensor, Rope | None]:
-        pos = torch.arange(start, start + x.size(1), device=x.device)  # (T,)
-        return x + self.wpe(pos), None
+    def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Rope | None]:
+        return x + self.wpe(positions), None  # positions (T,) or (B, T) broadcast over B
 
 
 class RotaryPositions(nn.Module):
@@ -122,14 +137,14 @@ class RotaryPositions(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, x: Tensor, start: int) -> tuple[Tensor, Rope | None]:
-        end = start + x.size(1)
-        return x, (self.cos[start:end], self.sin[start:end])
+    def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Rope | None]:
+        # (T, hd/2) -> (1, T, hd/2), or (B, T, hd/2) -> (B, 1, T, hd/2): broadcast over heads
+        return x, (self.cos[positions].unsqueeze(-3), self.sin[positions].unsqueeze(-3))
 
 
 def apply_rotary(x: Tensor, rope: Rope) -> Tensor:
     """Rotate x (B, heads, T, head_dim): dimension i pairs with i + head_dim/2 (rotate-half)."""
-    cos, sin = rope  # (T, head_dim / 2), broadcast over B and heads
+    cos, sin = rope  # (1 or B, 1, T, head_dim / 2), broadcast over heads
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -154,27 +169,33 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """q (B, n_head, T, hd); k, v (B, n_kv_head, S, hd) -> (B, n_head, T, hd)."""
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None) -> Tensor:
+    """q (B, n_head, T, hd); k, v (B, n_kv_head, S, hd) -> (B, n_head, T, hd). ``mask``
+    (B, 1, T, S) bool, True where a query may look, replaces the causal mask when given."""
     gqa = q.size(1) != k.size(1)  # query head h reads key/value head h // (n_head / n_kv_head)
-    if q.size(-2) == k.size(-2):
+    if mask is None and q.size(-2) == k.size(-2):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
-    mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """The formula, for tests: softmax(Q K^T / sqrt(hd) + causal mask) V."""
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None
+) -> Tensor:
+    """The formula, for tests: softmax(Q K^T / sqrt(hd) + mask) V, the causal mask by default."""
     n_rep = q.size(1) // k.size(1)
     k = k.repeat_interleave(n_rep, dim=1)  # (B, n_head, S, hd)
     v = v.repeat_interleave(n_rep, dim=1)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, n_head, T, S)
-    scores = scores.masked_fill(~causal_mask(q.size(-2), k.size(-2), q.device), float("-inf"))
+    if mask is None:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
     weights = F.dropout(scores.softmax(dim=-1), p=dropout_p)
     return weights @ v  # (B, n_head, T, hd)
 
 
-ATTENTION: dict[str, Callable[[Tensor, Tensor, Tensor, float], Tensor]] = {
+ATTENTION: dict[str, Callable[..., Tensor]] = {
     "sdpa": sdpa_attention,
     "reference": reference_attention,
 }
@@ -201,7 +222,9 @@ class Attention(nn.Module):
         self.attn_dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, rope: Rope | None, cache: KVCache | None = None, mask: Tensor | None = None
+    ) -> Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
@@ -209,7 +232,7 @@ class Attention(nn.Module):
         q, k = self.rotate(self.q_norm(q), self.k_norm(k), rope)
         if cache is not None:
             k, v = cache.update(self.layer_id, k, v)  # (B, n_kv_head, S, hd), S = cache.pos + T
-        y = self.attend(q, k, v, self.attn_dropout if self.training else 0.0)  # (B, n_head, T, hd)
+        y = self.attend(q, k, v, self.attn_dropout if self.training else 0.0, mask)  # (B, n_head, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * hd)
         return self.resid_dropout(self.wo(y))
 
@@ -258,8 +281,10 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = SwiGLU(cfg) if cfg.mlp == "swiglu" else GeluMLP(cfg)
 
-    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache)
+    def forward(
+        self, x: Tensor, rope: Rope | None, cache: KVCache | None = None, mask: Tensor | None = None
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -294,7 +319,8 @@ class GPT(nn.Module):
         self.tie_weights()
 
     def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32."""
+        """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
+        continues the sequences it holds, at the positions and under the mask it gives."""
         T = idx.size(1)
         start = 0 if cache is None else cache.pos
         if start + T > self.cfg.max_seq_len:
@@ -302,10 +328,14 @@ class GPT(nn.Module):
                 f"a sequence of {start + T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
                 "shorten the input or use a model with a larger max_seq_len"
             )
-        x, rope = self.pos(self.tok_embeddings(idx), start)  # (B, T, C)
+        if cache is None:
+            positions, mask = torch.arange(T, device=idx.device), None  # (T,), causal
+        else:
+            positions, mask = cache.positions(T), cache.mask(T)  # (T,) or (B, T); (B, 1, T, S) or None
+        x, rope = self.pos(self.tok_embeddings(idx), positions)  # (B, T, C)
         x = self.dropout(x)
         for layer in self.layers.values():
-            x = layer(x, rope, cache)
+            x = layer(x, rope, cache, mask)
         if cache is not None:
             cache.advance(T)
         return self.output(self.norm(x)).float()  # (B, T, vocab_size)
