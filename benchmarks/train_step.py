@@ -8,6 +8,12 @@ vocab 4096, fp32, learned positions, LayerNorm, GELU (tanh), biases, tied head, 
 It prints the losses of the first batch (must agree within 1e-4), then one table: median
 step seconds and tokens/s of each model over ``--steps`` timed steps, and ember/peer.
 
+After the table it prints the floor: the time this machine needs for the step's matrix
+multiplies and attention alone (each GEMM of the forward and backward of every linear layer,
+q/k/v fused, and SDPA forward + backward, timed one by one with ``torch.mm`` on the step's
+shapes). No model that does the same arithmetic can step faster, so peer time / floor is
+the largest ratio any implementation could reach against the peer here.
+
 ``--compile`` adds a third row: ember with ``torch.compile(block, fullgraph=True)`` on each
 block, as ``ember.parallel.parallelize.apply_compile`` does. ``--profile`` runs
 ``torch.profiler`` (CPU) over 3 steps of each eager model and prints the top 10 ops by self
@@ -99,6 +105,41 @@ def make_step(model: torch.nn.Module, logits_of, x: torch.Tensor, y: torch.Tenso
         return loss.item()
 
     return step
+
+
+def gemm_floor(cfg: ModelConfig, reps: int = 5) -> tuple[float, float]:
+    """(seconds, GFLOP) of one step's matmuls and attention alone, each timed in isolation:
+    for every linear layer (q/k/v fused, the cheapest arrangement), y = x W^T forward and
+    dx = dy W, dW = dy^T x backward; plus SDPA (causal) forward and backward. Median of
+    ``reps`` runs per GEMM."""
+    n, d, hidden = BATCH * SEQ_LEN, cfg.d_model, 4 * cfg.d_model
+    linears = [(d, 3 * d, cfg.n_layer), (d, d, cfg.n_layer), (d, hidden, cfg.n_layer)]
+    linears += [(hidden, d, cfg.n_layer), (d, VOCAB, 1)]  # (in, out, how many per step)
+    seconds = flops = 0.0
+    g = torch.Generator().manual_seed(0)
+    for d_in, d_out, count in linears:
+        x, w = torch.randn(n, d_in, generator=g), torch.randn(d_out, d_in, generator=g)
+        dy = torch.randn(n, d_out, generator=g)
+        for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):  # forward, grad input, grad weight
+            samples = []
+            for _ in range(reps):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                samples.append(time.perf_counter() - start)
+            seconds += count * statistics.median(samples)
+            flops += count * 2 * a.size(0) * a.size(1) * b.size(1)
+    head_dim = d // cfg.n_head
+    q, k, v = (torch.randn(BATCH, cfg.n_head, SEQ_LEN, head_dim, requires_grad=True) for _ in range(3))
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+        samples.append(time.perf_counter() - start)
+    seconds += cfg.n_layer * statistics.median(samples)
+    # causal: half of QK^T and of PV, forward (2 GEMMs) and backward (4 GEMMs)
+    flops += cfg.n_layer * 6 * BATCH * cfg.n_head * SEQ_LEN * SEQ_LEN * head_dim
+    return seconds, flops / 1e9
 
 
 def timed(step: Step) -> float:
@@ -228,6 +269,15 @@ def main() -> None:
         )
     print(f"\n{args.steps} timed steps per model (after warm-up), {tokens_per_step} tokens per step")
     print_table(["model", "median s/step", "min s", "max s", "tokens/s", "vs HF (tokens/s)"], rows)
+
+    floor, gflop = gemm_floor(cfg)
+    ours_median = statistics.median(times["ember GPT"])
+    print(
+        f"\nfloor: the step's GEMMs and attention alone take {floor:.3f} s here ({gflop:.0f} GFLOP, "
+        f"{gflop / floor:.0f} GFLOP/s); ember's step is {ours_median / floor:.2f}x the floor, HF's "
+        f"{peer / floor:.2f}x, so no implementation of these FLOPs can beat HF by more than "
+        f"{peer / floor:.2f}x on this machine"
+    )
 
     if args.profile:
         print(f"\nember GPT, {PROFILE_STEPS} steps, top 10 ops by self CPU time:")

@@ -175,6 +175,8 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tens
     gqa = q.size(1) != k.size(1)  # query head h reads key/value head h // (n_head / n_kv_head)
     if mask is None and q.size(-2) == k.size(-2):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+    if mask is None and q.size(-2) == 1:  # one new query after a cache sees every key: no mask to build
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
     if mask is None:
         mask = causal_mask(q.size(-2), k.size(-2), q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
