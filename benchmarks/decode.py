@@ -1,0 +1,338 @@
+"""Decode speed: ember's ``Engine.generate`` against transformers' ``generate``, same weights.
+
+    .venv/bin/python benchmarks/decode.py [--model NAME ...] [--new-tokens N] [--reps N]
+                                          [--threads N] [--device cpu|cuda]
+
+Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1
+and at batch 8 (8 different prompts), fp32, in ``torch.inference_mode``, random weights
+(seed 0, std 0.1). The models (``--model``, repeatable; default ``cpu-quick`` and
+``gpt2-mini``):
+
+- ``cpu-quick``: the quickstart's model (configs/cpu-quick.yaml: d_model 128, 4 layers,
+  2 heads, RoPE, RMSNorm, SwiGLU), against ``LlamaForCausalLM``; what ``ember generate``
+  decodes after ``ember quickstart`` on this CPU. ``max_seq_len`` 512 (RoPE has no
+  position weights, so the parameters are the preset's).
+- ``gpt2-mini``: the shape of benchmarks/train_step.py (d_model 384, 6 layers, 6 heads,
+  GPT-2 layout), against ``GPT2LMHeadModel``.
+- ``llama-mini``: the same size in the Llama layout with 2 key/value heads (GQA).
+- ``gpt2-small``: GPT-2 small (d_model 768, 12 layers, 12 heads), for a GPU.
+
+The vocabulary is the benchmark tokenizer's 4096 in every case. For each model it prints
+the greedy ids of both for the batch-1 prompt and how many leading ids agree (exit 1
+below 32: the weight mapping would be broken), then one table of tokens/s (batch * new
+tokens / median seconds) and ember/HF, and whether ember reaches 3x HF at batch 1.
+
+It also prints the memory-bandwidth bound of batch-1 decoding: every new token reads all
+the weights and the keys and values held so far, so bytes per token / copy bandwidth
+(measured here by copying a 256 MiB tensor into another, read + write) is the least time
+a token can take, and tokens/s * bytes per token / bandwidth is the fraction of that bound
+reached. On a CPU a model whose weights fit in the last-level cache (``cpu-quick``: 5.5 MB)
+is not held to the DRAM figure and can pass 100%.
+
+Design choices:
+
+- Same weights (``to_hf`` copies ours) and the same prompt ids: HF gets
+  ``tokenizer.encode_batch(prompts)`` as ``input_ids`` with an all-ones attention mask.
+- The 8 prompts encode to the same number of tokens, so neither side pads: both take the
+  plain causal path with no attention mask. Each prompt is the first 64 tokens of a
+  standard-library file, decoded to text, kept only if it encodes back to exactly those
+  64 ids.
+- Weights are drawn with std 0.1, not the 0.02 of training: at 0.02 the tied head makes a
+  random model repeat its last token, so the greedy ids would agree even with positions
+  mapped wrong; at 0.1 a row of 128 ids has 80-125 distinct ones. The values of the
+  weights do not change the work, so the timings are those of the trained shape.
+- ember is timed through ``Engine.generate``, the public path: prompt encoding, the
+  per-step incremental text decode and the stop/eos bookkeeping are included. HF is timed
+  through ``model.generate`` with its default (dynamic) KV cache; its output ids are not
+  decoded to text, which only favours HF.
+- Every row makes exactly ``--new-tokens`` tokens: ember with ``ignore_eos=True``, HF with
+  ``min_new_tokens`` and no eos id in its config. Both counts are checked after warm-up.
+- The tokenizer is a byte-level BPE (vocab 4096) trained in-process on the first 1.5 M
+  characters of the standard library (under a second), and the model's vocabulary is the
+  tokenizer's, so ember's engine masks no logits that HF would keep.
+- One warm-up call of each (batch 1 and 8), then ``--reps`` timed calls in turns (ember,
+  HF, ember, HF, ... per batch size) so that noise from the machine falls on both alike;
+  the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+
+from ember.config import ModelConfig
+from ember.data.sources import open_source
+from ember.data.tokenizer import Tokenizer
+from ember.infer.engine import Engine
+from ember.model.gpt import GPT
+from ember.model.hf import to_hf
+
+VOCAB, MAX_SEQ_LEN, PROMPT_TOKENS = 4096, 512, 64
+GPT2 = dict(pos="learned", norm="layernorm", mlp="gelu", bias=True)
+LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+MODELS = {  # name -> ModelConfig fields besides the vocabulary
+    "cpu-quick": dict(n_layer=4, n_head=2, d_model=128, **LLAMA),
+    "gpt2-mini": dict(n_layer=6, n_head=6, d_model=384, **GPT2),
+    "llama-mini": dict(n_layer=6, n_head=6, n_kv_head=2, d_model=384, **LLAMA),
+    "gpt2-small": dict(n_layer=12, n_head=12, d_model=768, **GPT2),
+}
+BATCH_SIZES = (1, 8)
+SEED = 0
+INIT_STD = 0.1  # see the module docstring
+TOKENIZER_TRAIN_BYTES = 1_500_000
+MIN_AGREE = 32  # fewer leading greedy ids in common than this means the mapping is broken
+TARGET = 3.0  # ember tokens/s over HF's at batch 1
+
+Generate = Callable[[], list[list[int]]]
+
+
+def model_config(name: str, vocab_size: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size, max_seq_len=MAX_SEQ_LEN, init_std=INIT_STD, dropout=0.0, **MODELS[name]
+    )
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, mib: int = 256, reps: int = 5) -> float:
+    """Bytes per second moved by copying a ``mib`` MiB tensor into another (read + write), best of
+    ``reps``; both are touched first, so no page faults are timed."""
+    x = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(1.0)
+    y = torch.zeros_like(x)
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        y.copy_(x)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.numel() * 4 / best
+
+
+def bytes_per_token(cfg: ModelConfig, model: torch.nn.Module, context: float) -> float:
+    """Bytes batch-1 decoding reads per new token: every weight once (a tied matrix once), and
+    the keys and values of ``context`` held positions in every layer (fp32)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_heads = cfg.n_kv_head or cfg.n_head
+    kv = 2 * cfg.n_layer * kv_heads * (cfg.d_model // cfg.n_head) * context * 4
+    return weights + kv
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def train_tokenizer() -> tuple[Tokenizer, list[str]]:
+    """A BPE tokenizer trained on the first standard-library files, and the texts of the
+    files after those (prompt material the tokenizer has not seen)."""
+    train, rest, size = [], [], 0
+    for doc in open_source("embedded:python-stdlib").documents():
+        if size < TOKENIZER_TRAIN_BYTES:
+            train.append(doc.text)
+            size += len(doc.text)
+        elif len(rest) < 64:
+            rest.append(doc.text)
+        else:
+            break
+    return Tokenizer.train_bpe(train, vocab_size=VOCAB), rest
+
+
+def pick_prompts(tokenizer: Tokenizer, texts: list[str], n: int) -> list[str]:
+    """``n`` prompts of exactly PROMPT_TOKENS tokens each, from different files."""
+    prompts = []
+    for text in texts:
+        ids = tokenizer.encode(text[: PROMPT_TOKENS * 16])[:PROMPT_TOKENS]
+        prompt = tokenizer.decode(ids)
+        if len(ids) == PROMPT_TOKENS and tokenizer.encode(prompt) == ids:
+            prompts.append(prompt)
+        if len(prompts) == n:
+            return prompts
+    raise SystemExit(f"found only {len(prompts)} of {n} prompts that encode to {PROMPT_TOKENS} tokens")
+
+
+def ember_generate(engine: Engine, prompts: list[str], new_tokens: int) -> Generate:
+    def generate() -> list[list[int]]:
+        with torch.inference_mode():
+            completions = engine.generate(prompts, new_tokens, temperature=0.0, ignore_eos=True)
+        return [c.token_ids for c in completions]
+
+    return generate
+
+
+def hf_generate(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, pad_id: int) -> Generate:
+    attention_mask = torch.ones_like(input_ids)
+
+    def generate() -> list[list[int]]:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )  # (B, PROMPT_TOKENS + new_tokens)
+        return out[:, input_ids.size(1) :].tolist()
+
+    return generate
+
+
+def timed(generate: Generate, device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    generate()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def leading_agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for i, r in enumerate([header, *rows]):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+
+
+def run_model(
+    name: str, tokenizer: Tokenizer, prompts: list[str], args: argparse.Namespace, device: torch.device
+) -> dict[int, tuple[float, float]]:
+    """Time one model shape; print its parity line and table; return {batch: (ember, HF) tokens/s}."""
+    cfg = model_config(name, tokenizer.vocab_size)
+    ours = GPT.build(cfg, device=device, seed=SEED).eval()
+    hf = to_hf(ours).to(device).eval()
+    engine = Engine(ours, tokenizer)
+    print(
+        f"\n== {name}: {type(hf).__name__}, d_model {cfg.d_model}, {cfg.n_layer} layers, {cfg.n_head} heads "
+        f"({cfg.n_kv_head or cfg.n_head} kv), vocab {cfg.vocab_size}, fp32, {ours.num_params():,} params, "
+        f"HF attn_implementation = {hf.config._attn_implementation}"
+    )
+
+    calls: dict[tuple[int, str], Generate] = {}
+    for batch in BATCH_SIZES:
+        input_ids = torch.tensor(tokenizer.encode_batch(prompts[:batch]), device=device)  # (B, PROMPT_TOKENS)
+        calls[batch, "ember"] = ember_generate(engine, prompts[:batch], args.new_tokens)
+        calls[batch, "HF"] = hf_generate(hf, input_ids, args.new_tokens, tokenizer.pad_id)
+
+    warmup = {key: generate() for key, generate in calls.items()}  # also the parity check
+    for (batch, who), rows in warmup.items():
+        lengths = {len(r) for r in rows}
+        if lengths != {args.new_tokens}:
+            raise SystemExit(
+                f"{who} at batch {batch} made {sorted(lengths)} tokens per row, not {args.new_tokens} "
+                "(an eos ended a row early?); tokens/s would be wrong"
+            )
+    ours_ids, hf_ids = warmup[1, "ember"][0], warmup[1, "HF"][0]
+    agree = leading_agreement(ours_ids, hf_ids)
+    batch_agree = [leading_agreement(a, b) for a, b in zip(warmup[8, "ember"], warmup[8, "HF"], strict=True)]
+    print(
+        f"leading greedy ids that agree with HF: batch 1 {agree}/{args.new_tokens}; "
+        f"batch 8 rows {min(batch_agree)}..{max(batch_agree)}/{args.new_tokens} "
+        f"({'ok' if agree >= min(MIN_AGREE, args.new_tokens) else 'MISMATCH'}, need {MIN_AGREE} at batch 1)"
+    )
+    if agree < min(MIN_AGREE, args.new_tokens):
+        print(f"ember {ours_ids[:16]}\nHF    {hf_ids[:16]}")
+        print("ember and HF disagree early: the weight mapping is broken; the timing would be meaningless")
+        raise SystemExit(1)
+
+    times: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
+    for _ in range(args.reps):
+        for key, generate in calls.items():
+            times[key].append(timed(generate, device))
+
+    rows, result, spread = [], {}, []
+    for batch in BATCH_SIZES:
+        ours_range, hf_range = (
+            f"{min(times[batch, n]):.2f}-{max(times[batch, n]):.2f}" for n in ("ember", "HF")
+        )
+        spread.append(f"batch {batch}: ember {ours_range}, HF {hf_range}")
+        ours_tps = batch * args.new_tokens / statistics.median(times[batch, "ember"])
+        hf_tps = batch * args.new_tokens / statistics.median(times[batch, "HF"])
+        result[batch] = (ours_tps, hf_tps)
+        rows.append([str(batch), f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", f"{ours_tps / hf_tps:.2f}x"])
+    print(f"{args.reps} timed calls per model and batch size (after 1 warm-up), tokens/s of the median")
+    print_table(["batch", "ember tok/s", "HF tok/s", "ember/HF"], rows)
+    print(f"seconds per call, min-max: {'; '.join(spread)}")
+
+    per_token = bytes_per_token(cfg, ours, PROMPT_TOKENS + args.new_tokens / 2)  # mean context
+    bound = args.bandwidth / per_token
+    ours_tps, hf_tps = result[1]
+    print(
+        f"batch-1 bandwidth bound: {per_token / 2**20:.1f} MiB per token at "
+        f"{args.bandwidth / 1e9:.1f} GB/s -> at most {bound:,.0f} tok/s; ember reaches "
+        f"{ours_tps / bound:.0%} of it, HF {hf_tps / bound:.0%}; the bound allows at most "
+        f"{bound / hf_tps:.2f}x HF"
+    )
+    verdict = "met" if ours_tps >= TARGET * hf_tps else "not met"
+    print(f"target: ember >= {TARGET:.0f}x HF at batch 1: {verdict} ({ours_tps / hf_tps:.2f}x)")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model",
+        action="append",
+        choices=list(MODELS),
+        help="model shape (repeatable; default cpu-quick and gpt2-mini)",
+    )
+    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row")
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per model and batch size")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    args = parser.parse_args()
+    if not 1 <= args.new_tokens <= MAX_SEQ_LEN - PROMPT_TOKENS:
+        parser.error(f"--new-tokens must be in 1..{MAX_SEQ_LEN - PROMPT_TOKENS}")
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    device = torch.device(args.device)
+
+    start = time.perf_counter()
+    tokenizer, texts = train_tokenizer()
+    tokenizer_seconds = time.perf_counter() - start
+    prompts = pick_prompts(tokenizer, texts, max(BATCH_SIZES))
+    args.bandwidth = copy_bandwidth(device)
+
+    where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    print(
+        f"device: {where} ({platform.machine()}, {os.cpu_count()} cores), "
+        f"torch.get_num_threads() = {torch.get_num_threads()}, 1-min load average {os.getloadavg()[0]:.2f}"
+    )
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    print(
+        f"prompt {PROMPT_TOKENS} tokens, {args.new_tokens} new tokens, greedy; tokenizer: BPE trained on "
+        f"{TOKENIZER_TRAIN_BYTES:,} chars of stdlib in {tokenizer_seconds:.1f} s; "
+        f"copy bandwidth {args.bandwidth / 1e9:.1f} GB/s"
+    )
+    for name in args.model or ["cpu-quick", "gpt2-mini"]:
+        run_model(name, tokenizer, prompts, args, device)
+    print(f"\ntotal {time.perf_counter() - start:.0f} s, 1-min load average now {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
