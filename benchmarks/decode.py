@@ -66,6 +66,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from printing import cpu_model, print_table
 
 from ember.config import ModelConfig
 from ember.data.sources import open_source
@@ -126,17 +127,6 @@ def bytes_per_token(cfg: ModelConfig, model: torch.nn.Module, context: float) ->
     kv_heads = cfg.n_kv_head or cfg.n_head
     kv = 2 * cfg.n_layer * kv_heads * (cfg.d_model // cfg.n_head) * context * 4
     return weights + kv
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def train_tokenizer() -> tuple[Tokenizer, list[str]]:
@@ -209,14 +199,6 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for i, r in enumerate([header, *rows]):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
 def run_model(

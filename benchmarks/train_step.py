@@ -42,6 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 import transformers
+from printing import cpu_model, print_table
 
 from ember.config import ModelConfig
 from ember.model.gpt import GPT
@@ -71,17 +72,6 @@ def model_config() -> ModelConfig:
         tie_embeddings=True,
         dropout=0.0,
     )
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def ember_logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -146,14 +136,6 @@ def timed(step: Step) -> float:
     start = time.perf_counter()
     step()
     return time.perf_counter() - start
-
-
-def print_table(header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for i, r in enumerate([header, *rows]):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
 
 
 def profile_steps(step: Step) -> dict[str, float]:
