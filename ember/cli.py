@@ -132,7 +132,7 @@ def cmd_generate(args) -> int:
     from dataclasses import asdict
 
     from ember.errors import EmberError
-    from ember.infer.engine import Engine
+    from ember.infer.engine import Engine, check_seed
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -160,6 +160,7 @@ def cmd_generate(args) -> int:
             )
         )
         return 0
+    check_seed(args.seed, len(prompts))  # before the first prompt streams
     for i, prompt in enumerate(prompts):  # stream each prompt's text as it is produced
         print(f"--- {i + 1}/{len(prompts)}" if len(prompts) > 1 else "---", flush=True)
         print(prompt, end="", flush=True)

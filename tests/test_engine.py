@@ -303,6 +303,15 @@ def test_greedy_is_deterministic_and_seeds_reproduce(tok):
     assert alone == s1[1]
 
 
+def test_seeds_beyond_the_generator_range_raise(tok):
+    engine = Engine(tiny_model(vocab_size=320), tok)
+    top = 2**64 - 1
+    assert len(engine.generate(["a", "b"], 2, seed=top - 1)) == 2  # rows take top - 1 and top
+    for seed, prompts in ((top, ["a", "b"]), (2**64, ["a"]), (-(2**63) - 1, ["a"])):
+        with pytest.raises(EmberError, match="out of range"):
+            engine.generate(prompts, 2, seed=seed)
+
+
 def test_ids_beyond_the_tokenizer_are_never_sampled(tok):
     model = tiny_model(vocab_size=320)
     with torch.no_grad():  # make the 20 padding ids of the vocab by far the most likely

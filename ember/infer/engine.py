@@ -25,9 +25,11 @@ Design choices:
 - **A finished row keeps its slot.** Its group decodes until every row is done and
   ignores that row's tokens (as nanochat does); compacting the cache would copy it on
   every finish. Continuous batching with a paged cache is the scheduler's job, later.
-- **Each row samples from its own generator**, seeded ``seed + row``: a prompt's
-  completion does not depend on the other prompts in the call or on how rows are
-  grouped, and the same (prompt, row, seed) gives the same text.
+- **Each row samples from its own generator**, seeded ``seed + row``: in fp32 a
+  prompt's completion does not depend on the other prompts in the call, and the same
+  (prompt, row, seed) gives the same text. (In bf16 the padded batch rounds differently
+  from a row alone, so a close argmax can flip when the batch changes, as with HF's left
+  padding; generate prompts one by one where that matters.)
 - **Order of the sampling filters** (as HF's warpers): temperature, then top-k, then
   top-p on the renormalised top-k distribution. ``temperature=0`` is greedy.
   Ids the tokenizer does not have (the model's vocab is rounded up to a multiple of 64)
@@ -141,6 +143,15 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise EmberError(f"--top-k must be a positive number of tokens (or 0/None for all); got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise EmberError(f"--top-p must be in (0, 1] (1 = no nucleus filter); got {top_p}")
+
+
+def check_seed(seed: int, rows: int) -> None:
+    """Row i samples with seed + i, which torch.Generator takes in [-2**63, 2**64 - 1]."""
+    if not -(2**63) <= seed or seed + rows - 1 > 2**64 - 1:
+        raise EmberError(
+            f"--seed {seed} is out of range: row i of {rows} samples with seed + i, which must lie in "
+            f"[-2**63, 2**64 - 1]; use a seed from -2**63 to {2**64 - rows}"
+        )
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -374,6 +385,7 @@ class Engine:
     ) -> tuple[list[_Row], _Stream, list[str]]:
         """Check the arguments, encode the prompts, set up the rows and their stream."""
         check_sampling(temperature, top_k, top_p)
+        check_seed(seed, len(prompts))
         stop = [stop] if isinstance(stop, str) else list(stop)
         if any(not s for s in stop):
             raise EmberError("a stop string is empty; it would end every row at once")
