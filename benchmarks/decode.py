@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/decode.py [--model NAME ...] [--new-tokens N] [--reps N]
                                           [--threads N] [--device cpu|cuda]
 
-Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1
-and at batch 8 (8 different prompts), fp32, in ``torch.inference_mode``, random weights
+Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
+at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
+tokens ("8 ragged": ember left-pads in one cache, HF gets left padding and an attention
+mask), fp32, in ``torch.inference_mode``, random weights
 (seed 0, std 0.1). The models (``--model``, repeatable; default ``cpu-quick`` and
 ``gpt2-mini``):
 
@@ -20,7 +22,8 @@ and at batch 8 (8 different prompts), fp32, in ``torch.inference_mode``, random 
 The vocabulary is the benchmark tokenizer's 4096 in every case. For each model it prints
 the greedy ids of both for the batch-1 prompt and how many leading ids agree (exit 1
 below 32: the weight mapping would be broken), then one table of tokens/s (batch * new
-tokens / median seconds) and ember/HF, and whether ember reaches 3x HF at batch 1.
+tokens / median seconds) and ember/HF, and whether ember reaches 3x HF at batch 1. The
+rows of the other batches are compared with HF's too (leading ids that agree), printed only.
 
 It also prints the memory-bandwidth bound of batch-1 decoding: every new token reads all
 the weights and the keys and values held so far, so bytes per token / copy bandwidth
@@ -32,11 +35,12 @@ is not held to the DRAM figure and can pass 100%.
 Design choices:
 
 - Same weights (``to_hf`` copies ours) and the same prompt ids: HF gets
-  ``tokenizer.encode_batch(prompts)`` as ``input_ids`` with an all-ones attention mask.
-- The 8 prompts encode to the same number of tokens, so neither side pads: both take the
-  plain causal path with no attention mask. Each prompt is the first 64 tokens of a
-  standard-library file, decoded to text, kept only if it encodes back to exactly those
-  64 ids.
+  ``tokenizer.encode_batch(prompts)`` as ``input_ids``, left-padded with ``<|pad|>`` to the
+  longest, with an attention mask of ones on the real tokens.
+- The 8 prompts of "8" encode to the same number of tokens, so neither side pads: both take
+  the plain causal path with no attention mask; "8 ragged" takes the masked path. Each
+  prompt is the first 64 tokens of a standard-library file, decoded to text, kept only if
+  it encodes back to exactly those 64 ids (the ragged ones: a shorter prefix, likewise).
 - Weights are drawn with std 0.1, not the 0.02 of training: at 0.02 the tied head makes a
   random model repeat its last token, so the greedy ids would agree even with positions
   mapped wrong; at 0.1 a row of 128 ids has 80-125 distinct ones. The values of the
@@ -50,7 +54,7 @@ Design choices:
 - The tokenizer is a byte-level BPE (vocab 4096) trained in-process on the first 1.5 M
   characters of the standard library (under a second), and the model's vocabulary is the
   tokenizer's, so ember's engine masks no logits that HF would keep.
-- One warm-up call of each (batch 1 and 8), then ``--reps`` timed calls in turns (ember,
+- One warm-up call of each (every batch), then ``--reps`` timed calls in turns (ember,
   HF, ember, HF, ... per batch size) so that noise from the machine falls on both alike;
   the median is reported.
 """
@@ -84,7 +88,7 @@ MODELS = {  # name -> ModelConfig fields besides the vocabulary
     "llama-mini": dict(n_layer=6, n_head=6, n_kv_head=2, d_model=384, **LLAMA),
     "gpt2-small": dict(n_layer=12, n_head=12, d_model=768, **GPT2),
 }
-BATCH_SIZES = (1, 8)
+RAGGED_STEP = 6  # "8 ragged": prompt i keeps about PROMPT_TOKENS - RAGGED_STEP * i tokens
 SEED = 0
 INIT_STD = 0.1  # see the module docstring
 TOKENIZER_TRAIN_BYTES = 1_500_000
@@ -157,6 +161,19 @@ def pick_prompts(tokenizer: Tokenizer, texts: list[str], n: int) -> list[str]:
     raise SystemExit(f"found only {len(prompts)} of {n} prompts that encode to {PROMPT_TOKENS} tokens")
 
 
+def shorten(tokenizer: Tokenizer, prompts: list[str]) -> list[str]:
+    """Prompt i cut to about PROMPT_TOKENS - RAGGED_STEP * i tokens, at a length whose text
+    encodes back to the same ids."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt)
+        n = PROMPT_TOKENS - RAGGED_STEP * i
+        while tokenizer.encode(tokenizer.decode(ids[:n])) != ids[:n]:
+            n -= 1
+        out.append(tokenizer.decode(ids[:n]))
+    return out
+
+
 def ember_generate(engine: Engine, prompts: list[str], new_tokens: int) -> Generate:
     def generate() -> list[list[int]]:
         with torch.inference_mode():
@@ -166,8 +183,12 @@ def ember_generate(engine: Engine, prompts: list[str], new_tokens: int) -> Gener
     return generate
 
 
-def hf_generate(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, pad_id: int) -> Generate:
-    attention_mask = torch.ones_like(input_ids)
+def hf_generate(
+    model: torch.nn.Module, rows: list[list[int]], new_tokens: int, pad_id: int, device: torch.device
+) -> Generate:
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)  # (B, width)
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
 
     def generate() -> list[list[int]]:
         with torch.inference_mode():
@@ -178,7 +199,7 @@ def hf_generate(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int
                 min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=pad_id,
-            )  # (B, PROMPT_TOKENS + new_tokens)
+            )  # (B, width + new_tokens)
         return out[:, input_ids.size(1) :].tolist()
 
     return generate
@@ -204,7 +225,7 @@ def leading_agreement(a: list[int], b: list[int]) -> int:
 def run_model(
     name: str, tokenizer: Tokenizer, prompts: list[str], args: argparse.Namespace, device: torch.device
 ) -> dict[int, tuple[float, float]]:
-    """Time one model shape; print its parity line and table; return {batch: (ember, HF) tokens/s}."""
+    """Time one model shape; print its parity line and table; return {case: (ember, HF) tokens/s}."""
     cfg = model_config(name, tokenizer.vocab_size)
     ours = GPT.build(cfg, device=device, seed=SEED).eval()
     hf = to_hf(ours).to(device).eval()
@@ -215,55 +236,60 @@ def run_model(
         f"HF attn_implementation = {hf.config._attn_implementation}"
     )
 
-    calls: dict[tuple[int, str], Generate] = {}
-    for batch in BATCH_SIZES:
-        input_ids = torch.tensor(tokenizer.encode_batch(prompts[:batch]), device=device)  # (B, PROMPT_TOKENS)
-        calls[batch, "ember"] = ember_generate(engine, prompts[:batch], args.new_tokens)
-        calls[batch, "HF"] = hf_generate(hf, input_ids, args.new_tokens, tokenizer.pad_id)
+    cases = {"1": prompts[:1], "8": prompts, "8 ragged": shorten(tokenizer, prompts)}
+    calls: dict[tuple[str, str], Generate] = {}
+    for case, texts in cases.items():
+        ids = tokenizer.encode_batch(texts)
+        calls[case, "ember"] = ember_generate(engine, texts, args.new_tokens)
+        calls[case, "HF"] = hf_generate(hf, ids, args.new_tokens, tokenizer.pad_id, device)
 
     warmup = {key: generate() for key, generate in calls.items()}  # also the parity check
-    for (batch, who), rows in warmup.items():
+    for (case, who), rows in warmup.items():
         lengths = {len(r) for r in rows}
         if lengths != {args.new_tokens}:
             raise SystemExit(
-                f"{who} at batch {batch} made {sorted(lengths)} tokens per row, not {args.new_tokens} "
+                f"{who} at batch {case} made {sorted(lengths)} tokens per row, not {args.new_tokens} "
                 "(an eos ended a row early?); tokens/s would be wrong"
             )
-    ours_ids, hf_ids = warmup[1, "ember"][0], warmup[1, "HF"][0]
+    ours_ids, hf_ids = warmup["1", "ember"][0], warmup["1", "HF"][0]
     agree = leading_agreement(ours_ids, hf_ids)
-    batch_agree = [leading_agreement(a, b) for a, b in zip(warmup[8, "ember"], warmup[8, "HF"], strict=True)]
+    others = []
+    for case in list(cases)[1:]:
+        pairs = zip(warmup[case, "ember"], warmup[case, "HF"], strict=True)
+        row_agree = [leading_agreement(a, b) for a, b in pairs]
+        others.append(f"batch {case} rows {min(row_agree)}..{max(row_agree)}")
     print(
-        f"leading greedy ids that agree with HF: batch 1 {agree}/{args.new_tokens}; "
-        f"batch 8 rows {min(batch_agree)}..{max(batch_agree)}/{args.new_tokens} "
-        f"({'ok' if agree >= min(MIN_AGREE, args.new_tokens) else 'MISMATCH'}, need {MIN_AGREE} at batch 1)"
+        f"leading greedy ids that agree with HF (of {args.new_tokens}): batch 1 {agree}; {'; '.join(others)} "
+        f"({'ok' if agree >= min(MIN_AGREE, args.new_tokens) else 'MISMATCH'}, need {MIN_AGREE} at batch 1; "
+        f"prompt tokens in 8 ragged: {[len(r) for r in tokenizer.encode_batch(cases['8 ragged'])]})"
     )
     if agree < min(MIN_AGREE, args.new_tokens):
         print(f"ember {ours_ids[:16]}\nHF    {hf_ids[:16]}")
         print("ember and HF disagree early: the weight mapping is broken; the timing would be meaningless")
         raise SystemExit(1)
 
-    times: dict[tuple[int, str], list[float]] = {key: [] for key in calls}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
     for _ in range(args.reps):
         for key, generate in calls.items():
             times[key].append(timed(generate, device))
 
     rows, result, spread = [], {}, []
-    for batch in BATCH_SIZES:
+    for case, texts in cases.items():
         ours_range, hf_range = (
-            f"{min(times[batch, n]):.2f}-{max(times[batch, n]):.2f}" for n in ("ember", "HF")
+            f"{min(times[case, n]):.2f}-{max(times[case, n]):.2f}" for n in ("ember", "HF")
         )
-        spread.append(f"batch {batch}: ember {ours_range}, HF {hf_range}")
-        ours_tps = batch * args.new_tokens / statistics.median(times[batch, "ember"])
-        hf_tps = batch * args.new_tokens / statistics.median(times[batch, "HF"])
-        result[batch] = (ours_tps, hf_tps)
-        rows.append([str(batch), f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", f"{ours_tps / hf_tps:.2f}x"])
+        spread.append(f"batch {case}: ember {ours_range}, HF {hf_range}")
+        ours_tps = len(texts) * args.new_tokens / statistics.median(times[case, "ember"])
+        hf_tps = len(texts) * args.new_tokens / statistics.median(times[case, "HF"])
+        result[case] = (ours_tps, hf_tps)
+        rows.append([case, f"{ours_tps:,.0f}", f"{hf_tps:,.0f}", f"{ours_tps / hf_tps:.2f}x"])
     print(f"{args.reps} timed calls per model and batch size (after 1 warm-up), tokens/s of the median")
     print_table(["batch", "ember tok/s", "HF tok/s", "ember/HF"], rows)
     print(f"seconds per call, min-max: {'; '.join(spread)}")
 
     per_token = bytes_per_token(cfg, ours, PROMPT_TOKENS + args.new_tokens / 2)  # mean context
     bound = args.bandwidth / per_token
-    ours_tps, hf_tps = result[1]
+    ours_tps, hf_tps = result["1"]
     print(
         f"batch-1 bandwidth bound: {per_token / 2**20:.1f} MiB per token at "
         f"{args.bandwidth / 1e9:.1f} GB/s -> at most {bound:,.0f} tok/s; ember reaches "
@@ -297,7 +323,7 @@ def main() -> None:
     start = time.perf_counter()
     tokenizer, texts = train_tokenizer()
     tokenizer_seconds = time.perf_counter() - start
-    prompts = pick_prompts(tokenizer, texts, max(BATCH_SIZES))
+    prompts = pick_prompts(tokenizer, texts, 8)
     args.bandwidth = copy_bandwidth(device)
 
     where = cpu_model() if device.type == "cpu" else torch.cuda.get_device_name(device)
