@@ -97,6 +97,16 @@ def make_step(model: torch.nn.Module, logits_of, x: torch.Tensor, y: torch.Tenso
     return step
 
 
+def timed(step: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[[], object], reps: int) -> float:
+    return statistics.median(timed(fn) for _ in range(reps))
+
+
 def gemm_floor(cfg: ModelConfig, reps: int = 5) -> tuple[float, float]:
     """(seconds, GFLOP) of one step's matmuls and attention alone, each timed in isolation:
     for every linear layer (q/k/v fused, the cheapest arrangement), y = x W^T forward and
@@ -111,31 +121,19 @@ def gemm_floor(cfg: ModelConfig, reps: int = 5) -> tuple[float, float]:
         x, w = torch.randn(n, d_in, generator=g), torch.randn(d_out, d_in, generator=g)
         dy = torch.randn(n, d_out, generator=g)
         for a, b in ((x, w.t()), (dy, w), (dy.t(), x)):  # forward, grad input, grad weight
-            samples = []
-            for _ in range(reps):
-                start = time.perf_counter()
-                torch.mm(a, b)
-                samples.append(time.perf_counter() - start)
-            seconds += count * statistics.median(samples)
+            seconds += count * median_seconds(lambda a=a, b=b: torch.mm(a, b), reps)
             flops += count * 2 * a.size(0) * a.size(1) * b.size(1)
     head_dim = d // cfg.n_head
     q, k, v = (torch.randn(BATCH, cfg.n_head, SEQ_LEN, head_dim, requires_grad=True) for _ in range(3))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
+
+    def attention() -> None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(torch.ones_like(out))
-        samples.append(time.perf_counter() - start)
-    seconds += cfg.n_layer * statistics.median(samples)
+
+    seconds += cfg.n_layer * median_seconds(attention, reps)
     # causal: half of QK^T and of PV, forward (2 GEMMs) and backward (4 GEMMs)
     flops += cfg.n_layer * 6 * BATCH * cfg.n_head * SEQ_LEN * SEQ_LEN * head_dim
     return seconds, flops / 1e9
-
-
-def timed(step: Step) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
 
 
 def profile_steps(step: Step) -> dict[str, float]:

@@ -242,14 +242,14 @@ class _Stream:
     def step(self, temperature: float, top_k: int | None, top_p: float | None) -> list[int]:
         """One forward (the prefill on the first call) and one sampled id per row."""
         model = self.engine.model
-        if model.training:  # eval() walks every module: only when needed, not on every step
+        was_training = model.training  # eval() walks every module: toggle only when needed
+        if was_training:
             model.eval()
-            try:
-                logits = model(self.next_input, cache=self.cache)[:, -1]  # (B, V)
-            finally:
-                model.train()
-        else:
+        try:
             logits = model(self.next_input, cache=self.cache)[:, -1]  # (B, V)
+        finally:
+            if was_training:
+                model.train()
         if self.engine.n_valid < logits.size(-1):  # ids beyond the tokenizer's vocabulary
             logits[:, self.engine.n_valid :] = float("-inf")
         if temperature == 0:

@@ -324,16 +324,15 @@ class GPT(nn.Module):
         """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
         continues the sequences it holds, at the positions and under the mask it gives."""
         T = idx.size(1)
-        start = 0 if cache is None else cache.pos
+        if cache is None:
+            start, positions, mask = 0, torch.arange(T, device=idx.device), None  # (T,), causal
+        else:  # positions (T,) or (B, T); mask (B, 1, T, S) or None
+            start, positions, mask = cache.pos, cache.positions(T), cache.mask(T)
         if start + T > self.cfg.max_seq_len:
             raise ConfigError(
                 f"a sequence of {start + T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
                 "shorten the input or use a model with a larger max_seq_len"
             )
-        if cache is None:
-            positions, mask = torch.arange(T, device=idx.device), None  # (T,), causal
-        else:
-            positions, mask = cache.positions(T), cache.mask(T)  # (T,) or (B, T); (B, 1, T, S) or None
         x, rope = self.pos(self.tok_embeddings(idx), positions)  # (B, T, C)
         x = self.dropout(x)
         for layer in self.layers.values():
