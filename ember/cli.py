@@ -111,20 +111,44 @@ def cmd_train(args) -> int:
 
 def cmd_eval(args) -> int:
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
+    from rich.text import Text
 
     from ember.infer.evaluate import evaluate_run
 
     results = evaluate_run(
-        Path(args.run), args.data, args.ckpt, args.seq_len, args.batch_size, args.max_windows
+        Path(args.run),
+        args.data,
+        args.ckpt,
+        args.seq_len,
+        args.batch_size,
+        args.max_windows,
+        splits=args.split,
+        stride=args.stride,
     )
     table = Table(
-        "data", "loss", "perplexity", "bits/byte", title=f"{args.run} ({args.ckpt})", title_justify="left"
-    )
+        Column("data", no_wrap=True), "documents", "tokens", "bytes", "loss", "perplexity", "bits/byte",
+        title=Text(f"{args.run} ({args.ckpt})"), title_justify="left",
+    )  # fmt: skip
     for name, r in results.items():
-        table.add_row(name, f"{r['val_loss']:.4f}", f"{r['val_ppl']:.2f}", f"{r['val_bpb']:.4f}")
-    Console(width=max(Console().width, 100)).print(table)
-    print(f"written {Path(args.run) / 'eval.json'}")
+        rows = [(name, r)] + [(f"  {k}", v) for k, v in r.get("strata", {}).items()]
+        for label, m in rows:
+            table.add_row(
+                Text(label),  # literally: a glob like test_[a-c]*.py is not markup
+                f"{m['documents']:,}",
+                f"{m['tokens']:,}",
+                f"{m['bytes']:,}",
+                f"{m['loss']:.4f}",
+                f"{m['ppl']:.2f}",
+                f"{m['bpb']:.4f}",
+            )
+        if r["windows"] < r["windows_total"]:
+            print(f"note: {name}: {r['windows']} of {r['windows_total']} windows scored (--max-windows)")
+    width = max(len(name) for name in results) + 90
+    Console(width=max(Console().width, width)).print(table)
+    stride = next(iter(results.values()))["stride"]
+    seq_len = next(iter(results.values()))["seq_len"]
+    print(f"windows of {seq_len} tokens, stride {stride}; written {Path(args.run) / 'eval.json'}")
     return 0
 
 
@@ -273,20 +297,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser(
         "eval",
-        help="loss, perplexity and bits per byte of a run's model on its val split or any text",
-        description="Evaluate RUN's model on its validation split (default) or on --data sources "
-        "(files, directories, globs, .jsonl/.parquet, embedded:NAME), tokenized with the run's "
-        "tokenizer. Bits per byte count the UTF-8 bytes of the text, so runs with different "
-        "tokenizers compare fairly. Prints a table and writes RUN/eval.json.",
+        help="loss, perplexity and bits per byte of a run's model on its val/test split or any text",
+        description="Evaluate RUN's model on a split of its prepared data (--split val, the default, "
+        "or test: held out by origin) or on --data sources (files, directories, globs, "
+        ".jsonl/.parquet, embedded:NAME), tokenized with the run's tokenizer. Every token is scored "
+        "once unless --max-windows caps it; the table gives the documents, tokens and bytes scored, "
+        "per stratum too (documentation vs code). Bits per byte count the UTF-8 bytes of the text, "
+        "so runs with different tokenizers compare fairly. Results accumulate in RUN/eval.json, one "
+        "entry per dataset.",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
+    p.add_argument(
+        "--split",
+        action="append",
+        choices=["val", "test"],
+        help="a split of the run's data (repeatable; default val when no --data is given)",
+    )
     p.add_argument("--data", action="append", metavar="SOURCE", help="text to evaluate on (repeatable)")
     p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
     p.add_argument(
         "--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len)"
     )
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8)")
-    p.add_argument("--max-windows", type=int, default=512, help="at most this many windows per dataset")
+    p.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="score each window's last STRIDE tokens only, with the rest as context "
+        "(default: the window length, disjoint windows; smaller costs seq_len/STRIDE times more)",
+    )
+    p.add_argument(
+        "--max-windows",
+        type=int,
+        default=None,
+        help="score only this many evenly spaced windows per dataset (default: all, every token)",
+    )
     p.set_defaults(func=cmd_eval)
 
     p = verbs.add_parser(

@@ -113,7 +113,23 @@ class DataConfig:
     vocab_size: int = field(
         default=4096, metadata=_help("tokenizer vocabulary size, special tokens included")
     )
-    val_fraction: float = field(default=0.02, metadata=_help("fraction of documents held out for validation"))
+    val_fraction: float = field(
+        default=0.05,
+        metadata=_help("share of each source's bytes held out for validation (by content hash, per source)"),
+    )
+    test_sources: list[str] = field(
+        default_factory=list,
+        metadata=_help(
+            "sources held out by origin as the test split (never trained on); [] = a hashed share"
+        ),
+    )
+    test_bytes: int = field(
+        default=1_000_000, metadata=_help("at most this many bytes of test_sources go into test (0 = all)")
+    )
+    test_fraction: float = field(
+        default=0.02,
+        metadata=_help("without test_sources: share of each source's bytes held out as the test split"),
+    )
     tokenizer_train_bytes: int = field(
         default=20_000_000, metadata=_help("at most this many bytes of text are used to train the tokenizer")
     )
@@ -146,6 +162,15 @@ class DataConfig:
             0.0 <= self.val_fraction < 1.0,
             "data.val_fraction",
             f"data.val_fraction must be in [0, 1); got {self.val_fraction}",
+        )
+        _require(
+            0.0 <= self.test_fraction < 1.0 and self.val_fraction + self.test_fraction < 1.0,
+            "data.test_fraction",
+            f"data.test_fraction must be in [0, 1) with val_fraction + test_fraction < 1; "
+            f"got {self.test_fraction} (val_fraction {self.val_fraction})",
+        )
+        _require(
+            self.test_bytes >= 0, "data.test_bytes", f"data.test_bytes must be >= 0; got {self.test_bytes}"
         )
         _require(
             self.tokenizer_train_bytes > 0,

@@ -40,7 +40,7 @@ def test_defaults() -> None:
     d = cfg.data
     assert d.sources == ["embedded:python"]
     assert d.dir == "data/python"
-    assert (d.tokenizer, d.vocab_size, d.val_fraction) == ("bpe", 4096, 0.02)
+    assert (d.tokenizer, d.vocab_size, d.val_fraction, d.test_sources) == ("bpe", 4096, 0.05, [])
     assert d.tokenizer_train_bytes == 20_000_000
     assert (d.jsonl_field, d.parquet_column) == ("text", "text")
     assert (d.min_chars, d.max_nontext_fraction, d.dedup) == (1, 0.3, True)
@@ -53,10 +53,15 @@ def test_default_lists_are_not_shared() -> None:
     assert b.sources == ["embedded:python"]
 
 
-def test_python_preset_equals_defaults_except_name() -> None:
+def test_python_preset_equals_defaults_except_name_and_test_sources() -> None:
     cfg = load_config("python")
     assert cfg.run.name == "python"
-    assert cfg == dataclasses.replace(Config(), run=dataclasses.replace(Config().run, name="python"))
+    assert cfg.data.test_sources == ["embedded:python-tests"]  # a user corpus has no such held-out origin
+    assert cfg == dataclasses.replace(
+        Config(),
+        run=dataclasses.replace(Config().run, name="python"),
+        data=dataclasses.replace(Config().data, test_sources=["embedded:python-tests"]),
+    )
 
 
 def test_tiny_preset_inherits_from_python() -> None:
@@ -347,7 +352,7 @@ TEXT = st.characters(codec="utf-8", exclude_categories=("Cs", "Cc", "Zl", "Zp"))
     name=st.text(TEXT, min_size=1, max_size=12),
     seed=st.integers(0, 2**31 - 1),
     sources=st.lists(st.text(TEXT, max_size=8), min_size=1, max_size=3),
-    val_fraction=st.floats(0.0, 0.999, allow_nan=False),
+    val_fraction=st.floats(0.0, 0.979, allow_nan=False),  # + test_fraction 0.02 < 1
     dedup=st.booleans(),
 )
 def test_round_trip_property(

@@ -33,13 +33,117 @@ def run(tiny_data, tmp_path_factory):
 
 
 def test_val_split_matches_the_trainer(run):
-    summary = json.loads((run / "summary.json").read_text())
-    results = evaluate_run(run, ckpt="last", max_windows=32, batch_size=4)  # the trainer's eval settings
-    ((name, r),) = results.items()
-    assert name.startswith("val")
-    assert abs(r["val_loss"] - summary["val_loss"]) < 1e-5
-    assert abs(r["val_bpb"] - summary["val_bpb"]) < 1e-5
-    assert json.loads((run / "eval.json").read_text())["results"] == results
+    """With disjoint windows, the eval of the whole val split equals the trainer's LMTask.evaluate
+    over the same windows, and every token is scored once."""
+    import numpy as np
+    import torch
+
+    from ember.data.loader import TokenDataset, ValLoader
+    from ember.infer.evaluate import _token_bytes, score, split_text
+    from ember.train.trainer import LMTask
+
+    model, tok = load_model(run)
+    data_dir = _data_dir(run)
+    tokens, strata = split_text(data_dir, "val")
+    n_full = (len(tokens) - 1) // 32
+    cut = tokens[: n_full * 32 + 1]  # only full windows: exactly the ValLoader's
+    ours = score(model, cut, _token_bytes(model, tok), strata, 32, eos_id=tok.eos_id)
+    loader = ValLoader(TokenDataset(data_dir, "val"), 32, 4)
+    assert loader.n_windows == n_full
+    theirs = LMTask(0.0, _token_bytes(model, tok)).evaluate(
+        model, loader, torch.autocast("cpu", enabled=False)
+    )
+    assert ours["loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
+    assert ours["bpb"] == pytest.approx(theirs["val_bpb"], abs=1e-5)
+    assert ours["tokens"] == n_full * 32
+
+    results = evaluate_run(run, splits=["val"])
+    r = results["val"]
+    m = json.loads((data_dir / "manifest.json").read_text())["splits"]["val"]
+    assert r["tokens"] == len(tokens) - 1 == m["tokens"] - 1  # every target token, the tail too
+    first = int(_token_bytes(model, tok)[int(tokens[0])])  # the first token is context, never a target
+    assert r["documents"] == m["documents"] and r["bytes"] == m["bytes"] - first
+    assert r["windows"] == r["windows_total"] == n_full + 1
+    assert np.isfinite(r["bpb"]) and r["bpb"] > 0
+
+
+def _data_dir(run):
+    from pathlib import Path
+
+    import yaml
+
+    return Path(yaml.safe_load((run / "config.yaml").read_text())["data"]["dir"])
+
+
+def test_windows_score_every_target_once():
+    from ember.infer.evaluate import windows
+
+    for n, seq_len, stride in [
+        (2, 8, 8),
+        (9, 8, 8),
+        (10, 8, 8),
+        (100, 8, 8),
+        (100, 8, 3),
+        (100, 8, 1),
+        (5, 8, 2),
+    ]:
+        hits = [0] * n
+        for start, length, first in windows(n, seq_len, stride):
+            assert length == min(seq_len, n - 1) and 0 <= start and start + length <= n - 1
+            for j in range(first, length):
+                hits[start + 1 + j] += 1
+            if stride < seq_len and start > 0:
+                assert first == length - stride or start + length == n - 1  # full context for the rest
+        assert hits == [0] + [1] * (n - 1), (n, seq_len, stride)
+
+
+def test_stride_per_stratum_and_eval_json_accumulates(run, tmp_path):
+    from ember.infer.evaluate import _token_bytes, score, split_text
+
+    model, tok = load_model(run)
+    tokens, strata = split_text(_data_dir(run), "val")
+    tb = _token_bytes(model, tok)
+    full = score(model, tokens, tb, strata, 32, eos_id=tok.eos_id)
+    strided = score(model, tokens, tb, strata, 32, stride=8, eos_id=tok.eos_id)
+    assert strided["tokens"] == full["tokens"] and strided["bytes"] == full["bytes"]
+    assert strided["loss"] < full["loss"]  # more context per scored token
+    # strata split the totals exactly: two strata made by cutting the split in half
+    half = [dict(strata[0], name="a"), dict(strata[0], name="b", offset=len(tokens) // 2)]
+    parts = score(model, tokens, tb, half, 32, eos_id=tok.eos_id)
+    a, b = parts["strata"]["a"], parts["strata"]["b"]
+    assert a["tokens"] + b["tokens"] == full["tokens"] and a["bytes"] + b["bytes"] == full["bytes"]
+    nats = a["loss"] * a["tokens"] + b["loss"] * b["tokens"]
+    assert nats / full["tokens"] == pytest.approx(full["loss"], rel=1e-9)
+    capped = score(model, tokens, tb, strata, 32, max_windows=3, eos_id=tok.eos_id)
+    assert (capped["windows"], capped["tokens"]) == (3, 3 * 32) and capped["windows_total"] > 3
+
+    (run / "eval.json").unlink(missing_ok=True)
+    evaluate_run(run, splits=["val"])
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 50)
+    evaluate_run(run, [str(text)])
+    record = json.loads((run / "eval.json").read_text())["results"]
+    assert set(record) == {"val", str(text)}  # the val result is kept
+
+
+def test_eval_cli_prints_paths_literally_and_counts(run, tmp_path, capsys):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    for name in ("test_a1.py", "test_b2.py", "test_z.py"):
+        (corpus / name).write_text(f"# {name}\nimport os\nprint(os.getcwd())\n" * 20)
+    glob = str(corpus / "test_[a-c]*.py")
+    assert main(["eval", str(run), "--data", glob, "--split", "val", "--stride", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "test_[a-c]*.py" in out.replace("\n", "")
+    r = json.loads((run / "eval.json").read_text())["results"][glob]
+    assert r["documents"] == 2 and r["stride"] == 16
+    assert main(["eval", str(run), "--split", "val", "--stride", "64"]) == 2  # beyond the window
+
+
+def test_test_split(run):
+    r = evaluate_run(run, splits=["test"])["test"]
+    m = json.loads((_data_dir(run) / "manifest.json").read_text())["splits"]["test"]
+    assert r["documents"] == m["documents"] and m["bytes"] - 8 <= r["bytes"] < m["bytes"]
 
 
 def test_any_source_and_checkpoints(run, tmp_path):
@@ -48,9 +152,9 @@ def test_any_source_and_checkpoints(run, tmp_path):
     last = evaluate_run(run, [str(text)], ckpt="last")[str(text)]
     step6 = evaluate_run(run, [str(text)], ckpt="6")[str(text)]
     step12 = evaluate_run(run, [str(text)], ckpt="step-000012")[str(text)]
-    assert last["val_loss"] == pytest.approx(step12["val_loss"], abs=1e-6)  # final weights = last step
-    assert step6["val_loss"] != pytest.approx(last["val_loss"], abs=1e-4)
-    assert last["val_bpb"] > 0
+    assert last["loss"] == pytest.approx(step12["loss"], abs=1e-6)  # final weights = last step
+    assert step6["loss"] != pytest.approx(last["loss"], abs=1e-4)
+    assert last["bpb"] > 0 and last["documents"] == 1
 
 
 def test_bad_runs(run, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from ember.cli import main
 from ember.config import load_config
-from ember.data.clean import content_digest, is_validation
+from ember.data.clean import content_digest
 from ember.data.loader import TokenDataset
 from ember.data.manifest import load_tokenizer, read_manifest
 from ember.data.prepare import prepare
@@ -54,16 +54,37 @@ def test_shards_hold_every_document_then_eos(prepared):
     m = result.manifest
     tok = load_tokenizer(result.directory)
     texts = sorted((p.name, p.read_text()) for p in (tmp_path / "corpus").glob("doc*.txt"))
-    expected = {"train": [], "val": []}
-    for _, text in texts:  # dup.txt sorts after doc*.txt, so the original is the one kept
-        split = "val" if is_validation(content_digest(text), 0.2) else "train"
-        expected[split].extend(tok.encode(text) + [tok.eos_id])
-    for split in ("train", "val"):
+    # the split rules, restated: by digest order, val from the bottom until 20% of the bytes,
+    # test (no test sources: data.test_fraction=0.02) from the top until 2%
+    by_digest = sorted(texts, key=lambda t: content_digest(t[1]))
+    total = sum(len(t.encode()) for _, t in texts)
+    split_of, acc = {}, 0
+    for name, text in by_digest:
+        split_of[name] = "val" if acc < 0.2 * total else "train"
+        acc += len(text.encode()) if acc < 0.2 * total else 0
+    acc = 0
+    for name, text in reversed(by_digest):
+        if acc >= 0.02 * total:
+            break
+        split_of[name], acc = "test", acc + len(text.encode())
+    expected = {"train": [], "val": [], "test": []}
+    for name, text in texts:  # dup.txt sorts after doc*.txt, so the original is the one kept
+        expected[split_of[name]].extend(tok.encode(text) + [tok.eos_id])
+    assert expected["val"] and expected["test"]
+    for split in ("train", "val", "test"):
         got = np.concatenate([read_shard(result.directory / s["name"]) for s in m["splits"][split]["shards"]])
         assert got.dtype == np.uint16
         assert got.tolist() == expected[split]
         assert m["splits"][split]["tokens"] == len(expected[split])
-    assert m["splits"]["train"]["documents"] + m["splits"]["val"]["documents"] == 60
+    assert sum(m["splits"][s]["documents"] for s in ("train", "val", "test")) == 60
+    assert m["splits"]["val"]["strata"] == [
+        {
+            "name": str(tmp_path / "corpus"),
+            "offset": 0,
+            **{k: m["splits"]["val"][k] for k in ("documents", "bytes", "tokens")},
+        }
+    ]
+    assert "hashed share" in m["split_rules"]["test"]
     assert m["cleaning"] == {"documents_in": 62, "too_short": 1, "nontext": 0, "duplicate": 1, "kept": 60}
     src = m["sources"][0]
     assert (src["files"], src["documents"], src["binary_skipped"]) == (63, 62, 1)
@@ -152,8 +173,8 @@ def test_bad_inputs(tmp_path):
         prepare(_cfg(tmp_path, "data.min_chars=100000"), log=lambda _: None)
     with pytest.raises(DataError, match="vocab_size=100 is too small"):
         prepare(_cfg(tmp_path, "data.vocab_size=100"), log=lambda _: None)
-    with pytest.raises(DataError, match="no document fell into the val split"):
-        prepare(_cfg(tmp_path, "data.val_fraction=0.000001"), log=lambda _: None)
+    with pytest.raises(DataError, match="no document fell into the val split"):  # one document stays in train
+        prepare(_cfg(tmp_path, f"data.sources=[{tmp_path / 'corpus' / 'doc001.txt'}]"), log=lambda _: None)
     assert sorted(os.listdir(tmp_path)) == ["corpus"]
 
 

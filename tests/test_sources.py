@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.data.clean import Cleaner, content_digest, is_validation, nontext_fraction
+from ember.data.clean import Cleaner, content_digest, nontext_fraction
 from ember.data.sources import open_source
 from ember.errors import DataError
 
@@ -109,13 +109,3 @@ def test_cleaner_counts_each_reason_once():
     assert c.counts == {"too_short": 1, "nontext": 2, "duplicate": 1, "kept": 2}
     assert nontext_fraction("a\tb\nc\r") == 0.0
     assert nontext_fraction("\x07bc\ue000") == 0.5
-
-
-def test_validation_split_is_by_content_and_stable():
-    docs = [f"document number {i}" for i in range(2000)]
-    val = {d for d in docs if is_validation(content_digest(d), 0.1)}
-    assert 140 < len(val) < 260  # ~10%
-    more = docs + [f"another source {i}" for i in range(500)]
-    val_after = {d for d in more if is_validation(content_digest(d), 0.1)}
-    assert val_after & set(docs) == val  # adding documents moves none of the old ones
-    assert not any(is_validation(content_digest(d), 0.0) for d in docs)

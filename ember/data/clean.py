@@ -13,8 +13,8 @@ Design choices:
 - Exact deduplication keeps a set of 128-bit BLAKE2b digests of the kept texts. That is 16
   bytes of digest per unique document (plus Python's set overhead), so a corpus of tens
   of millions of documents fits; the text itself is never held.
-- The same digest decides the train/validation split (``is_validation``), so a document's
-  split depends only on its content: adding sources never moves an existing document.
+- The same digest orders documents when the splits are drawn (``ember.data.splits``), so a
+  document's split depends on its content, not on where it sits in a listing.
 - Checks run in a fixed order (length, non-text, duplicate) and each drop is counted once,
   under the first check that failed.
 """
@@ -30,12 +30,6 @@ NONTEXT = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ue000-\uf8ff\ufdd0-\u
 def content_digest(text: str) -> bytes:
     """16-byte BLAKE2b digest of the UTF-8 text (surrogates, if any, escaped)."""
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
-def is_validation(digest: bytes, val_fraction: float) -> bool:
-    """A document is in validation when its digest, read as a fraction of 2**64, falls below
-    ``val_fraction``; stable across runs, machines and corpus additions."""
-    return int.from_bytes(digest[:8], "big") < val_fraction * 2.0**64
 
 
 def nontext_fraction(text: str) -> float:

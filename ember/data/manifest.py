@@ -21,7 +21,7 @@ from ember.errors import DataError
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 FORMAT = "ember-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a test split, split rules and per-stratum token ranges
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:

@@ -1,14 +1,19 @@
-"""``ember data prepare``: sources → cleaning → tokenizer → train/val shards + manifest.
+"""``ember data prepare``: sources → cleaning → tokenizer → train/val/test shards + manifest.
 
     result = prepare(load_config("python"))   # or: ember data prepare python
     result.manifest["splits"]["train"]["tokens"]
 
-Two streaming passes over the sources, so memory stays bounded whatever the corpus size:
+Three streaming passes over the sources, so memory stays bounded whatever the corpus size
+(only a 16-byte digest per document is held):
 
+0. clean and hash every document of ``data.sources`` and ``data.test_sources`` and assign
+   it to a split (``ember.data.splits``: val per stratum by bytes, test held out by origin);
 1. train the tokenizer on the first ``data.tokenizer_train_bytes`` of cleaned training text;
 2. read again, clean, encode in parallel (HF ``encode_batch``: Rust threads on all cores,
    while a reader thread fetches and cleans the next batch), append ``<|eos|>`` after each
-   document and stream the tokens into ``train``/``val`` shards.
+   document and stream the tokens into ``train``/``val``/``test`` shards. The manifest
+   records, per split, the contiguous token range of each stratum, so ``ember eval``
+   reports documentation and code separately.
 
 Atomicity: everything is written into a hidden temporary directory beside ``data.dir``,
 the manifest last, and the directory is renamed into place only when complete. An
@@ -34,15 +39,16 @@ import numpy as np
 
 import ember
 from ember.atomic import publish_dir, staging_dir
-from ember.data.clean import Cleaner, content_digest, is_validation
+from ember.data.clean import Cleaner, content_digest
 from ember.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER, read_manifest, write_manifest
 from ember.data.shards import ShardSplitWriter, token_dtype
-from ember.data.sources import Source, open_source
+from ember.data.sources import Source, open_source, tests_available
+from ember.data.splits import SplitPlan, plan_splits
 from ember.data.tokenizer import Tokenizer
 from ember.errors import DataError
 
 BATCH_CHARS = 1 << 20  # text per encode_batch call: keeps all cores busy, bounds the in-flight memory
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "test")
 
 
 @dataclass
@@ -61,20 +67,37 @@ def _fingerprint(data_cfg, sources: list[Source]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _clean_documents(sources: list[Source], data_cfg, cleaner: Cleaner) -> Iterator[tuple[str, str]]:
-    """Yield (split, text) for every document that survives cleaning, in source order."""
+def _test_specs(data_cfg, log) -> list[str]:
+    """``data.test_sources``, less ``embedded:python-tests`` where this Python does not ship it."""
+    specs = list(data_cfg.test_sources)
+    if "embedded:python-tests" in specs and not tests_available():
+        specs.remove("embedded:python-tests")
+        log(
+            "note: this Python ships no test suite (Lib/test); the test split is a hashed share "
+            f"(data.test_fraction={data_cfg.test_fraction}) of the training sources instead"
+        )
+    return specs
+
+
+def _clean_documents(
+    sources: list[Source], plan: SplitPlan, cleaner: Cleaner
+) -> Iterator[tuple[str, str, str]]:
+    """Yield (split, stratum, text) for every document that survives cleaning and has a split,
+    in source order."""
     for source in sources:
         for doc in source.documents():
             digest = content_digest(doc.text)
             if cleaner.keep(doc.text, digest):
-                yield ("val" if is_validation(digest, data_cfg.val_fraction) else "train"), doc.text
+                split = plan.split_of(doc.stratum, digest)
+                if split is not None:
+                    yield split, doc.stratum, doc.text
 
 
-def _tokenizer_texts(sources, data_cfg) -> Iterator[str]:
+def _tokenizer_texts(sources, plan, data_cfg) -> Iterator[str]:
     """Training text for the tokenizer: cleaned training-split documents, up to the byte budget."""
     budget = data_cfg.tokenizer_train_bytes
     cleaner = Cleaner(data_cfg.min_chars, data_cfg.max_nontext_fraction, data_cfg.dedup)
-    for split, text in _clean_documents(sources, data_cfg, cleaner):
+    for split, _, text in _clean_documents(sources, plan, cleaner):
         if split != "train":
             continue
         if len(text) > budget:
@@ -85,10 +108,10 @@ def _tokenizer_texts(sources, data_cfg) -> Iterator[str]:
             return
 
 
-def _batches(sources, data_cfg, cleaner) -> Iterator[list[tuple[str, str]]]:
+def _batches(sources, plan, cleaner) -> Iterator[list[tuple[str, str, str]]]:
     batch, size = [], 0
-    for split, text in _clean_documents(sources, data_cfg, cleaner):
-        batch.append((split, text))
+    for split, stratum, text in _clean_documents(sources, plan, cleaner):
+        batch.append((split, stratum, text))
         size += len(text)
         if size >= BATCH_CHARS:
             yield batch
@@ -153,17 +176,29 @@ def _check_target(target: Path, fingerprint: str, force: bool) -> dict | None:
     try:
         manifest = read_manifest(target)
     except DataError:
-        if force:
+        if force or _older_format(target):
             return None
         raise
     if force:
         return None
     if manifest.get("fingerprint") == fingerprint:
         return manifest
+    if manifest.get("format_version") != FORMAT_VERSION:  # ours, and unreadable by this ember
+        return None
     raise DataError(
         f"{target} holds data prepared from different inputs (config or source files changed); "
         "pass --force to rebuild it there, or set data.dir to a new directory"
     )
+
+
+def _older_format(target: Path) -> bool:
+    """An ember data directory written by an older format: rebuilt without --force, since
+    nothing can read it any more."""
+    try:
+        old = json.loads((target / MANIFEST).read_text(encoding="utf-8"))
+        return old.get("format") == FORMAT and int(old.get("format_version", 0)) < FORMAT_VERSION
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def prepare(
@@ -173,7 +208,8 @@ def prepare(
     data_cfg = cfg.data
     target = Path(data_cfg.dir)
     sources = [open_source(spec, data_cfg) for spec in data_cfg.sources]  # fails fast on missing paths
-    fingerprint = _fingerprint(data_cfg, sources)
+    test_sources = [open_source(spec, data_cfg) for spec in _test_specs(data_cfg, log)]
+    fingerprint = _fingerprint(data_cfg, sources + test_sources)
     existing = _check_target(target, fingerprint, force)
     if existing is not None:
         log(f"reusing {target}: already prepared from the same inputs (pass --force to rebuild)")
@@ -181,7 +217,7 @@ def prepare(
 
     tmp = staging_dir(target)
     try:
-        manifest = _build(cfg, sources, tmp, fingerprint, command, log)
+        manifest = _build(cfg, sources, test_sources, tmp, fingerprint, command, log)
         publish_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -189,9 +225,13 @@ def prepare(
     return PrepareResult(target, manifest, reused=False)
 
 
-def _build(cfg, sources: list[Source], out: Path, fingerprint: str, command: str | None, log) -> dict:
+def _build(
+    cfg, sources: list[Source], test_sources: list[Source], out: Path, fingerprint: str, command, log
+) -> dict:
     data_cfg = cfg.data
     t0 = time.perf_counter()
+    log("assigning documents to train/val/test by content hash")
+    plan = plan_splits(sources, test_sources, data_cfg)
 
     log(
         f"training a {data_cfg.tokenizer} tokenizer (vocab {data_cfg.vocab_size}) "
@@ -206,7 +246,7 @@ def _build(cfg, sources: list[Source], out: Path, fingerprint: str, command: str
             yield text
 
     tokenizer = Tokenizer.train(
-        data_cfg.tokenizer, counted(_tokenizer_texts(sources, data_cfg)), data_cfg.vocab_size
+        data_cfg.tokenizer, counted(_tokenizer_texts(sources, plan, data_cfg)), data_cfg.vocab_size
     )
     if train_bytes == 0:
         raise DataError(
@@ -221,20 +261,27 @@ def _build(cfg, sources: list[Source], out: Path, fingerprint: str, command: str
     cleaner = Cleaner(data_cfg.min_chars, data_cfg.max_nontext_fraction, data_cfg.dedup)
     writers = {s: ShardSplitWriter(out, s, dtype, data_cfg.shard_tokens) for s in SPLITS}
     counts = {s: {"documents": 0, "bytes": 0, "tokens": 0} for s in SPLITS}
+    strata: dict[str, list[dict]] = {s: [] for s in SPLITS}  # contiguous token ranges per stratum
     eos = np.array([tokenizer.eos_id], dtype=dtype)
-    for batch in _prefetched(_batches(sources, data_cfg, cleaner)):
-        encoded = tokenizer.encode_batch([text for _, text in batch])
+    for batch in _prefetched(_batches(sources + test_sources, plan, cleaner)):
+        encoded = tokenizer.encode_batch([text for _, _, text in batch])
         for split in SPLITS:
             parts = []
-            for (s, text), ids in zip(batch, encoded, strict=True):
+            for (s, stratum, text), ids in zip(batch, encoded, strict=True):
                 if s != split:
                     continue
                 parts.append(np.asarray(ids, dtype=dtype))
                 parts.append(eos)
                 c = counts[split]
-                c["documents"] += 1
-                c["bytes"] += len(text.encode("utf-8"))
-                c["tokens"] += len(ids) + 1
+                runs = strata[split]
+                if not runs or runs[-1]["name"] != stratum:
+                    runs.append(
+                        {"name": stratum, "offset": c["tokens"], "documents": 0, "bytes": 0, "tokens": 0}
+                    )
+                for rec in (c, runs[-1]):
+                    rec["documents"] += 1
+                    rec["bytes"] += len(text.encode("utf-8"))
+                    rec["tokens"] += len(ids) + 1
             if parts:
                 writers[split].write(np.concatenate(parts))
     shards = {s: writers[s].close() for s in SPLITS}
@@ -245,13 +292,20 @@ def _build(cfg, sources: list[Source], out: Path, fingerprint: str, command: str
             f"the corpus is empty after cleaning ({json.dumps(cleaner.counts)}); "
             "check data.sources, data.min_chars and data.max_nontext_fraction"
         )
+    wanted = {
+        "train": True,
+        "val": data_cfg.val_fraction > 0,
+        "test": not plan.rule["test"].startswith("none"),
+    }
     for split in SPLITS:
-        if counts[split]["documents"] == 0 and (split == "train" or data_cfg.val_fraction > 0):
+        if counts[split]["documents"] == 0 and wanted[split]:
+            fix = {
+                "train": "lower data.val_fraction/data.test_fraction",
+                "val": "raise data.val_fraction",
+                "test": "raise data.test_bytes or data.test_fraction",
+            }[split]
             raise DataError(
-                f"no document fell into the {split} split ({kept} documents, data.val_fraction="
-                f"{data_cfg.val_fraction}); add documents or "
-                + ("raise" if split == "val" else "lower")
-                + " data.val_fraction"
+                f"no document fell into the {split} split ({kept} documents); add documents or {fix}"
             )
 
     manifest = {
@@ -263,6 +317,8 @@ def _build(cfg, sources: list[Source], out: Path, fingerprint: str, command: str
         "command": command or " ".join(sys.argv),
         "config": {"data": asdict(data_cfg)},
         "sources": [s.stats.to_dict() for s in sources],
+        "test_sources": [s.stats.to_dict() for s in test_sources],
+        "split_rules": plan.rule,
         "cleaning": {"documents_in": sum(cleaner.counts.values()), **cleaner.counts},
         "tokenizer": {
             "file": TOKENIZER,
@@ -271,7 +327,10 @@ def _build(cfg, sources: list[Source], out: Path, fingerprint: str, command: str
             **tokenizer.describe(),
         },
         "dtype": np.dtype(dtype).name,
-        "splits": {s: {**counts[s], "shards": [asdict(info) for info in shards[s]]} for s in SPLITS},
+        "splits": {
+            s: {**counts[s], "strata": strata[s], "shards": [asdict(info) for info in shards[s]]}
+            for s in SPLITS
+        },
         "seconds": {"tokenizer": round(t_tok, 3), "total": round(time.perf_counter() - t0, 3)},
     }
     write_manifest(out, manifest)

@@ -8,6 +8,10 @@ A source string is one of
                              file, without test suites (any ``test``/``tests`` folder),
                              ``idlelib`` and ``site-packages``;
 - ``embedded:python``        both of the above;
+- ``embedded:python-tests``  CPython's own test suite (``Lib/test``, ``.py`` files), which
+                             the two above leave out: the held-out ``test`` split of the
+                             ``python`` preset (see ``ember.data.splits``). Some distributions
+                             strip it; ``tests_available()`` says whether this one ships it;
 - a path: a text file (one document), a directory (every file below it, recursively,
   hidden files and folders skipped) or a glob (``corpus/**/*.md``);
   ``*.jsonl`` files give one document per line (field ``data.jsonl_field``) and
@@ -41,7 +45,13 @@ from pathlib import Path
 
 from ember.errors import DataError
 
-EMBEDDED = ("embedded:python", "embedded:python-docs", "embedded:python-stdlib")
+EMBEDDED = ("embedded:python", "embedded:python-docs", "embedded:python-stdlib", "embedded:python-tests")
+PARTS = {
+    "python": ["docs", "stdlib"],
+    "python-docs": ["docs"],
+    "python-stdlib": ["stdlib"],
+    "python-tests": ["tests"],
+}
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 )
@@ -50,10 +60,13 @@ BINARY_SNIFF_BYTES = 8192
 
 @dataclass
 class Document:
-    """One unit of text; ``origin`` says where it came from (file, file:line, topic)."""
+    """One unit of text; ``origin`` says where it came from (file, file:line, topic), ``stratum``
+    which part of a source it belongs to (``embedded:python-docs``, ``embedded:python-stdlib``,
+    or the source string itself): splits are drawn, and evaluations reported, per stratum."""
 
     text: str
     origin: str
+    stratum: str = ""
 
 
 @dataclass
@@ -101,32 +114,37 @@ class Source:
         self.jsonl_field = jsonl_field
         self.parquet_column = parquet_column
         self.stats = SourceStats(spec)
-        self.parts: list[str] = []  # "docs", "stdlib"
+        self.parts: list[str] = []  # "docs", "stdlib", "tests"
         self.files: list[Path] = []
         if spec.startswith("embedded:"):
             if spec not in EMBEDDED:
                 raise DataError(f"unknown embedded source {spec!r}; choose one of: {', '.join(EMBEDDED)}")
-            name = spec.split(":", 1)[1]
-            self.parts = {"python": ["docs", "stdlib"], "python-docs": ["docs"], "python-stdlib": ["stdlib"]}[
-                name
-            ]
+            self.parts = PARTS[spec.split(":", 1)[1]]
             if "stdlib" in self.parts:
                 self.files = _stdlib_files()
+            if "tests" in self.parts:
+                self.files = _test_files()
         else:
             self.files = _resolve_path(spec)
 
     def _read(self, stats: SourceStats) -> Iterator[Document]:
         if "docs" in self.parts:
-            yield from _pydoc_topics(stats)
+            for doc in _pydoc_topics(stats):
+                doc.stratum = "embedded:python-docs"
+                yield doc
+        stratum = f"embedded:python-{self.parts[-1]}" if self.parts else self.spec
         for path in self.files:
             stats.files += 1
             suffix = path.suffix.lower()
             if suffix == ".jsonl":
-                yield from _jsonl_documents(path, self.jsonl_field, stats)
+                docs = _jsonl_documents(path, self.jsonl_field, stats)
             elif suffix == ".parquet":
-                yield from _parquet_documents(path, self.parquet_column, stats)
+                docs = _parquet_documents(path, self.parquet_column, stats)
             else:
-                yield from _text_document(path, stats)
+                docs = _text_document(path, stats)
+            for doc in docs:
+                doc.stratum = stratum
+                yield doc
 
     def fingerprint(self) -> list:
         """Cheap identity of the inputs: names, sizes and mtimes, plus the Python version for
@@ -168,6 +186,31 @@ def _pydoc_topics(stats: SourceStats) -> Iterator[Document]:
         stats._hash.update(raw)
         stats.bytes += len(raw)
         yield Document(topics[key], f"pydoc_data.topics:{key}")
+
+
+def _test_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]) / "test"
+
+
+def tests_available() -> bool:
+    """Whether this Python ships its test suite (``Lib/test`` with ``.py`` files)."""
+    root = _test_root()
+    return root.is_dir() and any(root.glob("test_*.py"))
+
+
+def _test_files() -> list[Path]:
+    root = _test_root()
+    if not tests_available():
+        raise DataError(
+            f"embedded:python-tests: this Python has no test suite under {root} (some distributions "
+            "strip it); drop it from data.test_sources to hold out a hashed share of the training "
+            "sources instead (data.test_fraction)"
+        )
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def _stdlib_files() -> list[Path]:

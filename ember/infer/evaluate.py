@@ -1,37 +1,54 @@
-"""``ember eval``: loss, perplexity and bits per byte of a run's model on any text.
+"""``ember eval``: loss, perplexity and bits per byte of a run's model on any text, saying
+exactly what was measured.
 
-    results = evaluate_run(Path("runs/tiny"), sources=["notes/"], ckpt="best")
-    results["notes/"]["val_bpb"]
+    results = evaluate_run(Path("runs/tiny"), splits=["val", "test"])
+    results["test"]["bpb"], results["test"]["tokens"], results["test"]["strata"]
 
 The model comes from the run directory alone: ``model/`` (the final weights, ``last``),
 ``model-best/`` (``best``) or a committed training checkpoint (``STEP``, e.g. 1200 or
-step-001200). Text is the run's validation split, or any source string ``ember data``
-accepts, tokenized with the run's tokenizer: each document then ``<|eos|>``, cut into
-consecutive windows of ``seq_len`` (+1) tokens. Bits per byte divide the loss on text
-tokens by the UTF-8 bytes they stand for, so runs with different tokenizers compare fairly.
-The numbers come from the same ``LMTask.evaluate`` the trainer logs.
+step-001200). Text is a split of the run's prepared data (``val``, or ``test``: held out by
+origin, see ``ember.data.splits``), or any source string ``ember data`` accepts, tokenized
+with the run's tokenizer (each document then ``<|eos|>``).
+
+What is scored: **every** target token, once. Windows of ``seq_len`` inputs step through
+the text by ``stride`` (default ``seq_len``: disjoint windows); the first window scores all
+its tokens, each later one only the ``stride`` tokens not scored yet, with the tokens before
+them as context, and a last window ending at the final token takes the tail. A stride below
+``seq_len`` gives each scored token more context and costs ``seq_len / stride`` times the
+compute (the sliding-window perplexity of the transformers guide). ``max_windows`` keeps
+evenly spaced windows only when asked, and the result then says how many of how many.
+
+Bits per byte divide the loss on text tokens by the UTF-8 bytes they stand for (special
+tokens stand for none), so runs with different tokenizers compare. Each result gives the
+documents, tokens and bytes scored and the same figures per stratum (documentation and
+standard library, say) from the manifest's token ranges. ``eval.json`` keeps one entry per
+dataset label (``val``, ``test`` or the source string); evaluating again replaces that entry
+only.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import yaml
 
 from ember.atomic import write_text_atomic
 from ember.config import ModelConfig
-from ember.data.loader import TokenDataset, ValLoader
+from ember.data.loader import TokenDataset
+from ember.data.manifest import read_manifest
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
 from ember.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights
-from ember.train.trainer import LMTask
+
+SPLITS = ("val", "test")
 
 
 def _run_file(run_dir: Path, *names: str) -> Path:
@@ -74,26 +91,137 @@ def load_model(run_dir: Path, ckpt: str = "last") -> tuple[GPT, Tokenizer]:
     return model.eval(), tokenizer
 
 
-def _source_windows(
-    specs: list[str], tokenizer: Tokenizer, seq_len: int, batch_size: int, max_windows: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+# ---------------------------------------------------------------- text to score
+
+
+def split_text(data_dir: str | Path, split: str) -> tuple[np.ndarray, list[dict]]:
+    """All tokens of one split of a prepared directory, and its strata (name, offset, tokens,
+    documents, bytes) from the manifest."""
+    manifest = read_manifest(data_dir)
+    info = manifest["splits"].get(split)
+    if not info or not info.get("documents"):
+        rule = manifest.get("split_rules", {}).get(split, "")
+        raise EmberError(
+            f"{data_dir} has no {split} split{f' ({rule})' if rule else ''}; prepare it with "
+            f"data.{'test_sources or data.test_fraction' if split == 'test' else 'val_fraction'} set, "
+            "or evaluate other text with --data"
+        )
+    ds = TokenDataset(data_dir, split)
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in ds.shards])
+    strata = info.get("strata") or [
+        {
+            "name": split,
+            "offset": 0,
+            "documents": info["documents"],
+            "bytes": info["bytes"],
+            "tokens": len(tokens),
+        }
+    ]
+    return tokens, strata
+
+
+def source_text(specs: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, list[dict]]:
+    """Every document of the sources, tokenized, one stratum per source string."""
     ids: list[int] = []
+    strata = []
     for spec in specs:
+        start, docs, nbytes = len(ids), 0, 0
         for doc in open_source(spec).documents():
             ids.extend(tokenizer.encode(doc.text))
             ids.append(tokenizer.eos_id)
-    tokens = np.asarray(ids, dtype=np.int64)
-    n = min((len(tokens) - 1) // seq_len, max_windows)
-    if n == 0:
-        raise EmberError(
-            f"{', '.join(specs)}: only {len(tokens)} tokens, fewer than one window of "
-            f"{seq_len + 1}; give more text or a smaller --seq-len"
+            docs += 1
+            nbytes += len(doc.text.encode("utf-8"))
+        strata.append(
+            {"name": spec, "offset": start, "documents": docs, "bytes": nbytes, "tokens": len(ids) - start}
         )
-    starts = np.arange(n) * seq_len
-    for i in range(0, n, batch_size):
-        rows = np.stack([tokens[s : s + seq_len + 1] for s in starts[i : i + batch_size]])
-        t = torch.from_numpy(rows)
-        yield t[:, :-1].contiguous(), t[:, 1:].contiguous()
+    return np.asarray(ids, dtype=np.int64), strata
+
+
+def windows(n_tokens: int, seq_len: int, stride: int) -> list[tuple[int, int, int]]:
+    """(start, length, first scored position) of each window so that targets 1..n-1 are
+    scored exactly once; window inputs are ``[start, start+length)``, its targets one later."""
+    if n_tokens < 2:
+        return []
+    length = min(seq_len, n_tokens - 1)
+    out, nxt = [], 1  # nxt: the first target index not yet scored
+    while nxt < n_tokens:
+        end = min(nxt + (length if nxt == 1 else stride), n_tokens)  # score targets [nxt, end)
+        start = max(0, end - 1 - length)
+        out.append((start, length, nxt - start - 1))
+        nxt = end
+    return out
+
+
+@torch.no_grad()
+def score(
+    model,
+    tokens: np.ndarray,
+    token_bytes: torch.Tensor,
+    strata: list[dict],
+    seq_len: int,
+    stride: int | None = None,
+    batch_size: int = 8,
+    max_windows: int | None = None,
+    eos_id: int | None = None,
+) -> dict:
+    """Loss, perplexity and bits per byte of ``model`` on ``tokens`` (see module docstring),
+    overall and per stratum, with the documents, tokens and bytes scored."""
+    stride = stride or seq_len
+    if not 1 <= stride <= seq_len:
+        raise EmberError(f"--stride {stride} must be between 1 and the window length {seq_len}")
+    plan = windows(len(tokens), seq_len, stride)
+    if not plan:
+        raise EmberError(f"only {len(tokens)} token(s): nothing to score; give more text")
+    total = len(plan)
+    if max_windows is not None and max_windows < total:
+        plan = [plan[i] for i in np.arange(max_windows) * total // max_windows]  # evenly spaced
+    offsets = np.array([s["offset"] for s in strata], dtype=np.int64)
+    names = sorted({s["name"] for s in strata})
+    slot = np.array([names.index(s["name"]) for s in strata])
+    sums = np.zeros((len(names), 5))  # nats, tokens, text nats, bytes, documents (eos scored)
+    was_training = model.training
+    model.eval()
+    arange = np.arange(plan[0][1])
+    for lo in range(0, len(plan), batch_size):
+        chunk = plan[lo : lo + batch_size]
+        starts = np.array([s for s, _, _ in chunk])[:, None]
+        idx = starts + arange  # (B, T) input positions
+        x, y = torch.from_numpy(tokens[idx]), torch.from_numpy(tokens[idx + 1])
+        nats = F.cross_entropy(model(x).float().flatten(0, 1), y.reshape(-1), reduction="none").view(y.shape)
+        scored = arange[None, :] >= np.array([f for _, _, f in chunk])[:, None]  # (B, T)
+        target = (idx + 1)[scored]
+        which = slot[np.searchsorted(offsets, target, side="right") - 1]
+        nb = token_bytes[y].numpy()[scored]
+        n = nats.double().numpy()[scored]
+        text = nb > 0
+        eos = (y.numpy()[scored] == eos_id) if eos_id is not None else np.zeros_like(text)
+        for col, values in enumerate((n, np.ones_like(n), n * text, nb, eos)):
+            sums[:, col] += np.bincount(which, weights=values.astype(np.float64), minlength=len(names))
+    model.train(was_training)
+
+    def metrics(row) -> dict:
+        nats, count, text_nats, nbytes, docs = row
+        loss = nats / max(count, 1)
+        return {
+            "loss": loss,
+            "ppl": math.exp(min(loss, 50)),
+            "bpb": text_nats / math.log(2) / max(nbytes, 1),
+            "documents": int(docs),
+            "tokens": int(count),
+            "bytes": int(nbytes),
+        }
+
+    result = metrics(sums.sum(0))
+    result.update(windows=len(plan), windows_total=total, seq_len=seq_len, stride=stride)
+    if len(names) > 1:
+        result["strata"] = {name: metrics(sums[i]) for i, name in enumerate(names)}
+    return result
+
+
+def _token_bytes(model, tokenizer) -> torch.Tensor:
+    token_bytes = torch.zeros(model.cfg.vocab_size, dtype=torch.int64)
+    token_bytes[: tokenizer.vocab_size] = torch.tensor(tokenizer.token_byte_lengths())
+    return token_bytes
 
 
 def evaluate_run(
@@ -102,26 +230,45 @@ def evaluate_run(
     ckpt: str = "last",
     seq_len: int | None = None,
     batch_size: int = 8,
-    max_windows: int = 512,
+    max_windows: int | None = None,
+    splits: list[str] | None = None,
+    stride: int | None = None,
 ) -> dict:
-    """Evaluate and write ``RUN/eval.json``; returns {dataset label: metrics}."""
+    """Evaluate on ``splits`` of the run's data (default ``val`` unless ``sources`` are given)
+    and on each source; update ``RUN/eval.json``; returns {dataset label: metrics}."""
     run_dir = Path(run_dir)
     model, tokenizer = load_model(run_dir, ckpt)
     config = yaml.safe_load(_run_file(run_dir, "config.yaml").read_text())
     seq_len = seq_len or config["train"]["seq_len"]
     if seq_len > model.cfg.max_seq_len:
         raise EmberError(f"--seq-len {seq_len} is beyond the model's max_seq_len {model.cfg.max_seq_len}")
-    token_bytes = torch.zeros(model.cfg.vocab_size, dtype=torch.int64)
-    token_bytes[: tokenizer.vocab_size] = torch.tensor(tokenizer.token_byte_lengths())
-    task = LMTask(0.0, token_bytes)
+    for split in splits or []:
+        if split not in SPLITS:
+            raise EmberError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    splits = splits if splits is not None else ([] if sources else ["val"])
+    token_bytes = _token_bytes(model, tokenizer)
+    datasets = [(split, lambda s=split: split_text(config["data"]["dir"], s)) for split in splits]
+    datasets += [(spec, lambda s=spec: source_text([s], tokenizer)) for spec in sources or []]
     results = {}
-    if not sources:
-        data_dir = config["data"]["dir"]
-        loader = ValLoader(TokenDataset(data_dir, "val"), seq_len, batch_size, max_windows=max_windows)
-        results[f"val ({data_dir})"] = task.evaluate(model, loader, torch.autocast("cpu", enabled=False))
-    for spec in sources or []:
-        batches = list(_source_windows([spec], tokenizer, seq_len, batch_size, max_windows))
-        results[spec] = task.evaluate(model, batches, torch.autocast("cpu", enabled=False))
-    record = {"ckpt": ckpt, "seq_len": seq_len, "results": results}
-    write_text_atomic(run_dir / "eval.json", json.dumps(record, indent=2) + "\n")
+    for label, text in datasets:
+        tokens, strata = text()
+        r = score(
+            model, tokens, token_bytes, strata, seq_len, stride, batch_size, max_windows, tokenizer.eos_id
+        )
+        results[label] = {**r, "ckpt": ckpt, "data": config["data"]["dir"] if label in SPLITS else label}
+    _record(run_dir / "eval.json", results)
     return results
+
+
+def _record(path: Path, results: dict) -> None:
+    """Merge ``results`` into eval.json, one entry per dataset label."""
+    record = {"results": {}}
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            if isinstance(old, dict) and isinstance(old.get("results"), dict):
+                record["results"] = old["results"]
+        except json.JSONDecodeError:
+            pass  # a damaged record is replaced
+    record["results"].update(results)
+    write_text_atomic(path, json.dumps(record, indent=2) + "\n")

@@ -416,8 +416,11 @@ def _eval_section(runs: list[Run]) -> list[str]:
         else:
             results = {"": _flatten(run.eval)}
         for name, metrics in results.items():
+            strata = metrics.get("strata") if isinstance(metrics.get("strata"), dict) else {}
+            metrics = {k: v for k, v in metrics.items() if not isinstance(v, dict | list)}
             metric_keys += [k for k in metrics if k not in metric_keys]
             rows.append((run.label, name, metrics))
+            rows += [(run.label, f"{name} / {k}", v) for k, v in strata.items() if isinstance(v, dict)]
     if not rows:
         return []
     many = len(runs) > 1
