@@ -7,7 +7,8 @@ Steps, each reusing the library: ``prepare`` the embedded Python corpus (reused 
 already prepared), ``train`` the ``cpu-quick`` preset (a larger one on CUDA) for a
 wall-clock budget, ``evaluate_run`` on every token of the test split (CPython's own test
 suite, which nothing trained on or chose a model by: the headline) and of the validation
-split, then print where everything is. Running it again replaces the previous quickstart run (its own output, nothing else).
+split, then print where everything is. Running it again replaces the previous quickstart
+run (its own output, nothing else).
 """
 
 from __future__ import annotations
