@@ -505,7 +505,8 @@ def _draw_plots(record: dict, sweep_dir: Path) -> list[tuple[str, str]] | None:
             ax.plot(steps, means, color=f"C{i}", label=f"{s['name']} (n={len(curves)})")
     ax.set(title="Training loss, mean over seeds", xlabel="step", ylabel="loss (nats/token)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_lines():
+        ax.legend(fontsize=8)
     save(fig, "loss.png", "Training loss, mean over seeds")
     return drawn
 
