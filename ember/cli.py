@@ -381,7 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs 2 --metric summary.loss train.max_steps=50",
     )
     p.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
-    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP + ", shared by every run")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides shared by every run (e.g. train.max_steps=200)",
+    )
     p.add_argument(
         "--grid",
         action="append",
@@ -389,7 +394,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a config key and its values, split on commas (repeatable; the settings are the product "
         "of all --grid keys)",
     )
-    p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 per setting (default 3)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        metavar="N",
+        help="seeds 0..N-1 per setting (default 3; the permutation test needs 4+ to reach p < 0.05)",
+    )
     p.add_argument("--seed-list", metavar="S1,S2", help="these seeds instead of 0..N-1")
     p.add_argument("--jobs", type=int, default=1, metavar="J", help="runs at a time (default 1)")
     p.add_argument(
