@@ -229,6 +229,43 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ember.sweep import SWEEP_MD, plan_sweep, run_sweep, table
+
+    seed_list = None
+    if args.seed_list is not None:
+        try:
+            seed_list = [int(s) for s in args.seed_list.split(",")]
+        except ValueError:
+            raise EmberError(f"--seed-list {args.seed_list!r} is not integers separated by commas") from None
+    sweep = plan_sweep(
+        args.config,
+        args.grid or [],
+        seeds=args.seeds,
+        seed_list=seed_list,
+        metric=args.metric,
+        baseline=args.baseline,
+        out=args.out,
+        overrides=args.overrides,
+        jobs=args.jobs,
+        alpha=args.alpha,
+    )
+    record = run_sweep(sweep, command=_command_line())
+    header, rows = table(record)
+    out = Table(*header, title=f"{sweep.metric} ({sweep.out})", title_justify="left")
+    for row in rows:
+        out.add_row(*row)
+    Console(width=max(Console().width, 120)).print(out)
+    print(f"written {sweep.out / SWEEP_MD}")
+    if record["failed"]:
+        print(f"ember: {len(record['failed'])} run(s) failed: {', '.join(record['failed'])}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from ember.quickstart import quickstart
 
@@ -367,9 +404,67 @@ def build_parser() -> argparse.ArgumentParser:
         "final metrics, data manifest, environment, evaluation and samples. Several RUNs: overlaid "
         "curves and a config diff, written into --out. Needs matplotlib (the plots extra).",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories made by `ember train`")
+    p.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run directories made by `ember train`, or one sweep directory"
+    )
     p.add_argument("--out", default=None, help="output directory (required for several runs)")
     p.set_defaults(func=cmd_report)
+
+    p = verbs.add_parser(
+        "sweep",
+        help="a grid of settings × seeds as ordinary runs, with CIs and significance tests",
+        description="Train CONFIG once per (grid setting, seed) as `ember train CONFIG [key=value ...] "
+        "<setting> run.seed=K`, each a run directory OUT/runs/<setting>-seed<K>/ with its log in train.log, "
+        "then read the metric of each run and compare every setting with the baseline: mean ± 95% CI "
+        "(Student t), the difference of means with Welch's CI and p, and an exact permutation test "
+        "(which gives the verdict). Writes OUT/sweep.json, OUT/sweep.md and OUT/plots/. Everything is "
+        "checked before the first run starts. Resumable: run it again and finished runs are skipped, "
+        "unfinished ones resume from their last checkpoint (train.resume=auto). A failed run is "
+        "reported with the end of its log and left out of the statistics; the sweep goes on and "
+        "exits with code 1.",
+        epilog="example: ember sweep tiny --grid train.lr=0.003,0.01 --grid model.n_layer=2,4 --seeds 3 "
+        "--jobs 2 --metric summary.loss train.max_steps=50",
+    )
+    p.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides shared by every run (e.g. train.max_steps=200)",
+    )
+    p.add_argument(
+        "--grid",
+        action="append",
+        metavar="KEY=V1,V2",
+        help="a config key and its values, split on commas (repeatable; the settings are the product "
+        "of all --grid keys)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        metavar="N",
+        help="seeds 0..N-1 per setting (default 3; the permutation test needs 4+ to reach p < 0.05)",
+    )
+    p.add_argument("--seed-list", metavar="S1,S2", help="these seeds instead of 0..N-1")
+    p.add_argument("--jobs", type=int, default=1, metavar="J", help="runs at a time (default 1)")
+    p.add_argument(
+        "--metric",
+        default="test.bpb",
+        help="what to compare: test.KEY or val.KEY (from `ember eval RUN --split test|val`, KEY one of "
+        "loss, ppl, bpb) or summary.KEY (from the run's summary.json, e.g. summary.loss, "
+        "summary.val_bpb). Default test.bpb",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="KEY=V,...",
+        help="the setting the others are tested against (default: the first value of each --grid key)",
+    )
+    p.add_argument(
+        "--alpha", type=float, default=0.05, help="significance level of the verdict (default 0.05)"
+    )
+    p.add_argument("--out", default=None, help="the sweep directory (default runs/sweep-<config name>)")
+    p.set_defaults(func=cmd_sweep)
 
     cfg = verbs.add_parser(
         "config",

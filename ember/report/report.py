@@ -2,6 +2,7 @@
 
     write_report([Path("runs/tiny")])                                  # → runs/tiny/report.md
     write_report([Path("runs/a"), Path("runs/b")], Path("runs/a-vs-b"))  # overlaid curves + config diff
+    write_report([Path("runs/sweep-tiny")])    # a sweep directory: sweep.md + plots (ember/sweep.py)
 
 Everything comes from the run directory (DESIGN rule 6): ``metrics.jsonl`` for the curves,
 ``summary.json`` (else the last records) for the final numbers, ``config.yaml`` for the config
@@ -456,6 +457,10 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     if not run_dirs:
         raise EmberError("no run directory given; pass one or more directories made by `ember train`")
     run_dirs = [Path(p) for p in run_dirs]
+    if len(run_dirs) == 1 and (run_dirs[0] / "sweep.json").exists():  # a sweep: redrawn where it is
+        from ember.sweep import render_sweep
+
+        return render_sweep(run_dirs[0])
     if len(run_dirs) > 1 and out is None:
         raise EmberError("comparing several runs needs an output directory for the report (--out DIR)")
     runs = [load_run(p, label) for p, label in zip(run_dirs, _labels(run_dirs), strict=True)]
