@@ -416,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train CONFIG once per (grid setting, seed) as `ember train CONFIG [key=value ...] "
         "<setting> run.seed=K`, each a run directory OUT/runs/<setting>-seed<K>/ with its log in train.log, "
         "then read the metric of each run and compare every setting with the baseline: mean ± 95% CI "
-        "(Student t), the difference of means with Welch's CI and p, and an exact permutation test "
-        "(which gives the verdict). Writes OUT/sweep.json, OUT/sweep.md and OUT/plots/. Everything is "
+        "(Student t), the difference of means with Welch's CI and p (which gives the verdict), and an "
+        "exact permutation test beside it. Writes OUT/sweep.json, OUT/sweep.md and OUT/plots/. Everything is "
         "checked before the first run starts. Resumable: run it again and finished runs are skipped, "
         "unfinished ones resume from their last checkpoint (train.resume=auto). A failed run is "
         "reported with the end of its log and left out of the statistics; the sweep goes on and "
@@ -444,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         metavar="N",
-        help="seeds 0..N-1 per setting (default 3; the permutation test needs 4+ to reach p < 0.05)",
+        help="seeds 0..N-1 per setting (default 3; the permutation p shown beside Welch's needs 4+ "
+        "to go below 0.05)",
     )
     p.add_argument("--seed-list", metavar="S1,S2", help="these seeds instead of 0..N-1")
     p.add_argument("--jobs", type=int, default=1, metavar="J", help="runs at a time (default 1)")
