@@ -207,10 +207,12 @@ class ModelConfig:
     )
     d_model: int = field(default=384, metadata=_help("residual stream width"))
     max_seq_len: int = field(default=256, metadata=_help("longest sequence the positions support"))
-    mlp: str = field(default="gelu", metadata=_help("'gelu' (GPT-2 MLP) or 'swiglu' (Llama MLP)"))
+    mlp: str = field(
+        default="gelu", metadata=_help("'gelu' (GPT-2 MLP), 'swiglu' (Llama MLP) or 'relu2' (ReLU squared)")
+    )
     mlp_hidden: int = field(
         default=0,
-        metadata=_help("MLP hidden width; 0 = 4*d_model (gelu) or 8/3*d_model rounded to 64 (swiglu)"),
+        metadata=_help("MLP hidden width; 0 = 4*d_model (gelu, relu2) or 8/3*d_model rounded to 64 (swiglu)"),
     )
     norm: str = field(default="layernorm", metadata=_help("'layernorm' or 'rmsnorm'"))
     norm_eps: float = field(default=1e-5, metadata=_help("epsilon of the norms"))
@@ -228,9 +230,17 @@ class ModelConfig:
         default=0.02,
         metadata=_help("std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)"),
     )
+    logit_softcap: float = field(
+        default=0.0, metadata=_help("cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)")
+    )
 
     def __post_init__(self) -> None:
-        _one_of(self.mlp, "model.mlp", ("gelu", "swiglu"))
+        _one_of(self.mlp, "model.mlp", ("gelu", "swiglu", "relu2"))
+        _require(
+            self.logit_softcap >= 0,
+            "model.logit_softcap",
+            f"model.logit_softcap must be >= 0 (0 = off); got {self.logit_softcap}",
+        )
         _one_of(self.norm, "model.norm", ("layernorm", "rmsnorm"))
         _one_of(self.pos, "model.pos", ("learned", "rope"))
         for key in ("n_layer", "n_head", "d_model", "max_seq_len", "vocab_multiple"):

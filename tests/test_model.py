@@ -286,3 +286,28 @@ def test_model_package_imports_no_distributed_optim_or_io():
             for name in names:
                 root = name.split(".")[0]
                 assert root not in forbidden and not name.startswith(forbidden[:2]), f"{path.name}: {name}"
+
+
+def test_relu_squared_mlp_and_logit_softcap_are_what_they_say():
+    from ember.model.gpt import ReluSquaredMLP
+
+    cfg = ModelConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_seq_len=16, mlp="relu2", pos="rope")
+    model = GPT.build(cfg, seed=0)
+    mlp = model.layers["0"].mlp
+    assert isinstance(mlp, ReluSquaredMLP) and mlp.w1.out_features == 4 * 32
+    x = torch.randn(2, 5, 32)
+    expected = F.linear(
+        torch.clamp(F.linear(x, mlp.w1.weight, mlp.w1.bias), min=0) ** 2, mlp.w2.weight, mlp.w2.bias
+    )
+    torch.testing.assert_close(mlp(x), expected, rtol=0, atol=1e-6)
+
+    capped = GPT.build(dataclasses.replace(cfg, logit_softcap=2.0), seed=0)
+    capped.load_state_dict(model.state_dict())  # the cap has no parameters
+    idx = torch.randint(0, 64, (2, 7))
+    model.output.weight.data.mul_(50)  # logits well beyond the cap
+    capped.output.weight.data.mul_(50)
+    raw, out = model(idx), capped(idx)
+    assert raw.abs().max() > 4 and out.abs().max() <= 2.0
+    torch.testing.assert_close(out, 2.0 * torch.tanh(raw / 2.0), rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match="logit_softcap"):
+        ModelConfig(logit_softcap=-1.0)

@@ -40,6 +40,10 @@ def _layout(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama', or a ConfigError saying what HF cannot represent."""
     if cfg.qk_norm:
         raise ConfigError("model.qk_norm has no counterpart in HF GPT-2 or Llama; export needs qk_norm=false")
+    if cfg.logit_softcap:
+        raise ConfigError(
+            "model.logit_softcap has no counterpart in HF GPT-2 or Llama; export needs logit_softcap=0"
+        )
     if cfg.pos == "learned":
         wrong = [
             f"model.{key}={value}"
