@@ -39,7 +39,7 @@ def test_val_split_matches_the_trainer(run):
     import torch
 
     from ember.data.loader import TokenDataset, ValLoader
-    from ember.infer.evaluate import _token_bytes, score, split_text
+    from ember.infer.evaluate import score, split_text, token_bytes_table
     from ember.train.trainer import LMTask
 
     model, tok = load_model(run)
@@ -47,10 +47,10 @@ def test_val_split_matches_the_trainer(run):
     tokens, strata = split_text(data_dir, "val")
     n_full = (len(tokens) - 1) // 32
     cut = tokens[: n_full * 32 + 1]  # only full windows: exactly the ValLoader's
-    ours = score(model, cut, _token_bytes(model, tok), strata, 32, eos_id=tok.eos_id)
+    ours = score(model, cut, token_bytes_table(tok, model.cfg.vocab_size), strata, 32, eos_id=tok.eos_id)
     loader = ValLoader(TokenDataset(data_dir, "val"), 32, 4)
     assert loader.n_windows == n_full
-    theirs = LMTask(0.0, _token_bytes(model, tok)).evaluate(
+    theirs = LMTask(0.0, token_bytes_table(tok, model.cfg.vocab_size)).evaluate(
         model, loader, torch.autocast("cpu", enabled=False)
     )
     assert ours["loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
@@ -61,7 +61,9 @@ def test_val_split_matches_the_trainer(run):
     r = results["val"]
     m = json.loads((data_dir / "manifest.json").read_text())["splits"]["val"]
     assert r["tokens"] == len(tokens) - 1 == m["tokens"] - 1  # every target token, the tail too
-    first = int(_token_bytes(model, tok)[int(tokens[0])])  # the first token is context, never a target
+    first = int(
+        token_bytes_table(tok, model.cfg.vocab_size)[int(tokens[0])]
+    )  # the first token is context, never a target
     assert r["documents"] == m["documents"] and r["bytes"] == m["bytes"] - first
     assert r["windows"] == r["windows_total"] == n_full + 1
     assert np.isfinite(r["bpb"]) and r["bpb"] > 0
@@ -98,11 +100,11 @@ def test_windows_score_every_target_once():
 
 
 def test_stride_per_stratum_and_eval_json_accumulates(run, tmp_path):
-    from ember.infer.evaluate import _token_bytes, score, split_text
+    from ember.infer.evaluate import score, split_text, token_bytes_table
 
     model, tok = load_model(run)
     tokens, strata = split_text(_data_dir(run), "val")
-    tb = _token_bytes(model, tok)
+    tb = token_bytes_table(tok, model.cfg.vocab_size)
     full = score(model, tokens, tb, strata, 32, eos_id=tok.eos_id)
     strided = score(model, tokens, tb, strata, 32, stride=8, eos_id=tok.eos_id)
     assert strided["tokens"] == full["tokens"] and strided["bytes"] == full["bytes"]
