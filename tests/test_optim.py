@@ -176,3 +176,27 @@ def test_schedule_scales_each_peak_alike():
         base = lr_at(step, progress, t)
         assert lr_at(step, progress, t, peak=t.lr) == base  # bitwise: the default path is unchanged
         assert lr_at(step, progress, t, peak=0.02) == pytest.approx(base * 20, rel=1e-12)
+
+
+def test_checkpoint_from_before_per_group_lrs_loads(tmp_path):
+    """An AdamW checkpoint whose groups have no ``peak_lr``/``role`` (written before they
+    existed) loads into today's groups: moments restored, the new settings kept."""
+    from ember.train.checkpoint import load_checkpoint, save_checkpoint
+
+    model = GPT.build(ModelConfig(**GPT2), seed=0)
+    groups = [
+        {k: v for k, v in g.items() if k not in ("peak_lr", "role")}
+        for g in param_groups(model, TrainConfig())
+    ]
+    old = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
+    model(torch.randint(0, 64, (2, 8))).sum().backward()
+    old.step()
+    save_checkpoint(tmp_path, 1, model, old, {})
+    fresh = GPT.build(ModelConfig(**GPT2), seed=1)
+    new = build_optimizer(fresh, TrainConfig(), torch.device("cpu"))
+    load_checkpoint(tmp_path / "step-000001", fresh, new)
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(new.state[a]["exp_avg_sq"], old.state[b]["exp_avg_sq"])
+    assert [g["peak_lr"] for g in new.param_groups] == [1e-3, 1e-3]
+    assert [g["role"] for g in new.param_groups] == ["hidden+head", "embed+vector"]
