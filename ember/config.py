@@ -298,6 +298,18 @@ class TrainConfig:
     weight_decay: float = field(
         default=0.1, metadata=_help("AdamW decay on matrices (not norms, biases, embeddings)")
     )
+    optimizer: str = field(
+        default="adamw", metadata=_help("'adamw', or 'muon' (Muon on block matrices, AdamW on the rest)")
+    )
+    muon_lr: float = field(default=0.02, metadata=_help("Muon peak learning rate (block matrices)"))
+    muon_momentum: float = field(default=0.95, metadata=_help("Muon momentum (Nesterov)"))
+    muon_weight_decay: float = field(
+        default=0.0, metadata=_help("Muon decoupled weight decay on block matrices")
+    )
+    embed_lr: float = field(
+        default=0.0, metadata=_help("peak lr of the embeddings (and a tied head); 0 = train.lr")
+    )
+    head_lr: float = field(default=0.0, metadata=_help("peak lr of an untied output head; 0 = train.lr"))
     beta1: float = field(default=0.9, metadata=_help("AdamW beta1"))
     beta2: float = field(default=0.95, metadata=_help("AdamW beta2"))
     eps: float = field(default=1e-8, metadata=_help("AdamW epsilon"))
@@ -343,6 +355,7 @@ class TrainConfig:
         _one_of(self.precision, "train.precision", ("fp32", "bf16", "fp16"))
         _one_of(self.device, "train.device", ("auto", "cpu", "cuda"))
         _one_of(self.nonfinite, "train.nonfinite", ("stop", "skip"))
+        _one_of(self.optimizer, "train.optimizer", ("adamw", "muon"))
         for key in ("seq_len", "batch_tokens", "micro_batch", "log_every"):
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", f"train.{key} must be >= 1; got {value}")
@@ -357,9 +370,16 @@ class TrainConfig:
             "z_loss",
             "weight_decay",
             "lr",
+            "muon_lr",
+            "muon_weight_decay",
+            "embed_lr",
+            "head_lr",
         ):
             value = getattr(self, key)
             _require(value >= 0, f"train.{key}", f"train.{key} must be >= 0; got {value}")
+        _require(
+            0.0 <= self.muon_momentum < 1.0, "train.muon_momentum", "train.muon_momentum must be in [0, 1)"
+        )
         _require(
             self.keep_last >= 2, "train.keep_last", f"train.keep_last must be >= 2; got {self.keep_last}"
         )

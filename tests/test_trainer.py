@@ -392,3 +392,55 @@ def test_bits_per_byte_counts_text_only(tiny_cfg):
             nats += ce[mask].sum().item()
             nbytes += tb[y.flatten()].sum().item()
     assert abs(result["val_bpb"] - nats / nbytes / math.log(2)) < 1e-6
+
+
+# ---------------------------------------------------------------- Muon and per-group learning rates
+
+MUON = ["train.optimizer=muon", "train.embed_lr=0.005"]
+
+
+def test_muon_exact_resume_is_bitwise(tiny_cfg):
+    args = [*DET, *MUON, "train.max_steps=8", "train.ckpt_every=4", "train.eval_every=0"]
+    cfg = tiny_cfg(*args)
+    train(cfg)
+    rd = run_dir(cfg)
+    full = losses(rd)
+    assert sorted(full) == list(range(1, 9))
+    shutil.rmtree(rd / "checkpoints" / "step-000008")
+    (rd / "metrics.jsonl").write_text("")
+    train(tiny_cfg(*args, "train.resume=auto"))
+    assert losses(rd) == {s: full[s] for s in (5, 6, 7, 8)}  # bitwise equal floats
+    # what came back: Muon's momenta; the peaks are the config's, even when it changed
+    trainer = Trainer(tiny_cfg(*args, "train.max_steps=9", "train.resume=auto", "train.muon_lr=0.03"))
+    momenta = [s["momentum_buffer"] for s in trainer.optimizer.state.values() if "momentum_buffer" in s]
+    assert len(momenta) == 2 * 7 and all(m.abs().sum() > 0 for m in momenta)  # 7 matrices per block
+    peaks = {g["role"]: g["peak_lr"] for g in trainer.optimizer.param_groups}
+    assert peaks == {"hidden": 0.03, "embed": 0.005, "vector": 0.003}
+
+
+def test_each_group_follows_the_schedule_from_its_own_peak(tiny_cfg):
+    trainer = Trainer(tiny_cfg(*MUON, "train.max_steps=3", "train.eval_every=0"))
+    trainer.run()
+    t = trainer.cfg.train
+    assert t.warmup_steps == 5  # the last step (index 2) is in warmup: multiplier 3/5
+    groups = {g["role"]: g for g in trainer.optimizer.param_groups}
+    assert {r: g["peak_lr"] for r, g in groups.items()} == {"hidden": 0.02, "embed": 0.005, "vector": t.lr}
+    for g in groups.values():
+        assert g["lr"] == pytest.approx(g["peak_lr"] * 3 / 5, rel=1e-12)
+    assert [g["use_muon"] for g in groups.values()] == [True, False, False]
+    logged = [r for r in read_metrics(trainer.run_dir) if "loss" in r]
+    assert logged[-1]["lr"] == pytest.approx(t.lr * 3 / 5, rel=1e-12)  # the log shows train.lr's
+
+
+@pytest.mark.slow
+def test_muon_two_ranks_match_one_process(tiny_cfg, tmp_path):
+    """DDP ranks orthogonalise the same averaged gradients; FSDP2 ranks gather each matrix,
+    orthogonalise it and keep their rows: both match one process."""
+    steps = ["train.max_steps=4", "train.eval_every=0"]
+    single = tiny_cfg(*DET, *MUON, *steps, "run.name=single")
+    train(single)
+    want = losses(run_dir(single))
+    for layout in ("ddp", "fsdp"):
+        got = _torchrun(tmp_path, layout, *MUON, *steps, f"parallel.data={layout}", data_dir=single.data.dir)
+        assert sorted(got) == [1, 2, 3, 4]
+        assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (layout, got, want)

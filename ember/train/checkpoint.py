@@ -12,6 +12,9 @@ FSDP2 at one world size loads at another, because DCP re-shards by global shape)
 scaler state), and last of all the ``COMMITTED`` marker. A folder without the marker —
 a save that was killed — is ignored on resume and removed at the next save.
 
+A checkpoint written before a param-group setting existed still loads: the setting keeps
+the value the optimizer was built with (tensors and state must all be there).
+
 Nothing is loaded with ``weights_only=False``: DCP reads tensors, the RNG files hold
 only tensors, everything else is JSON.
 """
@@ -130,6 +133,15 @@ def _prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _drop_unsaved_group_settings(optim_sd: dict, folder: Path) -> None:
+    """Param-group settings newer than the checkpoint (e.g. ``peak_lr``, added with per-group
+    learning rates) are not asked of it; they keep the values the optimizer was built with."""
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    for i, group in enumerate(optim_sd.get("param_groups", [])):
+        for key in [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]:
+            del group[key]
+
+
 def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
     """Load model (+ optimizer) state and this rank's RNG; returns meta.json's content."""
     folder = Path(folder)
@@ -147,11 +159,16 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
                 set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
             else:
                 model_sd, optim_sd = get_state_dict(model, optimizer)
+                built = [dict(group) for group in optimizer.param_groups]
+                _drop_unsaved_group_settings(optim_sd, folder)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
                 set_state_dict(
                     model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
                 )
+                for group, before in zip(optimizer.param_groups, built, strict=True):
+                    for key, value in before.items():
+                        group.setdefault(key, value)
         rank_file = folder / f"rng-rank{get_rank()}.pt"
         if not rank_file.exists():  # resumed at a different world size: take rank 0's stream
             rank_file = folder / "rng-rank0.pt"

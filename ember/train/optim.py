@@ -1,13 +1,37 @@
-"""AdamW with the usual parameter groups, and the learning-rate schedule.
+"""Optimizers (AdamW, or Muon for the hidden matrices), their parameter groups, and the
+learning-rate schedule.
 
-    optimizer = build_optimizer(model, cfg.train, device)
-    lr = lr_at(step, progress, cfg.train)   # progress = fraction of the budget used, in [0, 1]
+    optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: 'adamw' | 'muon'
+    lr = lr_at(step, progress, cfg.train, peak=group["peak_lr"])   # progress in [0, 1]
+
+Parameters fall into four roles, each with its own settings:
+
+- ``hidden``: the 2-D matrices inside the transformer blocks (wq, wk, wv, wo, w1, w2, w3):
+  AdamW with weight decay, or Muon with ``train.muon_lr``;
+- ``head``: the output head when it is not tied: AdamW with decay, lr ``train.head_lr``;
+- ``embed``: token (and learned position) embeddings, and the head when tied to the token
+  embedding: AdamW without decay, lr ``train.embed_lr``;
+- ``vector``: norms and biases: AdamW without decay, lr ``train.lr``.
+
+A zero ``embed_lr``/``head_lr`` means ``train.lr``. Roles whose settings coincide share one
+group, so the default AdamW run has the two groups (decay, no decay) it always had, in the
+same order, and its numbers and checkpoints are unchanged. Each group keeps its peak rate in
+``group["peak_lr"]``; the schedule scales every group's own peak the same way.
 
 Design choices:
 
-- Weight decay applies to matrices only: norms, biases and embeddings (and the output head
-  when it is tied to the embedding) are not decayed, as in GPT-2/nanoGPT and Llama recipes.
-- ``fused=True`` on CUDA (one kernel for the whole update), ``foreach=True`` on CPU.
+- ``torch.optim.AdamW`` for ``train.optimizer=adamw``: ``fused=True`` on CUDA (one kernel for
+  the whole update), ``foreach=True`` on CPU.
+- ``Muon`` is written out here by hand, AdamW for its non-matrix groups included: the
+  optimizer is a subject of study in this lab, so its every line should be readable and
+  changeable; and ``torch.optim.Muon`` (torch >= 2.9) takes matrices only and always runs
+  Newton–Schulz in bf16. ``tests/test_optim.py`` checks ours against it.
+- Muon's update scale is Keller Jordan's ``max(1, rows/cols) ** 0.5`` (the "original" of
+  ``torch.optim.Muon``), so ``muon_lr`` is about 0.02, not AdamW-sized. Newton–Schulz runs in
+  fp32 on the CPU (exact resume and rank parity hold to the bit) and bf16 on CUDA.
+- Under FSDP2 a matrix is a DTensor sharded on dim 0, and orthogonalising a shard is not
+  orthogonalising the matrix: each rank gathers the full momentum-updated matrix, runs
+  Newton–Schulz on it (every rank the same), and keeps its own rows of the result.
 - The schedule is a pure function of (step, progress): warmup is counted in steps, the
   decay in the fraction of the budget used, so the same config works for a step, token or
   wall-clock budget, and resuming needs no scheduler state beyond the step and progress.
@@ -19,34 +43,212 @@ import math
 
 import torch
 
+# Keller Jordan (2024), "Muon": a quintic p(x) = a x + b x^3 + c x^5 chosen for a steep slope
+# at 0, so 5 steps lift small singular values near 1 (to roughly 0.7..1.2, not exactly 1).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+ROLES = ("hidden", "head", "embed", "vector")  # the order of the groups
+
+
+def orthogonalize(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Approximately U Vᵀ for G = U S Vᵀ, by ``steps`` quintic Newton–Schulz iterations:
+
+        X₀ = G / ‖G‖_F,   A = X Xᵀ,   X ← a X + (b A + c A²) X
+
+    Each step maps every singular value σ to p(σ) and leaves U, V alone. Dividing by the
+    Frobenius norm (≥ the spectral norm) puts all σ in [0, 1] first. A wide X (rows ≤ cols)
+    keeps the Gram matrix A at the small side, so a tall G is transposed and back."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.mT
+    x = x / x.norm().clamp_min(1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT  # (r, r), r = min(rows, cols)
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if tall:
+        x = x.mT
+    return x.to(g.dtype)
+
+
+def _orthogonalize_any(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """``orthogonalize`` for a plain tensor, or for a DTensor shard: gather, orthogonalise the
+    whole matrix on every rank, keep this rank's part."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(update, DTensor):
+        return orthogonalize(update, steps, dtype)
+    full = orthogonalize(update.full_tensor(), steps, dtype)
+    mesh = update.device_mesh
+    replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return replicated.redistribute(mesh, update.placements)  # Replicate → Shard: a local slice
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (MomentUm Orthogonalized by Newton–Schulz) on the groups with ``use_muon=True``,
+    AdamW on the others.
+
+    Muon, per matrix W (rows × cols) with gradient G:
+
+        B ← μ B + (1 − μ) G                    momentum (an EMA: Newton–Schulz normalises,
+        M = (1 − μ) G + μ B  (Nesterov) or B    so the 1 − μ factor changes nothing)
+        W ← W (1 − lr·wd) − lr · max(1, rows/cols)^½ · NS₅(M)
+
+    AdamW (Loshchilov & Hutter), decoupled decay, bias-corrected moments, per parameter.
+    ``ns_dtype`` None means fp32 on the CPU, bf16 on CUDA."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        ns_dtype: torch.dtype | None = None,
+    ):
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            use_muon=True,
+        )
+        super().__init__(params, defaults)
+        self.ns_dtype = ns_dtype
+        for group in self.param_groups:
+            bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
+            if group["use_muon"] and bad:
+                raise ValueError(f"Muon orthogonalises matrices; a Muon group holds shapes {bad[:3]}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon(group)
+            else:
+                self._adamw(group)
+        return loss
+
+    def _muon(self, group: dict) -> None:
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if not state:
+                state["momentum_buffer"] = torch.zeros_like(g)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1 - mu)
+            m = g.lerp(buf, mu) if group["nesterov"] else buf
+            dtype = self.ns_dtype or (torch.bfloat16 if m.device.type == "cuda" else torch.float32)
+            update = _orthogonalize_any(m, group["ns_steps"], dtype)
+            rows, cols = p.shape
+            p.mul_(1 - lr * wd)
+            p.add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+
+    def _adamw(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(g)
+                state["exp_avg_sq"] = torch.zeros_like(g)
+            state["step"] += 1
+            step = state["step"].item()
+            state["exp_avg"].lerp_(g, 1 - beta1)
+            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
+            p.mul_(1 - lr * wd)
+            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+
+
+# ---------------------------------------------------------------- groups
+
+
+def param_role(name: str, p: torch.Tensor, embeddings: set[int]) -> str:
+    """'embed', 'hidden', 'head' or 'vector' for the parameter called ``name``."""
+    if id(p) in embeddings:
+        return "embed"
+    if p.ndim == 2 and "layers" in name.split("."):
+        return "hidden"
+    return "head" if p.ndim >= 2 else "vector"
+
+
+def param_groups(model: torch.nn.Module, train_cfg) -> list[dict]:
+    """One group per distinct setting of the four roles (see the module docstring); every
+    group carries ``peak_lr`` and ``role`` (e.g. 'hidden+head' when two roles share it)."""
+    t = train_cfg
+    muon = t.optimizer == "muon"
+    settings = {
+        "hidden": {
+            "peak_lr": t.muon_lr if muon else t.lr,
+            "weight_decay": t.muon_weight_decay if muon else t.weight_decay,
+        },
+        "head": {"peak_lr": t.head_lr or t.lr, "weight_decay": t.weight_decay},
+        "embed": {"peak_lr": t.embed_lr or t.lr, "weight_decay": 0.0},
+        "vector": {"peak_lr": t.lr, "weight_decay": 0.0},
+    }
+    for role, s in settings.items():
+        if muon:
+            s["use_muon"] = role == "hidden"
+    groups: dict[tuple, dict] = {}
+    for role in ROLES:
+        key = tuple(sorted(settings[role].items()))
+        group = groups.setdefault(key, {"params": [], "roles": [], **settings[role]})
+        group["roles"].append(role)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    by_role = {role: groups[tuple(sorted(settings[role].items()))] for role in ROLES}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            by_role[param_role(name, p, embeddings)]["params"].append(p)
+    out = []
+    for group in groups.values():
+        if group["params"]:
+            roles = group.pop("roles")
+            out.append({**group, "role": "+".join(roles), "lr": group["peak_lr"]})
+    return out
 
 
-def build_optimizer(model: torch.nn.Module, train_cfg, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, train_cfg, device: torch.device) -> torch.optim.Optimizer:
+    t = train_cfg
+    if t.optimizer == "muon":
+        return Muon(
+            param_groups(model, t),
+            lr=t.muon_lr,
+            momentum=t.muon_momentum,
+            betas=(t.beta1, t.beta2),
+            eps=t.eps,
+        )
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(
-        param_groups(model, train_cfg.weight_decay),
-        lr=train_cfg.lr,
-        betas=(train_cfg.beta1, train_cfg.beta2),
-        eps=train_cfg.eps,
-        **kind,
-    )
+    return torch.optim.AdamW(param_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kind)
 
 
-def lr_at(step: int, progress: float, train_cfg) -> float:
-    """Learning rate for optimizer step ``step`` (0-based) at ``progress`` of the budget."""
-    peak, floor = train_cfg.lr, train_cfg.lr * train_cfg.min_lr_ratio
+# ---------------------------------------------------------------- schedule
+
+
+def lr_at(step: int, progress: float, train_cfg, peak: float | None = None) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) at ``progress`` of the budget, for a
+    group whose peak is ``peak`` (default ``train.lr``)."""
+    peak = train_cfg.lr if peak is None else peak
+    floor = peak * train_cfg.min_lr_ratio
     if step < train_cfg.warmup_steps:
         return peak * (step + 1) / train_cfg.warmup_steps
     p = min(max(progress, 0.0), 1.0)

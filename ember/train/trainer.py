@@ -2,17 +2,21 @@
 
     result = train(load_config("tiny", ["train.max_steps=20"]))
 
-The loop (``Trainer.run``) reads top to bottom: budget check, learning rate, batch,
+The loop (``Trainer.run``) reads top to bottom: budget check, learning rates, batch,
 micro-batches with loss scaled by accumulation, backward, unscale + clip, non-finite
 guard agreed across ranks, optimizer step, log, evaluate, checkpoint. What is trained is a
 *task* (``LMTask`` here: next-token prediction), which supplies ``loss`` and ``evaluate``;
-post-training tasks plug into the same loop later.
+post-training tasks plug into the same loop later. The optimizer (``train.optimizer``: AdamW,
+or Muon on the block matrices) comes from ``ember.train.optim`` with one parameter group per
+role; each group has its own peak learning rate (``group["peak_lr"]``) and the schedule
+scales each peak alike. The logged ``lr`` is the schedule at ``train.lr``.
 
 Numbers you can trust:
 
 - the global batch at step ``s`` is a pure function of ``(run.seed, s)`` (see
   ``ember.data.loader``), the schedule is a pure function of step and budget progress, and
-  checkpoints hold model, optimizer, scaler, RNG, step, tokens and elapsed time: resuming
+  checkpoints hold model, optimizer (Muon momenta included), scaler, RNG, step, tokens and
+  elapsed time (the peak learning rates come from the config on resume): resuming
   reproduces the uninterrupted run bitwise on CPU in fp32 deterministic mode;
 - the weights are initialised identically on every rank (seeded, on the CPU, before the
   layout is applied), so DDP and FSDP2 runs match a single process at the same global batch.
@@ -267,7 +271,10 @@ class Trainer:
         self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
         self.best_val, self.best_step, self.skipped = math.inf, -1, 0
         if self.resume_from is not None:
+            peaks = [group["peak_lr"] for group in self.optimizer.param_groups]
             meta = load_checkpoint(self.resume_from, self.model, self.optimizer)
+            for group, peak in zip(self.optimizer.param_groups, peaks, strict=True):  # config's peaks win
+                group["peak_lr"] = peak
             self.step, self.tokens = meta["step"], meta["tokens"]
             self.elapsed_before = meta["elapsed"]
             self.best_val, self.best_step = meta.get("best_val", math.inf), meta.get("best_step", -1)
@@ -378,9 +385,10 @@ class Trainer:
         try:
             while progress < 1.0:
                 t0 = time.perf_counter()
-                lr = lr_at(self.step, self.progress(self._elapsed(start), steps_done=1), t)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                progress_after = self.progress(self._elapsed(start), steps_done=1)
+                lr = lr_at(self.step, progress_after, t)
+                for group in self.optimizer.param_groups:  # each group's own peak, one schedule
+                    group["lr"] = lr_at(self.step, progress_after, t, peak=group["peak_lr"])
                 _, x, y = next(batches)
                 t1 = time.perf_counter()
 
