@@ -109,7 +109,7 @@ def test_data_manifest_summary(tmp_path, monkeypatch):
     data.mkdir(parents=True)
     manifest = {
         "format": "ember-shards",
-        "format_version": 1,
+        "format_version": 2,
         "sources": [{"spec": "embedded:python-docs", "documents": 79, "bytes": 466117}],
         "cleaning": {"documents_in": 79, "kept": 78},
         "tokenizer": {"kind": "bpe", "vocab_size": 512, "sha256": "0"},
