@@ -347,8 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--split",
         action="append",
-        choices=["val", "test"],
-        help="a split of the run's data (repeatable; default val when no --data is given)",
+        choices=["train", "val", "test"],
+        help="a split of the run's data (repeatable; default val when no --data is given); train, "
+        "with --max-windows, compares the final model on seen and unseen text alike",
     )
     p.add_argument("--data", action="append", metavar="SOURCE", help="text to evaluate on (repeatable)")
     p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")

@@ -143,6 +143,8 @@ def test_eval_cli_prints_paths_literally_and_counts(run, tmp_path, capsys):
 
 
 def test_test_split(run):
+    train = evaluate_run(run, splits=["train"], max_windows=4)["train"]
+    assert (train["windows"], train["tokens"]) == (4, 4 * 32) and train["windows_total"] > 4
     r = evaluate_run(run, splits=["test"])["test"]
     m = json.loads((_data_dir(run) / "manifest.json").read_text())["splits"]["test"]
     assert r["documents"] == m["documents"] and m["bytes"] - 8 <= r["bytes"] < m["bytes"]

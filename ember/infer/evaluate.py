@@ -48,7 +48,7 @@ from ember.errors import EmberError
 from ember.model.gpt import GPT
 from ember.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights
 
-SPLITS = ("val", "test")
+SPLITS = ("train", "val", "test")  # train: to compare like with like (use --max-windows)
 
 
 def _run_file(run_dir: Path, *names: str) -> Path:
