@@ -142,9 +142,14 @@ def cmd_eval(args) -> int:
                 f"{m['ppl']:.2f}",
                 f"{m['bpb']:.4f}",
             )
+        if r.get("bpb_ci95"):
+            lo, hi = r["bpb_ci95"]
+            print(
+                f"{name}: bits/byte 95% interval over its {r['documents']:,} documents: {lo:.4f} … {hi:.4f}"
+            )
         if r["windows"] < r["windows_total"]:
             print(f"note: {name}: {r['windows']} of {r['windows_total']} windows scored (--max-windows)")
-    width = max(len(name) for name in results) + 90
+    width = max(len(name) for name in results) + 100
     Console(width=max(Console().width, width)).print(table)
     stride = next(iter(results.values()))["stride"]
     seq_len = next(iter(results.values()))["seq_len"]

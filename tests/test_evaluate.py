@@ -221,3 +221,27 @@ def test_chat_cli(run):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("> ") == 3  # two turns, then the empty line ends the loop
+
+
+def test_document_interval_matches_a_plain_bootstrap():
+    import math
+
+    import numpy as np
+
+    from ember.infer.evaluate import document_ci95
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(50, 500, size=60).astype(float)
+    nats = tokens * rng.uniform(1.0, 5.0, size=60)  # documents of very different difficulty
+    nbytes = tokens * 3.5
+    per_doc = np.stack([nats, tokens, nats, nbytes], axis=1)
+    ci = document_ci95(per_doc)
+    point = nats.sum() / tokens.sum()
+    assert ci["loss_ci95"][0] < point < ci["loss_ci95"][1]
+    idx = rng.integers(0, 60, size=(20000, 60))  # the textbook bootstrap: resample documents
+    plain = nats[idx].sum(1) / tokens[idx].sum(1)
+    assert ci["loss_ci95"] == pytest.approx(list(np.quantile(plain, [0.025, 0.975])), rel=0.02)
+    assert ci["bpb_ci95"] == pytest.approx([v / 3.5 / math.log(2) for v in ci["loss_ci95"]], rel=1e-9)
+    same = document_ci95(np.tile([[300.0, 100.0, 300.0, 350.0]], (10, 1)))
+    assert same["loss_ci95"] == pytest.approx([3.0, 3.0])
+    assert document_ci95(per_doc[:1]) == {"loss_ci95": None, "bpb_ci95": None}

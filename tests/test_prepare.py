@@ -54,19 +54,25 @@ def test_shards_hold_every_document_then_eos(prepared):
     m = result.manifest
     tok = load_tokenizer(result.directory)
     texts = sorted((p.name, p.read_text()) for p in (tmp_path / "corpus").glob("doc*.txt"))
-    # the split rules, restated: by digest order, val from the bottom until 20% of the bytes,
-    # test (no test sources: data.test_fraction=0.02) from the top until 2%
-    by_digest = sorted(texts, key=lambda t: content_digest(t[1]))
-    total = sum(len(t.encode()) for _, t in texts)
-    split_of, acc = {}, 0
-    for name, text in by_digest:
-        split_of[name] = "val" if acc < 0.2 * total else "train"
-        acc += len(text.encode()) if acc < 0.2 * total else 0
-    acc = 0
-    for name, text in reversed(by_digest):
-        if acc >= 0.02 * total:
-            break
-        split_of[name], acc = "test", acc + len(text.encode())
+    # the split rules, restated for one folder: documents by (size, digest), every 5th for val
+    # (val_fraction 0.2) from a hashed offset; test (no test sources: test_fraction 0.02) the
+    # same from what is left, at 0.02 / 0.8 (tests/test_splits.py checks the sampling itself)
+    import hashlib
+    import math
+
+    def sample(items, fraction, salt):
+        order = sorted(items, key=lambda t: (len(t[1].encode()), content_digest(t[1])))
+        digests = b"".join(sorted(content_digest(t) for _, t in items))
+        u = int.from_bytes(hashlib.blake2b(salt + digests, digest_size=8).digest(), "big") / 2.0**64
+        return {
+            n
+            for i, (n, _) in enumerate(order)
+            if math.floor((i + 1) * fraction + u) > math.floor(i * fraction + u)
+        }
+
+    val = sample(texts, 0.2, b"val")
+    test = sample([t for t in texts if t[0] not in val], 0.02 / 0.8, b"test")
+    split_of = {name: "val" if name in val else "test" if name in test else "train" for name, _ in texts}
     expected = {"train": [], "val": [], "test": []}
     for name, text in texts:  # dup.txt sorts after doc*.txt, so the original is the one kept
         expected[split_of[name]].extend(tok.encode(text) + [tok.eos_id])

@@ -26,35 +26,53 @@ def _bytes(docs):
     return sum(len(t.encode()) for _, t in docs)
 
 
-def test_val_is_drawn_per_stratum_by_bytes_and_test_by_origin():
+def _split_bytes(plan, docs, split):
+    return sum(len(t.encode()) for stratum, t in docs if plan.split_of(stratum, content_digest(t)) == split)
+
+
+def test_val_is_a_systematic_sample_per_stratum_and_test_comes_by_origin():
     code, prose = _docs("code", 400, 300), _docs("prose", 40, 80)
     tests = _docs("tests", 200, 500) + [code[3]]  # a test file that duplicates a training one
     cfg = DataConfig(val_fraction=0.05, test_bytes=20_000, test_fraction=0.5)
     plan = plan_splits([FakeSource("c", code + prose)], [FakeSource("t", tests)], cfg)
     for docs in (code, prose):
         stratum = docs[0][0]
-        split = {t: plan.split_of(stratum, content_digest(t)) for _, t in docs}
-        val = sorted((content_digest(t), len(t.encode())) for t, s in split.items() if s == "val")
-        val_bytes = sum(n for _, n in val)
-        # the smallest digests of the stratum, just enough to reach 5% of its bytes
-        assert val_bytes >= 0.05 * _bytes(docs) > val_bytes - val[-1][1]
-        assert [d for d, _ in val] == sorted(content_digest(t) for _, t in docs)[: len(val)]
-        assert set(split.values()) == {"train", "val"}  # test_fraction is unused: there are test sources
-    chosen = [t for _, t in tests[:-1] if plan.split_of("tests", content_digest(t)) == "test"]
-    chosen_bytes = sum(len(t.encode()) for t in chosen)
-    assert 20_000 <= chosen_bytes < 20_000 + 600
+        split = [
+            plan.split_of(stratum, content_digest(t))
+            for _, t in sorted(docs, key=lambda d: (len(d[1]), content_digest(d[1])))
+        ]
+        picked = [i for i, s in enumerate(split) if s == "val"]
+        assert len(picked) in (int(0.05 * len(docs)), int(0.05 * len(docs)) + 1)  # n·f, rounded by the offset
+        assert all(b - a == 20 for a, b in zip(picked, picked[1:], strict=False))  # every 20th by size
+        assert set(split) == {"train", "val"}  # test_fraction is unused: there are test sources
+    chosen = _split_bytes(plan, tests[:-1], "test")
+    assert 0.8 * 20_000 <= chosen <= 1.2 * 20_000
     assert plan.split_of("tests", content_digest(code[3][1])) is None  # seen in training: not test
     assert "held out by origin: t" in plan.rule["test"]
 
 
-def test_without_test_sources_a_share_from_the_top_of_the_digest_order():
+def test_the_sample_follows_the_bytes_of_each_kind_of_file():
+    """A folder of big easy tables and small modules: over many corpora (each its own hashed
+    offset), val holds each kind in proportion to its bytes; a group per folder."""
+    shares = []
+    for k in range(40):
+        tables = [("s", f"table {k} {i} " + "t" * 5000) for i in range(30)]
+        modules = [("s", f"module {k} {i} " + "m" * (200 + 7 * i)) for i in range(300)]
+        sources = [FakeSource("s", tables + modules)]
+        plan = plan_splits(sources, [], DataConfig(val_fraction=0.1, test_fraction=0.0))
+        val = _split_bytes(plan, tables + modules, "val")
+        shares.append(_split_bytes(plan, tables, "val") / val)
+    corpus = _bytes(tables) / (_bytes(tables) + _bytes(modules))
+    assert abs(sum(shares) / len(shares) - corpus) < 0.02
+    assert max(abs(s - corpus) for s in shares) < 0.08  # size order spreads the picks
+
+
+def test_without_test_sources_a_share_of_what_val_left():
     docs = _docs("a", 300, 200)
     plan = plan_splits([FakeSource("a", docs)], [], DataConfig(val_fraction=0.1, test_fraction=0.1))
-    order = sorted(docs, key=lambda d: content_digest(d[1]))
-    splits = [plan.split_of("a", content_digest(t)) for _, t in order]
-    n_val, n_test = splits.count("val"), splits.count("test")
-    assert splits == ["val"] * n_val + ["train"] * (300 - n_val - n_test) + ["test"] * n_test
-    assert 0.1 <= sum(len(t.encode()) for _, t in order[-n_test:]) / _bytes(docs) < 0.11
+    splits = [plan.split_of("a", content_digest(t)) for _, t in docs]
+    assert (splits.count("val"), splits.count("test")) in {(30, 30), (30, 31), (31, 30), (31, 29), (30, 29)}
+    assert "hashed share" in plan.rule["test"]
     none = plan_splits([FakeSource("a", docs)], [], DataConfig(val_fraction=0.1, test_fraction=0.0))
     assert "test" not in {none.split_of("a", content_digest(t)) for _, t in docs}
 

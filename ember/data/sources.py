@@ -67,6 +67,7 @@ class Document:
     text: str
     origin: str
     stratum: str = ""
+    group: str = ""  # the top-level folder below the source's root ("" at the root): see splits.py
 
 
 @dataclass
@@ -116,16 +117,18 @@ class Source:
         self.stats = SourceStats(spec)
         self.parts: list[str] = []  # "docs", "stdlib", "tests"
         self.files: list[Path] = []
+        self.root: Path | None = None  # a folder the files sit under, for Document.group
         if spec.startswith("embedded:"):
             if spec not in EMBEDDED:
                 raise DataError(f"unknown embedded source {spec!r}; choose one of: {', '.join(EMBEDDED)}")
             self.parts = PARTS[spec.split(":", 1)[1]]
             if "stdlib" in self.parts:
-                self.files = _stdlib_files()
+                self.files, self.root = _stdlib_files(), Path(sysconfig.get_paths()["stdlib"])
             if "tests" in self.parts:
-                self.files = _test_files()
+                self.files, self.root = _test_files(), _test_root()
         else:
             self.files = _resolve_path(spec)
+            self.root = Path(spec).expanduser() if Path(spec).expanduser().is_dir() else None
 
     def _read(self, stats: SourceStats) -> Iterator[Document]:
         if "docs" in self.parts:
@@ -142,8 +145,9 @@ class Source:
                 docs = _parquet_documents(path, self.parquet_column, stats)
             else:
                 docs = _text_document(path, stats)
+            parts = path.relative_to(self.root).parts if self.root else ()
             for doc in docs:
-                doc.stratum = stratum
+                doc.stratum, doc.group = stratum, parts[0] if len(parts) > 1 else ""
                 yield doc
 
     def fingerprint(self) -> list:

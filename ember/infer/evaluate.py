@@ -21,7 +21,9 @@ evenly spaced windows only when asked, and the result then says how many of how 
 Bits per byte divide the loss on text tokens by the UTF-8 bytes they stand for (special
 tokens stand for none), so runs with different tokenizers compare. Each result gives the
 documents, tokens and bytes scored and the same figures per stratum (documentation and
-standard library, say) from the manifest's token ranges. ``eval.json`` keeps one entry per
+standard library, say) from the manifest's token ranges, and a 95% bootstrap interval of
+loss and bits per byte over documents: how far the figure could move on another sample of
+documents like these (what decides whether a val/train gap is noise). ``eval.json`` keeps one entry per
 dataset label (``val``, ``test`` or the source string); evaluating again replaces that entry
 only.
 """
@@ -179,6 +181,8 @@ def score(
     names = sorted({s["name"] for s in strata})
     slot = np.array([names.index(s["name"]) for s in strata])
     sums = np.zeros((len(names), 5))  # nats, tokens, text nats, bytes, documents (eos scored)
+    ends = np.flatnonzero(tokens == eos_id) if eos_id is not None else np.zeros(0, dtype=np.int64)
+    per_doc = np.zeros((len(ends) + 1, 4))  # nats, tokens, text nats, bytes of each document
     was_training = model.training
     model.eval()
     arange = np.arange(plan[0][1])
@@ -197,6 +201,9 @@ def score(
         eos = (y.numpy()[scored] == eos_id) if eos_id is not None else np.zeros_like(text)
         for col, values in enumerate((n, np.ones_like(n), n * text, nb, eos)):
             sums[:, col] += np.bincount(which, weights=values.astype(np.float64), minlength=len(names))
+        doc = np.searchsorted(ends, target, side="left")  # a document's <|eos|> is its own
+        for col, values in enumerate((n, np.ones_like(n), n * text, nb)):
+            per_doc[:, col] += np.bincount(doc, weights=values.astype(np.float64), minlength=len(per_doc))
     model.train(was_training)
 
     def metrics(row) -> dict:
@@ -212,10 +219,32 @@ def score(
         }
 
     result = metrics(sums.sum(0))
+    result.update(document_ci95(per_doc[per_doc[:, 1] > 0]))
     result.update(windows=len(plan), windows_total=total, seq_len=seq_len, stride=stride)
     if len(names) > 1:
         result["strata"] = {name: metrics(sums[i]) for i, name in enumerate(names)}
     return result
+
+
+def document_ci95(per_doc: np.ndarray, resamples: int = 2000, seed: int = 0) -> dict:
+    """95% bootstrap intervals of loss and bits per byte over documents: how much the figure
+    would move on another sample of documents like these (rows: nats, tokens, text nats,
+    bytes of each document). A Poisson bootstrap (each document weighted Poisson(1) times),
+    seeded, in chunks, so memory stays small for any number of documents."""
+    if len(per_doc) < 2:
+        return {"loss_ci95": None, "bpb_ci95": None}
+    rng = np.random.default_rng(seed)
+    losses, bpbs = [], []
+    for lo in range(0, resamples, 100):
+        w = rng.poisson(1.0, size=(min(100, resamples - lo), len(per_doc)))
+        nats, count, text, nbytes = (w @ per_doc).T
+        losses.append(nats / np.maximum(count, 1))
+        bpbs.append(text / math.log(2) / np.maximum(nbytes, 1))
+    losses, bpbs = np.concatenate(losses), np.concatenate(bpbs)
+    return {
+        "loss_ci95": [float(np.quantile(losses, 0.025)), float(np.quantile(losses, 0.975))],
+        "bpb_ci95": [float(np.quantile(bpbs, 0.025)), float(np.quantile(bpbs, 0.975))],
+    }
 
 
 def token_bytes_table(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
