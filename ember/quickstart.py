@@ -80,8 +80,10 @@ def quickstart(
     print("\n[3/3] evaluate on the test split (held out by origin) and the validation split, and sample")
     results = evaluate_run(run_dir, splits=["test", "val"])
     for name, r in results.items():
+        lo, hi = r["bpb_ci95"] or (float("nan"), float("nan"))
         print(
-            f"  {name}: {r['bpb']:.4f} bits/byte, loss {r['loss']:.4f}, perplexity {r['ppl']:.2f} "
+            f"  {name}: {r['bpb']:.4f} bits/byte (95% interval over documents {lo:.4f} … {hi:.4f}), "
+            f"loss {r['loss']:.4f}, perplexity {r['ppl']:.2f} "
             f"({r['documents']:,} documents, {r['tokens']:,} tokens, {r['bytes']:,} bytes)"
         )
 

@@ -269,11 +269,14 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
         "data.sources=[embedded:python-docs]",
         "data.vocab_size=600",
         "data.val_fraction=0.1",
+        "data.test_bytes=100000",
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     run = tmp_path / "runs" / "quickstart"
-    assert str(run / "model") in out and "bits/byte" in out
+    assert str(run / "model") in out and "test bits/byte (validation" in out
+    results = json.loads((run / "eval.json").read_text())["results"]
+    assert set(results) == {"test", "val"} and f"headline: {results['test']['bpb']:.4f}" in out
     m = read_manifest(tmp_path / "py")
     assert m["splits"]["train"]["tokens"] > 100_000 and m["tokenizer"]["vocab_size"] == 600
     assert (run / "model" / "model.safetensors").is_file()
