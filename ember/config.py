@@ -124,7 +124,8 @@ class DataConfig:
         ),
     )
     test_bytes: int = field(
-        default=1_000_000, metadata=_help("at most this many bytes of test_sources go into test (0 = all)")
+        default=1_000_000,
+        metadata=_help("about this many bytes of test_sources are sampled into test (0 = all)"),
     )
     test_fraction: float = field(
         default=0.02,
