@@ -65,7 +65,8 @@ def test_val_split_matches_the_trainer(run):
         token_bytes_table(tok, model.cfg.vocab_size)[int(tokens[0])]
     )  # the first token is context, never a target
     assert r["documents"] == m["documents"] and r["bytes"] == m["bytes"] - first
-    assert r["windows"] == r["windows_total"] == n_full + 1
+    tail = 1 if (len(tokens) - 1) % 32 else 0  # a last, shorter window when the split has a rest
+    assert r["windows"] == r["windows_total"] == n_full + tail
     assert np.isfinite(r["bpb"]) and r["bpb"] > 0
 
 

@@ -76,7 +76,7 @@ def test_sigkill_mid_run_resumes_from_last_commit(tiny_cfg, tmp_path):
         "train.eval_every=0",
     ]
     ref = subprocess.run(
-        [sys.executable, "-m", "ember", "train", *args[:4], f"run.out_dir={tmp_path / 'ref'}", *args[5:]],
+        [sys.executable, "-m", "ember", "train", *args[:3], f"run.out_dir={tmp_path / 'ref'}", *args[4:]],
         env=_child_env(),
         capture_output=True,
         text=True,
