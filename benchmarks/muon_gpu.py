@@ -44,8 +44,10 @@ def main() -> int:
     torch.manual_seed(0)
     dev = "cuda"
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'shape':>12} {'bf16 σ min':>10} {'bf16 σ max':>10} {'fp32 σ min':>10} {'fp32 σ max':>10} "
-          f"{'cos bf16/fp32':>13} {'cos gpu/cpu step':>16}")
+    print(
+        f"{'shape':>12} {'bf16 σ min':>10} {'bf16 σ max':>10} {'fp32 σ min':>10} {'fp32 σ max':>10} "
+        f"{'cos bf16/fp32':>13} {'cos gpu/cpu step':>16}"
+    )
     ok = True
     for shape in SHAPES:
         g = torch.randn(shape, device=dev)
@@ -54,27 +56,36 @@ def main() -> int:
         cos_ns = _cos(orthogonalize(g, dtype=torch.bfloat16), orthogonalize(g, dtype=torch.float32))
         w0 = torch.randn(shape) * 0.02
         cos_step = _cos(muon_step(w0, g.cpu(), dev), muon_step(w0, g.cpu(), "cpu"))
-        row_ok = hi16 <= SIGMA_MAX and abs(lo16 - lo32) <= SIGMA_MIN_SLACK and min(cos_ns, cos_step) >= COS_MIN
+        row_ok = (
+            hi16 <= SIGMA_MAX and abs(lo16 - lo32) <= SIGMA_MIN_SLACK and min(cos_ns, cos_step) >= COS_MIN
+        )
         ok &= row_ok
-        print(f"{str(shape):>12} {lo16:10.3f} {hi16:10.3f} {lo32:10.3f} {hi32:10.3f} "
-              f"{cos_ns:13.5f} {cos_step:16.5f}{'' if row_ok else '   MISS'}")
+        print(
+            f"{str(shape):>12} {lo16:10.3f} {hi16:10.3f} {lo32:10.3f} {hi32:10.3f} "
+            f"{cos_ns:13.5f} {cos_step:16.5f}{'' if row_ok else '   MISS'}"
+        )
     if hasattr(torch.optim, "Muon"):
         w0, g = torch.randn(768, 768) * 0.02, torch.randn(768, 768)
         exact = muon_step(w0, g, dev, ns_dtype=torch.float32)
         ours = muon_step(w0, g, dev)
         w = torch.nn.Parameter(w0.clone().to(dev))
-        peer = torch.optim.Muon([w], lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True,
-                                adjust_lr_fn="original")
+        peer = torch.optim.Muon(
+            [w], lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True, adjust_lr_fn="original"
+        )
         w.grad = g.clone().to(dev)
         peer.step()
         theirs = w.detach().cpu() - w0
         err_ours = ((ours - exact).norm() / exact.norm()).item()
         err_peer = ((theirs - exact).norm() / exact.norm()).item()
         ok &= err_ours <= 1.25 * err_peer
-        print(f"one step, 768x768, bf16 NS vs fp32 NS on the GPU: ember {err_ours:.2e}, "
-              f"torch.optim.Muon {err_peer:.2e} (ember's may be at most 1.25x the peer's)")
-    print(f"σ max <= {SIGMA_MAX}, σ min within {SIGMA_MIN_SLACK} of fp32, cosine >= {COS_MIN}: "
-          f"{'all hold' if ok else 'MISSED'}")
+        print(
+            f"one step, 768x768, bf16 NS vs fp32 NS on the GPU: ember {err_ours:.2e}, "
+            f"torch.optim.Muon {err_peer:.2e} (ember's may be at most 1.25x the peer's)"
+        )
+    print(
+        f"σ max <= {SIGMA_MAX}, σ min within {SIGMA_MIN_SLACK} of fp32, cosine >= {COS_MIN}: "
+        f"{'all hold' if ok else 'MISSED'}"
+    )
     return 0 if ok else 1
 
 
