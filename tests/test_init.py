@@ -42,21 +42,22 @@ def tiny(**overrides) -> ModelConfig:
 
 
 class LoRALinear(nn.Module):
-    """base(x) + B A x (Hu et al. 2021), A (r, in) and B (out, r). B = 0: it starts as its base."""
+    """base(x) + B A x (Hu et al. 2021), A and B linears as in peft. B = 0: it starts as its
+    base. An init that walks every nn.Linear would draw B too."""
 
     def __init__(self, base: nn.Module, rank: int = 4) -> None:
         super().__init__()
         self.base = base
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
-        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank))
+        self.lora_a = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, base.out_features, bias=False)
 
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         init_module(self.base, std, generator)  # the std its place asks for, residual scale included
-        nn.init.normal_(self.lora_a, std=1.0 / self.lora_a.size(0), generator=generator)
-        nn.init.zeros_(self.lora_b)
+        nn.init.normal_(self.lora_a.weight, std=1.0 / self.lora_a.out_features, generator=generator)
+        nn.init.zeros_(self.lora_b.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + (x @ self.lora_a.T) @ self.lora_b.T
+        return self.base(x) + self.lora_b(self.lora_a(x))
 
 
 class StackedMoE(nn.Module):
@@ -160,8 +161,8 @@ def test_swapped_modules_initialise_themselves(layout):
     blocks = list(model.layers.values())
     loras = [m for m in model.modules() if isinstance(m, LoRALinear)]
     assert len(loras) == 2 * n_layer + n_layer - 1
-    assert all((m.lora_b == 0).all() for m in loras)
-    assert all((m.lora_a != 0).all() for m in loras)
+    assert all((m.lora_b.weight == 0).all() for m in loras)
+    assert all((m.lora_a.weight != 0).all() for m in loras)
 
     # the residual scale reaches the wrapped output projections and the MoE's stacked w2
     resid = STD / math.sqrt(2 * n_layer)
