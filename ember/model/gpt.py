@@ -15,12 +15,11 @@ Design choices:
   not in the state dict, recomputed by ``init_buffers()``, which ``init_weights()``
   calls. After ``to_empty()`` + ``load_state_dict()``, call ``init_buffers()``.
 - Each module initialises what it owns, so what a transformation swaps in (a LoRA wrapper,
-  a quantized linear, an MoE in place of the MLP) is initialised too. ``init_module(m, std,
-  generator)`` calls ``m.init_weights(std, generator)`` if m defines one; else it draws
-  N(0, std) and zero bias for a linear or embedding, resets a norm, or goes through m's
-  children in order (an error if m itself holds tensors). Residual branches draw their output
-  projections (``wo``, ``w2``) at std / sqrt(2 * n_layer) (GPT-2 paper, section 2.3) through
-  ``init_module``, so the scale reaches the base linear inside a wrapper.
+  a quantized linear, an MoE) is initialised too: ``init_module(m, std, generator)`` calls
+  ``m.init_weights(std, generator)`` where m defines it, else draws N(0, std) and zero bias
+  for a linear or embedding, resets a norm, or goes through m's children in order (an error
+  if m holds tensors itself). Residual branches draw ``wo``, ``w2`` at std / sqrt(2 * n_layer)
+  (GPT-2 paper, section 2.3), also through ``init_module``: a wrapper of ``wo`` gets that std.
 - RoPE uses the rotate-half convention of GPT-NeoX and HF Llama: dimension ``i``
   pairs with ``i + head_dim/2`` (Meta's complex form pairs ``2i`` with ``2i+1``).
   Export to HF is then a renaming, with no permutation of ``wq``/``wk`` rows.
