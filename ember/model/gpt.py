@@ -14,6 +14,12 @@ Design choices:
   ``init_weights()`` (DESIGN rule 1). The RoPE tables are non-persistent buffers:
   not in the state dict, recomputed by ``init_buffers()``, which ``init_weights()``
   calls. After ``to_empty()`` + ``load_state_dict()``, call ``init_buffers()``.
+- Each module initialises what it owns, so what a transformation swaps in (a LoRA wrapper,
+  a quantized linear, an MoE) is initialised too: ``init_module(m, std, generator)`` calls
+  ``m.init_weights(std, generator)`` where m defines it, else draws N(0, std) and zero bias
+  for a linear or embedding, resets a norm, or goes through m's children in order (an error
+  if m holds tensors itself). Residual branches draw ``wo``, ``w2`` at std / sqrt(2 * n_layer)
+  (GPT-2 paper, section 2.3), also through ``init_module``: a wrapper of ``wo`` gets that std.
 - RoPE uses the rotate-half convention of GPT-NeoX and HF Llama: dimension ``i``
   pairs with ``i + head_dim/2`` (Meta's complex form pairs ``2i`` with ``2i+1``).
   Export to HF is then a renaming, with no permutation of ``wq``/``wk`` rows.
@@ -92,6 +98,24 @@ def mlp_hidden_size(cfg: ModelConfig) -> int:
     return -(-int(8 * cfg.d_model / 3) // 64) * 64
 
 
+@torch.no_grad()
+def init_module(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
+    """Initialise ``module`` and what it holds (the contract is in the module docstring)."""
+    if hasattr(module, "init_weights"):
+        module.init_weights(std, generator)
+    elif isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "reset_parameters"):  # norms: ones, zeros
+        module.reset_parameters()
+    elif [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+        raise TypeError(f"{type(module).__name__} holds tensors but defines no init_weights(std, generator)")
+    else:  # a container: its children in order
+        for child in module.children():
+            init_module(child, std, generator)
+
+
 def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=cfg.norm_eps)
@@ -136,6 +160,9 @@ class RotaryPositions(nn.Module):
         angles = torch.outer(positions, 1.0 / self.theta**exponent)  # (max_seq_len, head_dim / 2)
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        self.init_buffers()
 
     def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Rope | None]:
         # (T, hd/2) -> (1, T, hd/2), or (B, T, hd/2) -> (B, 1, T, hd/2): broadcast over heads
@@ -223,6 +250,12 @@ class Attention(nn.Module):
         self.attend = sdpa_attention
         self.attn_dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.n_layer = cfg.n_layer  # for the init of wo
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        for module in (self.wq, self.wk, self.wv, self.q_norm, self.k_norm):
+            init_module(module, std, generator)
+        init_module(self.wo, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
     def forward(
         self, x: Tensor, rope: Rope | None, cache: KVCache | None = None, mask: Tensor | None = None
@@ -253,21 +286,20 @@ class GeluMLP(nn.Module):
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.n_layer = cfg.n_layer  # for the init of w2
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        init_module(self.w1, std, generator)
+        init_module(self.w2, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))  # (B, T, hidden) inside
 
 
-class ReluSquaredMLP(nn.Module):
-    """w2(relu(w1 x)^2): the squared ReLU of Primer (So et al. 2021), which the modded-nanogpt
-    speedruns adopted; as cheap as GELU, sparser, and it trains faster at small scale."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        hidden = mlp_hidden_size(cfg)
-        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
-        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
-        self.dropout = nn.Dropout(cfg.dropout)
+class ReluSquaredMLP(GeluMLP):
+    """w2(relu(w1 x)^2), GPT-2's MLP with the squared ReLU of Primer (So et al. 2021) in place of
+    GELU, which the modded-nanogpt speedruns adopted; as cheap as GELU, sparser, and it trains
+    faster at small scale."""
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.w2(F.relu(self.w1(x)).square()))  # (B, T, hidden) inside
@@ -296,6 +328,12 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)  # up
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)  # down
         self.dropout = nn.Dropout(cfg.dropout)
+        self.n_layer = cfg.n_layer  # for the init of w2
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        for module in (self.w1, self.w3):
+            init_module(module, std, generator)
+        init_module(self.w2, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))  # (B, T, hidden) inside
@@ -399,29 +437,14 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """N(0, init_std) for matrices and embeddings, the residual projections (wo, w2)
-        scaled by 1/sqrt(2 * n_layer) (GPT-2 paper, section 2.3), zero biases, unit norms.
-        ``seed`` draws from a private generator; None uses the global RNG."""
+        """Initialise every child in order at ``init_std`` (see ``init_module``), the tied head
+        as the embedding. ``seed`` draws from a private generator; None uses the global RNG."""
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
-        std = self.cfg.init_std
-        resid_std = std / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:  # RMSNorm has none
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Linear):
-                if module.weight is self.tok_embeddings.weight:  # tied head, drawn as the embedding
-                    continue
-                module_std = resid_std if name.endswith((".wo", ".w2")) else std
-                nn.init.normal_(module.weight, mean=0.0, std=module_std, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-        self.init_buffers()
+        for module in self.children():
+            if module is not self.output or getattr(module, "weight", None) is not self.tok_embeddings.weight:
+                init_module(module, self.cfg.init_std, generator)
 
     def set_attention(self, kind: str) -> GPT:
         """Use ``"sdpa"`` (default) or ``"reference"`` attention in every layer."""
