@@ -63,7 +63,7 @@ def test_linear_is_torch_linear_lr_and_ends_at_the_floor():
 
 @pytest.mark.parametrize("decay_fraction", [0.2, 0.5, 1.0])
 def test_wsd_holds_the_peak_then_decays_linearly_to_the_floor(decay_fraction):
-    """Warmup-Stable-Decay (Hu et al. 2024, MiniCPM §4): the peak until the last
+    """Warmup-Stable-Decay (Hu et al. 2024, MiniCPM): the peak until the last
     ``decay_fraction`` of the budget, then a straight line to the floor."""
     got = ours("wsd", decay_fraction=decay_fraction)
     stable_end = round(N * (1 - decay_fraction))  # the step count at which decay starts
