@@ -282,10 +282,74 @@ def test_model_package_imports_no_distributed_optim_or_io():
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             for name in names:
                 root = name.split(".")[0]
                 assert root not in forbidden and not name.startswith(forbidden[:2]), f"{path.name}: {name}"
+
+
+def test_model_package_imports_nothing_distributed_when_run(monkeypatch):
+    """What ember/model actually imports, not what its text says: each of its files is run
+    afresh and a model built, run forward and backward, with every import made from
+    ember.model recorded (module level or inside a function; ``import``, ``from .. import``,
+    ``__import__`` or ``importlib.import_module``). The ember modules it pulls in (config,
+    errors) are run afresh too, and must not reach torch.distributed or torch.optim either."""
+    import builtins
+    import importlib
+    import importlib.util
+    import sys
+
+    forbidden = ("torch.distributed", "torch.optim", "logging", "os", "pathlib", "io", "json", "shutil")
+    watched = {"ember.model"}  # importers whose imports are recorded, besides ember.model.*
+    recorded: list[tuple[str, str]] = []
+    real_import, real_import_module = builtins.__import__, importlib.import_module
+
+    def record(importer: str, name: str) -> None:
+        if importer in watched or importer.startswith("ember.model."):
+            recorded.append((importer, name))
+
+    def hooked_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if globals is None:  # a direct __import__("x") call: the caller's module
+            globals = sys._getframe(1).f_globals
+        importer, package = globals.get("__name__", ""), globals.get("__package__")
+        base = name if not level else importlib.util.resolve_name("." * level + name, package)
+        for item in fromlist or ():
+            record(importer, f"{base}.{item}")  # from torch import distributed
+        record(importer, base)
+        return real_import(name, globals, locals, fromlist, level)
+
+    def hooked_import_module(name, package=None):
+        record(sys._getframe(1).f_globals.get("__name__", ""), importlib.util.resolve_name(name, package))
+        return real_import_module(name, package)
+
+    def run_afresh(name: str, path) -> object:
+        watched.add(name)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)  # not put in sys.modules: nothing else sees it
+        spec.loader.exec_module(module)
+        return module
+
+    monkeypatch.setattr(builtins, "__import__", hooked_import)
+    monkeypatch.setattr(importlib, "import_module", hooked_import_module)
+    fresh = {}
+    for path in sorted((Path(__file__).parents[1] / "ember" / "model").glob("*.py")):
+        name = "ember.model" if path.stem == "__init__" else f"ember.model.{path.stem}"
+        fresh[path.stem] = run_afresh(name, path)
+    model = fresh["gpt"].GPT.build(tiny(**LLAMA, n_kv_head=2, qk_norm=True, logit_softcap=5.0), seed=0)
+    model(tokens()).sum().backward()
+    model.set_attention("reference")(tokens()).sum().backward()
+    model.num_params(non_embedding=True), model.flops_per_token(8)
+    in_model = list(recorded)
+    while todo := {n for _, n in recorded if n.startswith("ember.") and n in sys.modules} - watched:
+        for name in sorted(todo):  # ember modules the model needs, and theirs
+            run_afresh(name, sys.modules[name].__file__)
+    monkeypatch.undo()
+
+    names = {name for _, name in recorded}
+    assert {"torch", "ember.config", "ember.errors"} <= names  # the hook saw the imports
+    bad = [(i, n) for i, n in in_model if n.split(".")[0] in forbidden or n.startswith(forbidden[:2])]
+    bad += [(i, n) for i, n in recorded if n.startswith(forbidden[:2])]
+    assert not bad, bad
 
 
 def test_relu_squared_mlp_and_logit_softcap_are_what_they_say():

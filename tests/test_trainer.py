@@ -306,35 +306,88 @@ def test_keep_last_and_keep_best(tiny_cfg):
     assert all((ckpts / k / MARKER).exists() for k in kept)
 
 
+def _blocks(trainer) -> list[torch.nn.Module]:
+    """The model's blocks as the loop calls them (wrapped by checkpointing or compile)."""
+    from ember.parallel.parallelize import unwrap
+
+    return list(unwrap(trainer.model).layers.values())
+
+
+def _inner_blocks(trainer) -> list[torch.nn.Module]:
+    """The model's blocks, inside any checkpoint or compile wrapper."""
+    return [getattr(b, "_checkpoint_wrapped_module", getattr(b, "_orig_mod", b)) for b in _blocks(trainer)]
+
+
 def test_activation_checkpointing_equals_plain(tiny_cfg):
-    a = tiny_cfg(*DET, "run.name=plain", "train.max_steps=3", "train.eval_every=0")
-    b = tiny_cfg(
-        *DET, "run.name=ac", "train.max_steps=3", "train.eval_every=0", "train.activation_checkpointing=true"
+    """Same losses bit for bit, and the path was taken: every block is wrapped, and backward
+    ran each block's forward a second time (once per micro-step of every training step)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    a = Trainer(tiny_cfg(*DET, "run.name=plain", "train.max_steps=3", "train.eval_every=0"))
+    b = Trainer(
+        tiny_cfg(
+            *DET,
+            "run.name=ac",
+            "train.max_steps=3",
+            "train.eval_every=0",
+            "train.activation_checkpointing=true",
+        )
     )
-    train(a), train(b)
-    assert losses(run_dir(a)) == losses(run_dir(b))
+    assert all(isinstance(block, CheckpointWrapper) for block in _blocks(b))
+    assert not any(isinstance(block, CheckpointWrapper) for block in _blocks(a))
+    calls = {"plain": 0, "ac": 0}
+    for name, trainer in (("plain", a), ("ac", b)):
+        block = _inner_blocks(trainer)[0]
+        # a pre-hook: the recomputation stops early, once it has what backward needs
+        block.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    a.run(), b.run()
+    assert calls["ac"] - calls["plain"] == 3 * a.grad_accum > 0  # the recomputations
+    assert losses(a.run_dir) == losses(b.run_dir)
 
 
 def test_bf16_autocast_trains_close_to_fp32(tiny_cfg):
-    a = tiny_cfg("run.name=fp32", "train.max_steps=3", "train.eval_every=0")
-    b = tiny_cfg("run.name=bf16", "train.max_steps=3", "train.eval_every=0", "train.precision=bf16")
-    train(a), train(b)
-    la, lb = losses(run_dir(a)), losses(run_dir(b))
+    """bf16 matmuls really ran (the block's outputs are bf16), and the losses differ from
+    fp32 by rounding only: not at all would mean autocast was ignored."""
+    a = Trainer(tiny_cfg("run.name=fp32", "train.max_steps=3", "train.eval_every=0"))
+    b = Trainer(tiny_cfg("run.name=bf16", "train.max_steps=3", "train.eval_every=0", "train.precision=bf16"))
+    seen = {"fp32": set(), "bf16": set()}
+    for name, trainer in (("fp32", a), ("bf16", b)):
+        wq = _inner_blocks(trainer)[0].attention.wq
+        wq.register_forward_hook(lambda mod, args, out, name=name: seen[name].add(out.dtype))
+    a.run(), b.run()
+    assert seen == {"fp32": {torch.float32}, "bf16": {torch.bfloat16}}
+    la, lb = losses(a.run_dir), losses(b.run_dir)
+    assert sorted(la) == sorted(lb) == [1, 2, 3]
     assert all(abs(la[s] - lb[s]) < 0.05 for s in la), (la, lb)
+    assert any(la[s] != lb[s] for s in la), "bf16 gave fp32's losses bit for bit"
 
 
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tiny_cfg):
-    a = tiny_cfg(*DET, "run.name=eager", "train.max_steps=3", "train.eval_every=0")
-    b = tiny_cfg(
-        "train.precision=fp32",
-        "run.name=compiled",
-        "train.max_steps=3",
-        "train.eval_every=0",
-        "train.compile=true",
+    """Losses within 1e-4 of eager, and the path was taken: every block is a compiled module
+    and dynamo captured graphs while training."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    a = Trainer(tiny_cfg(*DET, "run.name=eager", "train.max_steps=3", "train.eval_every=0"))
+    b = Trainer(
+        tiny_cfg(
+            "train.precision=fp32",
+            "run.name=compiled",
+            "train.max_steps=3",
+            "train.eval_every=0",
+            "train.compile=true",
+        )
     )
-    train(a), train(b)
-    la, lb = losses(run_dir(a)), losses(run_dir(b))
+    assert all(isinstance(block, OptimizedModule) for block in _blocks(b))
+    assert not any(isinstance(block, OptimizedModule) for block in _blocks(a))
+    a.run()
+    torch._dynamo.reset()
+    counters.clear()
+    b.run()
+    assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])
+    la, lb = losses(a.run_dir), losses(b.run_dir)
+    assert sorted(la) == sorted(lb) == [1, 2, 3]
     assert all(abs(la[s] - lb[s]) < 1e-4 for s in la), (la, lb)
 
 
