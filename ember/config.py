@@ -339,10 +339,21 @@ class TrainConfig:
     )
     keep_last: int = field(default=2, metadata=_help("checkpoints kept, newest first (>= 2)"))
     keep_best: bool = field(
-        default=True, metadata=_help("also keep the checkpoint with the best validation loss")
+        default=True,
+        metadata=_help(
+            "export the weights with the best val loss to model-best/; their checkpoint is also kept "
+            "if ckpt_every saved that step"
+        ),
     )
     resume: str = field(
         default="never", metadata=_help("'never', 'auto' (newest committed checkpoint) or a step folder")
+    )
+    resume_allow_changes: bool = field(
+        default=False,
+        metadata=_help(
+            "on resume, accept changes to the run's config (budgets, eval/ckpt cadence, lr, schedule); "
+            "never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer"
+        ),
     )
     nonfinite: str = field(
         default="stop", metadata=_help("on NaN/Inf loss or grads: 'stop' (and name the module) or 'skip'")

@@ -20,6 +20,7 @@ from ember.train.metrics import read_metrics
 from ember.train.trainer import NonFiniteError, Trainer, train
 
 DET = ["train.deterministic=true", "train.precision=fp32"]
+DROPOUT = ["model.dropout=0.1"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -37,7 +38,9 @@ def _child_env():
 
 
 def test_exact_resume_is_bitwise(tiny_cfg):
-    cfg = tiny_cfg(*DET, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3")
+    """With dropout, so that the losses after resume depend on the restored RNG state."""
+    args = [*DET, *DROPOUT, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3"]
+    cfg = tiny_cfg(*args)
     train(cfg)
     full = losses(run_dir(cfg))
     assert sorted(full) == list(range(1, 9))
@@ -46,7 +49,7 @@ def test_exact_resume_is_bitwise(tiny_cfg):
     shutil.rmtree(rd / "checkpoints" / "step-000008")
     lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
     (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 4))
-    train(tiny_cfg(*DET, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3", "train.resume=auto"))
+    train(tiny_cfg(*args, "train.resume=auto"))
     resumed = [r for r in read_metrics(rd) if "loss" in r]
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert {r["step"]: r["loss"] for r in resumed} == full  # bitwise equal floats
@@ -411,6 +414,104 @@ def test_resume_keeps_one_history_in_metrics(tiny_cfg):
     ).exists()
 
 
+@pytest.mark.parametrize("resume", ["never", "auto"])
+def test_metrics_without_a_committed_checkpoint_are_refused_not_appended_to(tiny_cfg, resume):
+    args = ["train.max_steps=6", "train.eval_every=0"]  # train.ckpt_every=0: one checkpoint, at the end
+    trainer = Trainer(tiny_cfg(*args))
+    real, calls = trainer.task.loss, []
+
+    def killed_in_step_3(model, batch):
+        calls.append(1)
+        if len(calls) > 2 * trainer.grad_accum:
+            raise KeyboardInterrupt
+        return real(model, batch)
+
+    trainer.task.loss = killed_in_step_3
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    rd = trainer.run_dir
+    assert [r["step"] for r in read_metrics(rd)] == [1, 2] and latest_checkpoint(rd / "checkpoints") is None
+    before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="no committed checkpoint.*delete that folder to start over"):
+        Trainer(tiny_cfg(*args, f"train.resume={resume}"))
+    assert {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()} == before
+
+
+def test_resume_with_a_changed_config_names_each_key(tiny_cfg, tmp_path):
+    args = ["train.max_steps=4", "train.eval_every=0", "train.resume=auto"]
+    cfg = tiny_cfg(*args)
+    train(cfg)
+    rd = run_dir(cfg)
+    before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
+    shutil.copytree(cfg.data.dir, tmp_path / "same-data")
+    fixed = {
+        "model.n_layer": "3",
+        "run.seed": "7",
+        "train.batch_tokens": "512",
+        "train.seq_len": "16",
+        "train.optimizer": "muon",
+        "data.dir": str(tmp_path / "same-data"),
+        "data.sampling": "epoch",
+    }
+    overrides = [f"{k}={v}" for k, v in fixed.items()]
+    with pytest.raises(ConfigError) as e:  # the opt-in does not cover these
+        Trainer(tiny_cfg(*args, *overrides, "train.max_steps=8", "train.resume_allow_changes=true"))
+    message = str(e.value)
+    assert all(f"{key} " in message for key in [*fixed, "train.max_steps"]), message
+    assert "another run.name" in message and "delete" not in message
+    # one at a time, each is named
+    for key, value in fixed.items():
+        with pytest.raises(ConfigError, match=rf"differs from .*config\.yaml: {key} .*cannot change"):
+            Trainer(tiny_cfg(*args, f"{key}={value}"))
+    tokenizer = rd / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + "\n")  # as if the run had been trained with another one
+    with pytest.raises(ConfigError, match="tokenizer sha256 .*cannot change"):
+        Trainer(tiny_cfg(*args))
+    tokenizer.write_bytes(before[tokenizer])
+    # a longer budget is a safe change, but only when asked for
+    with pytest.raises(ConfigError, match=r"train\.max_steps 4 → 8\. .*train\.resume_allow_changes=true"):
+        Trainer(tiny_cfg(*args, "train.max_steps=8"))
+    assert {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()} == before  # nothing was written
+    result = train(tiny_cfg(*args, "train.max_steps=8", "train.resume_allow_changes=true"))
+    assert result["step"] == 8 and sorted(losses(rd)) == list(range(1, 9))
+
+
+def test_resuming_a_finished_run_changes_nothing(tiny_cfg):
+    args = ["train.max_steps=4", "train.eval_every=2"]
+    cfg = tiny_cfg(*args)
+    train(cfg)
+    rd = run_dir(cfg)
+    before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
+    again = train(tiny_cfg(*args, "train.resume=auto"))
+    assert {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()} == before
+    assert again == json.loads((rd / "summary.json").read_text()) and again["step"] == 4
+
+
+def test_keep_best_exports_the_best_weights_with_the_default_checkpoint_cadence(tiny_cfg):
+    from safetensors.torch import load_file
+
+    trainer = Trainer(tiny_cfg(*DET, "train.max_steps=6", "train.eval_every=2"))
+    assert trainer.cfg.train.ckpt_every == 0 and trainer.cfg.train.keep_best
+    val_losses, at_best = iter([3.0, 1.0, 2.0]), {}
+
+    def scripted(model, val_loader, autocast):  # the best evaluation is the middle one, step 4
+        loss = next(val_losses)
+        if loss == 1.0:
+            at_best.update({k: v.clone() for k, v in model.state_dict().items()})
+        return {"val_loss": loss, "val_ppl": math.exp(loss), "val_bpb": loss}
+
+    trainer.task.evaluate = scripted
+    trainer.run()
+    rd = trainer.run_dir
+    assert json.loads((rd / "summary.json").read_text())["best_step"] == 4
+    best = load_file(str(rd / "model-best" / "model.safetensors"))
+    last = load_file(str(rd / "model" / "model.safetensors"))
+    assert all(torch.equal(best[k], at_best[k]) for k in best)
+    assert not all(torch.equal(best[k], last[k]) for k in best)
+    # with checkpoints only at the end, there is no checkpoint of step 4 to keep
+    assert sorted(p.name for p in (rd / "checkpoints").iterdir()) == ["step-000006"]
+
+
 def test_no_validation_split_trains_without_eval(tiny_data, tmp_path):
     from ember.config import load_config
     from ember.data.prepare import prepare
@@ -453,7 +554,7 @@ MUON = ["train.optimizer=muon", "train.embed_lr=0.005"]
 
 
 def test_muon_exact_resume_is_bitwise(tiny_cfg):
-    args = [*DET, *MUON, "train.max_steps=8", "train.ckpt_every=4", "train.eval_every=0"]
+    args = [*DET, *MUON, *DROPOUT, "train.max_steps=8", "train.ckpt_every=4", "train.eval_every=0"]
     cfg = tiny_cfg(*args)
     train(cfg)
     rd = run_dir(cfg)
@@ -464,7 +565,8 @@ def test_muon_exact_resume_is_bitwise(tiny_cfg):
     train(tiny_cfg(*args, "train.resume=auto"))
     assert losses(rd) == {s: full[s] for s in (5, 6, 7, 8)}  # bitwise equal floats
     # what came back: Muon's momenta; the peaks are the config's, even when it changed
-    trainer = Trainer(tiny_cfg(*args, "train.max_steps=9", "train.resume=auto", "train.muon_lr=0.03"))
+    changed = ["train.max_steps=9", "train.muon_lr=0.03", "train.resume_allow_changes=true"]
+    trainer = Trainer(tiny_cfg(*args, "train.resume=auto", *changed))
     momenta = [s["momentum_buffer"] for s in trainer.optimizer.state.values() if "momentum_buffer" in s]
     assert len(momenta) == 2 * 7 and all(m.abs().sum() > 0 for m in momenta)  # 7 matrices per block
     peaks = {g["role"]: g["peak_lr"] for g in trainer.optimizer.param_groups}

@@ -176,8 +176,8 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
     # DCP wraps load failures in CheckpointException, a BaseException subclass
     except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError, CheckpointException) as e:
         raise EmberError(
-            f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); "
-            "delete that folder to resume from the one before"
+            f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); if it is damaged, "
+            "delete it to resume from the one before (a different model or optimizer needs a new run)"
         ) from None
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():

@@ -17,7 +17,8 @@ Numbers you can trust:
   ``ember.data.loader``), the schedule is a pure function of step and budget progress, and
   checkpoints hold model, optimizer (Muon momenta included), scaler, RNG, step, tokens and
   elapsed time (the peak learning rates come from the config on resume): resuming
-  reproduces the uninterrupted run bitwise on CPU in fp32 deterministic mode;
+  reproduces the uninterrupted run bitwise on CPU in fp32 deterministic mode; and a run resumes
+  only as itself (``_resume_folder``, ``_check_resumed_config``: one history per directory);
 - the weights are initialised identically on every rank (seeded, on the CPU, before the
   layout is applied), so DDP and FSDP2 runs match a single process at the same global batch.
   Building on the meta device and initialising sharded parameters in place, which very
@@ -40,11 +41,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 import ember
 from ember.config import config_to_yaml
 from ember.data.loader import TokenDataset, TrainLoader, ValLoader
 from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
+from ember.data.tokenizer import file_sha256
 from ember.errors import ConfigError, DataError, EmberError
 from ember.model.gpt import GPT
 from ember.parallel.dist import all_reduce, destroy_distributed, init_distributed, print0
@@ -54,6 +57,15 @@ from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory
 from ember.train.optim import build_optimizer, lr_at
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# On resume the config must equal the run's, but for where the run lives, computes and logs
+# (RESUME_FREE). RESUME_FIXED keys and the tokenizer shape the weights, the optimizer state and every
+# batch: no opt-in accepts a change to them. Other changes (budgets and so the schedule's length,
+# eval and checkpoint cadence, learning rates) need train.resume_allow_changes=true.
+RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train.log_every", "parallel.")
+RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
+RESUME_FIXED += ("data.sampling", "tokenizer")
 
 
 class NonFiniteError(EmberError):
@@ -232,7 +244,8 @@ class Trainer:
         self.global_rows, self.grad_accum = _batch_layout(t, env.world_size)
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.resume_from = self._resume_folder()
-        self._prepare_run_dir()
+        if self.resume_from is not None:
+            self._check_resumed_config(manifest)
 
         torch.manual_seed(cfg.run.seed)
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
@@ -280,8 +293,12 @@ class Trainer:
             if meta.get("scaler"):
                 self.scaler.load_state_dict(meta["scaler"])
             print0(f"resumed from {self.resume_from} (step {self.step}, {self.tokens:,} tokens)")
+        # a finished run resumed again: nothing to train, and nothing in its directory changes
+        self.done = self.progress(self.elapsed_before) >= 1.0 and (self.run_dir / "summary.json").is_file()
+        if not self.done:
+            self._prepare_run_dir()
         resumed_at = self.step if self.resume_from is not None else None
-        self.metrics = MetricsLog(self.run_dir, env.is_main, t.tensorboard, truncate_after=resumed_at)
+        self.metrics = MetricsLog(self.run_dir, env.is_main and not self.done, t.tensorboard, resumed_at)
 
     def _val_loader(self, manifest: dict) -> ValLoader | None:
         """Fixed validation windows, the same count on every rank (FSDP forwards are collective);
@@ -313,23 +330,30 @@ class Trainer:
     # ------------------------------------------------------------ run directory
 
     def _resume_folder(self) -> Path | None:
-        resume = self.cfg.train.resume
-        ckpts = self.run_dir / "checkpoints"
-        if resume == "never":
-            if latest_checkpoint(ckpts) is not None:
+        """The checkpoint to resume from, or None to start afresh; a ConfigError where either
+        would mix two histories in one run directory."""
+        resume, run_dir = self.cfg.train.resume, self.run_dir
+        ckpts = run_dir / "checkpoints"
+        newest = latest_checkpoint(ckpts)
+        if resume == "never" and newest is not None:
+            raise ConfigError(
+                f"{run_dir} already holds checkpoints; resume it with train.resume=auto, "
+                "or pick another run.name (nothing was overwritten)"
+            )
+        if resume in ("never", "auto"):
+            metrics = run_dir / "metrics.jsonl"
+            if newest is None and metrics.is_file() and metrics.stat().st_size:
                 raise ConfigError(
-                    f"{self.run_dir} already holds checkpoints; resume it with train.resume=auto, "
+                    f"{run_dir} holds the metrics of an earlier run but no committed checkpoint to resume "
+                    "from (train.ckpt_every=0 saves one only at the end); delete that folder to start over, "
                     "or pick another run.name (nothing was overwritten)"
                 )
-            return None
-        if resume == "auto":
-            return latest_checkpoint(ckpts)
+            return newest
         folder = Path(resume) if Path(resume).is_dir() else ckpts / resume
         if not folder.is_dir():
             raise ConfigError(
                 f"train.resume={resume!r}: no such checkpoint folder (use 'auto' or step-NNNNNN)"
             )
-        newest = latest_checkpoint(ckpts)
         if (
             newest is not None
             and newest.name > folder.name
@@ -340,6 +364,33 @@ class Trainer:
                 "histories. Move the newer step folders out of checkpoints/ first, or use train.resume=auto"
             )
         return folder
+
+    def _check_resumed_config(self, manifest: dict) -> None:
+        """Compare the config with the one the checkpoint's run was last started with (its newest
+        config-resume-*.yaml, else config.yaml), and the tokenizer with the run's copy."""
+        run = self.resume_from.parent.parent
+        saved = max(run.glob("config-resume-step-*.yaml"), default=run / "config.yaml")
+        if not saved.is_file():
+            return  # a checkpoint folder outside its run: nothing to compare with
+        old = yaml.safe_load(saved.read_text())
+        new = yaml.safe_load(config_to_yaml(replace(self.cfg, model=self.model_cfg)))
+        changed = {
+            f"{section}.{k}": (old[section][k], v)
+            for section, values in new.items()
+            for k, v in values.items()
+            if k in old.get(section, {}) and old[section][k] != v
+        }
+        changed = {k: change for k, change in changed.items() if not k.startswith(RESUME_FREE)}
+        sha = manifest["tokenizer"]["sha256"]
+        if (run / TOKENIZER).is_file() and (run_sha := file_sha256(run / TOKENIZER)) != sha:
+            changed["tokenizer sha256"] = (run_sha[:12], sha[:12])
+        fixed = [k for k in changed if k.startswith(RESUME_FIXED)]
+        if changed and (fixed or not self.cfg.train.resume_allow_changes):
+            listing = ", ".join(f"{k} {a!r} → {b!r}" for k, (a, b) in changed.items())
+            fix = "pass train.resume_allow_changes=true to resume with these"
+            if fixed:
+                fix = f"{', '.join(fixed)} cannot change on resume: put them back, or start another run.name"
+            raise ConfigError(f"resuming {run} with a config that differs from {saved}: {listing}. {fix}")
 
     def _prepare_run_dir(self) -> None:
         if not self.env.is_main:
@@ -369,6 +420,9 @@ class Trainer:
 
     def run(self) -> dict:
         t, env = self.cfg.train, self.env
+        if self.done:  # a larger budget needs train.resume_allow_changes=true
+            print0(f"{self.run_dir} spent its budget at step {self.step}: nothing to do")
+            return json.loads((self.run_dir / "summary.json").read_text())
         print0(
             f"training {self.n_params / 1e6:.2f}M parameters on {env.world_size} × {env.device.type}, "
             f"{t.batch_tokens:,} tokens/step ({self.grad_accum} micro-steps of {t.micro_batch}×{t.seq_len} "
