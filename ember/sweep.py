@@ -19,7 +19,9 @@ Design choices:
 - resumable: a run whose ``summary.json`` exists and whose metric can be read is skipped; one
   with ``summary.json`` but no metric only gets its evaluation; an unfinished run directory is
   trained again with ``train.resume=auto``, so it continues exactly from its last committed
-  checkpoint (bitwise, see tests/test_trainer.py) instead of starting over;
+  checkpoint (bitwise, see tests/test_trainer.py) instead of starting over; one killed before
+  its first checkpoint holds nothing to continue, and the sweep, which owns that folder,
+  clears it and starts the run afresh;
 - a failed run is reported with the end of its log; the others go on, the statistics leave it
   out and say so, and the sweep exits nonzero;
 - the verdict comes from Welch's t-test (unequal variances, Welch–Satterthwaite df): with the
@@ -39,6 +41,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ from pathlib import Path
 from ember.atomic import write_text_atomic
 from ember.errors import ConfigError, EmberError
 from ember.stats import CONFIDENCE, permutation_test, summarize, welch
+from ember.train.checkpoint import latest_checkpoint
 
 SWEEP_JSON = "sweep.json"
 SWEEP_MD = "sweep.md"
@@ -280,6 +284,8 @@ def _run_one(sweep: Sweep, name: str, setting: dict[str, str], seed: int, env: d
     except EmberError:
         pass
     if not (run_dir / "summary.json").exists():
+        if latest_checkpoint(run_dir / "checkpoints") is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # killed before its first checkpoint: start over
         run_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
             *(sys.executable, "-m", "ember", "train", sweep.config),

@@ -16,6 +16,7 @@ from ember.cli import main
 from ember.errors import ConfigError, EmberError
 from ember.stats import betainc, permutation_test, summarize, t_cdf, t_ppf, t_sf, welch
 from ember.sweep import parse_baseline, parse_grid, parse_metric, plan_sweep, read_metric, run_sweep
+from ember.train.checkpoint import MARKER
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -189,7 +190,13 @@ def test_failed_run_is_reported_and_left_out(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep_mod, "_call", fake_call)
     monkeypatch.setattr("ember.data.prepare.prepare", lambda *a, **k: None)
     out = tmp_path / "sw"
-    (out / "runs" / "lr=0.003-seed2").mkdir(parents=True)  # unfinished: no summary.json
+    killed = out / "runs" / "lr=0.003-seed2"  # unfinished, killed before its first checkpoint
+    killed.mkdir(parents=True)
+    (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 9.9}\n')
+    resumable = out / "runs" / "lr=0.003-seed1" / "checkpoints" / "step-000002"  # unfinished, with one
+    resumable.mkdir(parents=True)
+    (resumable / MARKER).write_text("")
+    (resumable.parent.parent / "metrics.jsonl").write_text('{"step": 2, "loss": 9.0}\n')
     sweep = plan_sweep("tiny", ["train.lr=0.003,0.01"], seeds=3, metric="summary.loss", out=out)
     record = run_sweep(sweep, log=print)
     assert record["failed"] == ["lr=0.01-seed1"]
@@ -198,6 +205,8 @@ def test_failed_run_is_reported_and_left_out(tmp_path, monkeypatch, capsys):
     base, other = record["settings"]
     assert base["values"] == [5.0, 6.0, 7.0] and other["values"] == [6.0, 8.0] and other["n"] == 2
     assert "lr=0.01-seed1" in (out / "sweep.md").read_text()
+    assert not (killed / "metrics.jsonl").exists()  # cleared, so the fresh run keeps one history
+    assert (resumable.parent.parent / "metrics.jsonl").exists() and resumable.is_dir()  # kept to resume
     # again: only the failed run is tried again
     calls.clear()
     run_sweep(sweep, log=lambda _: None)
