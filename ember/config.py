@@ -39,14 +39,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 import os
 import re
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 from omegaconf import OmegaConf
@@ -63,8 +64,47 @@ from ember.errors import ConfigError
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+# Choice lists that code outside this module also reads; every other choice list is
+# declared once, on its field.
+TOKENIZER_KINDS = ("bpe", "char")
+SAMPLING_MODES = ("random", "epoch")
+
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def opt(
+    default: Any,
+    help_text: str,
+    *,
+    choices: Sequence[str] = (),
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A config field: its default, one line of help, and the values it accepts
+    (``choices``, or bounds ``ge``/``gt`` below and ``le``/``lt`` above). Declared
+    here once, they are checked by ``_Section.__post_init__`` and listed by
+    ``ember config keys``. A list default is copied per instance, a class default
+    (a section) is built per instance."""
+    bounds = [(op, b) for op, b in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if b is not None]
+    meta = {"help": help_text, "choices": tuple(choices), "bounds": bounds}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _allowed(meta: Mapping[str, Any]) -> str:
+    """What a field accepts, in words: "one of 'a', 'b'", ">= 1", "in [0, 1)"; "" if anything."""
+    if meta.get("choices"):
+        return "one of " + ", ".join(repr(c) for c in meta["choices"])
+    bounds = meta.get("bounds", [])
+    if len(bounds) == 2:
+        (lo_op, lo), (hi_op, hi) = bounds
+        return f"in {'[' if lo_op == '>=' else '('}{lo}, {hi}{']' if hi_op == '<=' else ')'}"
+    return " ".join(f"{op} {b}" for op, b in bounds)
 
 
 class _InvalidValue(ConfigError):
@@ -81,9 +121,23 @@ def _require(ok: bool, key: str, message: str) -> None:
         raise _InvalidValue(key, message)
 
 
-def _one_of(value: str, key: str, allowed: Sequence[str]) -> None:
-    choices = ", ".join(repr(a) for a in allowed)
-    _require(value in allowed, key, f"{key} must be one of {choices}; got {value!r}")
+class _Section:
+    """Base of the config sections (``class DataConfig(_Section, key="data")``):
+    on construction every field is checked against its declared choices and bounds.
+    A section with rules across fields adds them after ``super().__post_init__()``."""
+
+    key: ClassVar[str]
+
+    def __init_subclass__(cls, key: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.key = key
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(typing.cast(Any, self)):
+            value, meta, key = getattr(self, f.name), f.metadata, f"{self.key}.{f.name}"
+            choices, bounds = meta.get("choices"), meta.get("bounds", [])
+            ok = value in choices if choices else all(_COMPARE[op](value, b) for op, b in bounds)
+            _require(ok, key, f"{key} must be {_allowed(meta)}; got {value!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -92,164 +146,90 @@ def _one_of(value: str, key: str, allowed: Sequence[str]) -> None:
 
 
 @dataclass
-class RunConfig:
-    name: str = field(default="ember", metadata=_help("run name; the run lives in <out_dir>/<name>/"))
-    out_dir: str = field(default="runs", metadata=_help("folder that holds all run directories"))
-    seed: int = field(
-        default=1337, metadata=_help("global seed: data order, init and sampling derive from it")
-    )
+class RunConfig(_Section, key="run"):
+    name: str = opt("ember", "run name; the run lives in <out_dir>/<name>/")
+    out_dir: str = opt("runs", "folder that holds all run directories")
+    seed: int = opt(1337, "global seed: data order, init and sampling derive from it", ge=0)
 
 
 @dataclass
-class DataConfig:
-    sources: list[str] = field(
-        default_factory=lambda: ["embedded:python"],
-        metadata=_help("corpus sources: embedded:<name>, files, globs or .jsonl/.parquet paths"),
+class DataConfig(_Section, key="data"):
+    sources: list[str] = opt(
+        ["embedded:python"], "corpus sources: embedded:<name>, files, globs or .jsonl/.parquet paths"
     )
-    dir: str = field(
-        default="data/python", metadata=_help("where the tokenizer, shards and manifest are written")
+    dir: str = opt("data/python", "where the tokenizer, shards and manifest are written")
+    tokenizer: str = opt("bpe", "tokenizer kind: byte-level BPE or characters", choices=TOKENIZER_KINDS)
+    vocab_size: int = opt(4096, "tokenizer vocabulary size, special tokens included", ge=1)
+    val_fraction: float = opt(
+        0.05, "share of each source's bytes held out for validation (by content hash, per source)", ge=0, lt=1
     )
-    tokenizer: str = field(default="bpe", metadata=_help("tokenizer kind: 'bpe' (byte-level BPE) or 'char'"))
-    vocab_size: int = field(
-        default=4096, metadata=_help("tokenizer vocabulary size, special tokens included")
+    test_sources: list[str] = opt(
+        [], "sources held out by origin as the test split (never trained on); [] = a hashed share"
     )
-    val_fraction: float = field(
-        default=0.05,
-        metadata=_help("share of each source's bytes held out for validation (by content hash, per source)"),
+    test_bytes: int = opt(
+        1_000_000, "about this many bytes of test_sources are sampled into test (0 = all)", ge=0
     )
-    test_sources: list[str] = field(
-        default_factory=list,
-        metadata=_help(
-            "sources held out by origin as the test split (never trained on); [] = a hashed share"
-        ),
+    test_fraction: float = opt(
+        0.02, "without test_sources: share of each source's bytes held out as the test split", ge=0, lt=1
     )
-    test_bytes: int = field(
-        default=1_000_000,
-        metadata=_help("about this many bytes of test_sources are sampled into test (0 = all)"),
+    tokenizer_train_bytes: int = opt(
+        20_000_000, "at most this many bytes of text are used to train the tokenizer", gt=0
     )
-    test_fraction: float = field(
-        default=0.02,
-        metadata=_help("without test_sources: share of each source's bytes held out as the test split"),
+    jsonl_field: str = opt("text", "field holding the document text in .jsonl sources")
+    parquet_column: str = opt("text", "column holding the document text in .parquet sources")
+    min_chars: int = opt(1, "documents shorter than this many characters are dropped", ge=0)
+    max_nontext_fraction: float = opt(
+        0.3, "documents with a larger fraction of non-text characters are dropped", ge=0, le=1
     )
-    tokenizer_train_bytes: int = field(
-        default=20_000_000, metadata=_help("at most this many bytes of text are used to train the tokenizer")
-    )
-    jsonl_field: str = field(
-        default="text", metadata=_help("field holding the document text in .jsonl sources")
-    )
-    parquet_column: str = field(
-        default="text", metadata=_help("column holding the document text in .parquet sources")
-    )
-    min_chars: int = field(
-        default=1, metadata=_help("documents shorter than this many characters are dropped")
-    )
-    max_nontext_fraction: float = field(
-        default=0.3, metadata=_help("documents with a larger fraction of non-text characters are dropped")
-    )
-    dedup: bool = field(default=True, metadata=_help("drop exact duplicate documents (by content hash)"))
-    shard_tokens: int = field(default=100_000_000, metadata=_help("maximum number of tokens per shard file"))
-    sampling: str = field(
-        default="random", metadata=_help("'random' windows, or 'epoch' for a seeded permutation per epoch")
+    dedup: bool = opt(True, "drop exact duplicate documents (by content hash)")
+    shard_tokens: int = opt(100_000_000, "maximum number of tokens per shard file", gt=0)
+    sampling: str = opt(
+        "random", "random windows, or a seeded permutation of windows per epoch", choices=SAMPLING_MODES
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _require(len(self.sources) > 0, "data.sources", "data.sources is empty; give at least one source")
-        _one_of(self.tokenizer, "data.tokenizer", ("bpe", "char"))
-        _one_of(self.sampling, "data.sampling", ("random", "epoch"))
         _require(
-            self.vocab_size >= 1, "data.vocab_size", f"data.vocab_size must be >= 1; got {self.vocab_size}"
-        )
-        _require(
-            0.0 <= self.val_fraction < 1.0,
-            "data.val_fraction",
-            f"data.val_fraction must be in [0, 1); got {self.val_fraction}",
-        )
-        _require(
-            0.0 <= self.test_fraction < 1.0 and self.val_fraction + self.test_fraction < 1.0,
+            self.val_fraction + self.test_fraction < 1.0,
             "data.test_fraction",
-            f"data.test_fraction must be in [0, 1) with val_fraction + test_fraction < 1; "
-            f"got {self.test_fraction} (val_fraction {self.val_fraction})",
-        )
-        _require(
-            self.test_bytes >= 0, "data.test_bytes", f"data.test_bytes must be >= 0; got {self.test_bytes}"
-        )
-        _require(
-            self.tokenizer_train_bytes > 0,
-            "data.tokenizer_train_bytes",
-            f"data.tokenizer_train_bytes must be > 0; got {self.tokenizer_train_bytes}",
-        )
-        _require(self.min_chars >= 0, "data.min_chars", f"data.min_chars must be >= 0; got {self.min_chars}")
-        _require(
-            0.0 <= self.max_nontext_fraction <= 1.0,
-            "data.max_nontext_fraction",
-            f"data.max_nontext_fraction must be in [0, 1]; got {self.max_nontext_fraction}",
-        )
-        _require(
-            self.shard_tokens > 0,
-            "data.shard_tokens",
-            f"data.shard_tokens must be > 0; got {self.shard_tokens}",
+            f"data.val_fraction + data.test_fraction must be < 1; got {self.val_fraction} + "
+            f"{self.test_fraction}",
         )
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section, key="model"):
     """The decoder's shape and options (see ember/model/gpt.py)."""
 
-    vocab_size: int = field(
-        default=0, metadata=_help("vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple")
+    vocab_size: int = opt(0, "vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple", ge=0)
+    vocab_multiple: int = opt(64, "round a tokenizer-derived vocab_size up to a multiple of this", ge=1)
+    n_layer: int = opt(6, "number of transformer blocks", ge=1)
+    n_head: int = opt(6, "attention (query) heads per block", ge=1)
+    n_kv_head: int = opt(0, "key/value heads (GQA/MQA); 0 = n_head (plain multi-head attention)", ge=0)
+    d_model: int = opt(384, "residual stream width", ge=1)
+    max_seq_len: int = opt(256, "longest sequence the positions support", ge=1)
+    mlp: str = opt(
+        "gelu", "MLP: GPT-2's (gelu), Llama's (swiglu) or ReLU squared", choices=("gelu", "swiglu", "relu2")
     )
-    vocab_multiple: int = field(
-        default=64, metadata=_help("round a tokenizer-derived vocab_size up to a multiple of this")
+    mlp_hidden: int = opt(
+        0, "MLP hidden width; 0 = 4*d_model (gelu, relu2) or 8/3*d_model rounded to 64 (swiglu)", ge=0
     )
-    n_layer: int = field(default=6, metadata=_help("number of transformer blocks"))
-    n_head: int = field(default=6, metadata=_help("attention (query) heads per block"))
-    n_kv_head: int = field(
-        default=0, metadata=_help("key/value heads (GQA/MQA); 0 = n_head (plain multi-head attention)")
+    norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
+    norm_eps: float = opt(1e-5, "epsilon of the norms")
+    pos: str = opt("learned", "positions: learned absolute embeddings or RoPE", choices=("learned", "rope"))
+    rope_theta: float = opt(10000.0, "RoPE base frequency")
+    tie_embeddings: bool = opt(True, "share the token embedding with the output head")
+    bias: bool = opt(True, "biases in linear layers and norms (GPT-2 style)")
+    dropout: float = opt(0.0, "dropout on attention weights and residual branches", ge=0, lt=1)
+    qk_norm: bool = opt(False, "normalize queries and keys per head before attention")
+    init_std: float = opt(
+        0.02, "std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)"
     )
-    d_model: int = field(default=384, metadata=_help("residual stream width"))
-    max_seq_len: int = field(default=256, metadata=_help("longest sequence the positions support"))
-    mlp: str = field(
-        default="gelu", metadata=_help("'gelu' (GPT-2 MLP), 'swiglu' (Llama MLP) or 'relu2' (ReLU squared)")
-    )
-    mlp_hidden: int = field(
-        default=0,
-        metadata=_help("MLP hidden width; 0 = 4*d_model (gelu, relu2) or 8/3*d_model rounded to 64 (swiglu)"),
-    )
-    norm: str = field(default="layernorm", metadata=_help("'layernorm' or 'rmsnorm'"))
-    norm_eps: float = field(default=1e-5, metadata=_help("epsilon of the norms"))
-    pos: str = field(default="learned", metadata=_help("'learned' absolute positions or 'rope'"))
-    rope_theta: float = field(default=10000.0, metadata=_help("RoPE base frequency"))
-    tie_embeddings: bool = field(
-        default=True, metadata=_help("share the token embedding with the output head")
-    )
-    bias: bool = field(default=True, metadata=_help("biases in linear layers and norms (GPT-2 style)"))
-    dropout: float = field(default=0.0, metadata=_help("dropout on attention weights and residual branches"))
-    qk_norm: bool = field(
-        default=False, metadata=_help("normalize queries and keys per head before attention")
-    )
-    init_std: float = field(
-        default=0.02,
-        metadata=_help("std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)"),
-    )
-    logit_softcap: float = field(
-        default=0.0, metadata=_help("cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)")
-    )
+    logit_softcap: float = opt(0.0, "cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)", ge=0)
 
     def __post_init__(self) -> None:
-        _one_of(self.mlp, "model.mlp", ("gelu", "swiglu", "relu2"))
-        _require(
-            self.logit_softcap >= 0,
-            "model.logit_softcap",
-            f"model.logit_softcap must be >= 0 (0 = off); got {self.logit_softcap}",
-        )
-        _one_of(self.norm, "model.norm", ("layernorm", "rmsnorm"))
-        _one_of(self.pos, "model.pos", ("learned", "rope"))
-        for key in ("n_layer", "n_head", "d_model", "max_seq_len", "vocab_multiple"):
-            value = getattr(self, key)
-            _require(value >= 1, f"model.{key}", f"model.{key} must be >= 1; got {value}")
-        for key in ("vocab_size", "n_kv_head", "mlp_hidden"):
-            value = getattr(self, key)
-            _require(value >= 0, f"model.{key}", f"model.{key} must be >= 0; got {value}")
+        super().__post_init__()
         _require(
             self.d_model % self.n_head == 0,
             "model.n_head",
@@ -268,164 +248,88 @@ class ModelConfig:
             "model.pos",
             f"RoPE needs an even head dimension; d_model/n_head = {self.d_model // self.n_head}",
         )
-        _require(
-            0.0 <= self.dropout < 1.0, "model.dropout", f"model.dropout must be in [0, 1); got {self.dropout}"
-        )
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section, key="train"):
     """Batch, budget, optimizer, schedule, precision, evaluation and checkpoint settings."""
 
-    seq_len: int = field(default=256, metadata=_help("tokens per training sequence (<= model.max_seq_len)"))
-    batch_tokens: int = field(
-        default=16384,
-        metadata=_help("global batch in tokens per optimizer step, across ranks and accumulation"),
+    seq_len: int = opt(256, "tokens per training sequence (<= model.max_seq_len)", ge=1)
+    batch_tokens: int = opt(
+        16384, "global batch in tokens per optimizer step, across ranks and accumulation", ge=1
     )
-    micro_batch: int = field(default=16, metadata=_help("sequences per rank per forward/backward"))
-    max_steps: int = field(default=0, metadata=_help("stop after this many optimizer steps (0 = no limit)"))
-    max_tokens: int = field(default=0, metadata=_help("stop after this many training tokens (0 = no limit)"))
-    max_time: float = field(
-        default=0.0, metadata=_help("stop after this many wall-clock seconds (0 = no limit)")
+    micro_batch: int = opt(16, "sequences per rank per forward/backward", ge=1)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)", ge=0)
+    max_tokens: int = opt(0, "stop after this many training tokens (0 = no limit)", ge=0)
+    max_time: float = opt(0.0, "stop after this many wall-clock seconds (0 = no limit)", ge=0)
+    lr: float = opt(1e-3, "peak learning rate", ge=0)
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr", ge=0, le=1)
+    warmup_steps: int = opt(50, "linear warmup steps", ge=0)
+    schedule: str = opt(
+        "cosine", "lr after warmup; wsd = stable, then decay", choices=("cosine", "linear", "wsd", "constant")
     )
-    lr: float = field(default=1e-3, metadata=_help("peak learning rate"))
-    min_lr_ratio: float = field(default=0.1, metadata=_help("final learning rate as a fraction of lr"))
-    warmup_steps: int = field(default=50, metadata=_help("linear warmup steps"))
-    schedule: str = field(
-        default="cosine",
-        metadata=_help("after warmup: 'cosine', 'linear', 'wsd' (stable then decay) or 'constant'"),
+    decay_fraction: float = opt(0.2, "wsd: fraction of the budget spent decaying", gt=0, le=1)
+    weight_decay: float = opt(0.1, "AdamW decay on matrices (not norms, biases, embeddings)", ge=0)
+    optimizer: str = opt(
+        "adamw", "AdamW, or Muon on block matrices and AdamW on the rest", choices=("adamw", "muon")
     )
-    decay_fraction: float = field(default=0.2, metadata=_help("wsd: fraction of the budget spent decaying"))
-    weight_decay: float = field(
-        default=0.1, metadata=_help("AdamW decay on matrices (not norms, biases, embeddings)")
+    muon_lr: float = opt(0.02, "Muon peak learning rate (block matrices)", ge=0)
+    muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)", ge=0, lt=1)
+    muon_weight_decay: float = opt(0.0, "Muon decoupled weight decay on block matrices", ge=0)
+    embed_lr: float = opt(0.0, "peak lr of the embeddings (and a tied head); 0 = train.lr", ge=0)
+    head_lr: float = opt(0.0, "peak lr of an untied output head; 0 = train.lr", ge=0)
+    beta1: float = opt(0.9, "AdamW beta1", ge=0, lt=1)
+    beta2: float = opt(0.95, "AdamW beta2", ge=0, lt=1)
+    eps: float = opt(1e-8, "AdamW epsilon", ge=0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
+    z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
+    precision: str = opt(
+        "fp32", "fp32, or bf16/fp16 autocast (fp16 with a GradScaler)", choices=("fp32", "bf16", "fp16")
     )
-    optimizer: str = field(
-        default="adamw", metadata=_help("'adamw', or 'muon' (Muon on block matrices, AdamW on the rest)")
+    compile: bool = opt(False, "torch.compile each block")
+    activation_checkpointing: bool = opt(False, "recompute block activations in backward")
+    deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")
+    device: str = opt("auto", "auto = cuda if present", choices=("auto", "cpu", "cuda"))
+    eval_every: int = opt(100, "evaluate every this many steps (0 = only at the end)", ge=0)
+    eval_windows: int = opt(256, "at most this many validation windows per evaluation")
+    log_every: int = opt(10, "print a log line every this many steps", ge=1)
+    ckpt_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
+    keep_last: int = opt(2, "checkpoints kept, newest first", ge=2)
+    keep_best: bool = opt(
+        True,
+        "export the weights with the best val loss to model-best/; their checkpoint is also kept "
+        "if ckpt_every saved that step",
     )
-    muon_lr: float = field(default=0.02, metadata=_help("Muon peak learning rate (block matrices)"))
-    muon_momentum: float = field(default=0.95, metadata=_help("Muon momentum (Nesterov)"))
-    muon_weight_decay: float = field(
-        default=0.0, metadata=_help("Muon decoupled weight decay on block matrices")
+    resume: str = opt("never", "'never', 'auto' (newest committed checkpoint) or a step folder")
+    resume_allow_changes: bool = opt(
+        False,
+        "on resume, accept changes to the run's config (budgets, eval/ckpt cadence, lr, schedule); "
+        "never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer",
     )
-    embed_lr: float = field(
-        default=0.0, metadata=_help("peak lr of the embeddings (and a tied head); 0 = train.lr")
+    nonfinite: str = opt(
+        "stop",
+        "on NaN/Inf loss or grads: stop (naming the module) or skip the step",
+        choices=("stop", "skip"),
     )
-    head_lr: float = field(default=0.0, metadata=_help("peak lr of an untied output head; 0 = train.lr"))
-    beta1: float = field(default=0.9, metadata=_help("AdamW beta1"))
-    beta2: float = field(default=0.95, metadata=_help("AdamW beta2"))
-    eps: float = field(default=1e-8, metadata=_help("AdamW epsilon"))
-    grad_clip: float = field(default=1.0, metadata=_help("clip the global gradient norm to this (0 = off)"))
-    z_loss: float = field(default=0.0, metadata=_help("weight of the z-loss on log-sum-exp of logits (PaLM)"))
-    precision: str = field(
-        default="fp32", metadata=_help("'fp32', 'bf16' (autocast) or 'fp16' (autocast + GradScaler)")
-    )
-    compile: bool = field(default=False, metadata=_help("torch.compile each block"))
-    activation_checkpointing: bool = field(
-        default=False, metadata=_help("recompute block activations in backward")
-    )
-    deterministic: bool = field(
-        default=False, metadata=_help("deterministic algorithms, cuBLAS workspace, seeds")
-    )
-    device: str = field(default="auto", metadata=_help("'auto' (cuda if present), 'cpu' or 'cuda'"))
-    eval_every: int = field(
-        default=100, metadata=_help("evaluate every this many steps (0 = only at the end)")
-    )
-    eval_windows: int = field(
-        default=256, metadata=_help("at most this many validation windows per evaluation")
-    )
-    log_every: int = field(default=10, metadata=_help("print a log line every this many steps"))
-    ckpt_every: int = field(
-        default=0, metadata=_help("save a checkpoint every this many steps (0 = only at the end)")
-    )
-    keep_last: int = field(default=2, metadata=_help("checkpoints kept, newest first (>= 2)"))
-    keep_best: bool = field(
-        default=True,
-        metadata=_help(
-            "export the weights with the best val loss to model-best/; their checkpoint is also kept "
-            "if ckpt_every saved that step"
-        ),
-    )
-    resume: str = field(
-        default="never", metadata=_help("'never', 'auto' (newest committed checkpoint) or a step folder")
-    )
-    resume_allow_changes: bool = field(
-        default=False,
-        metadata=_help(
-            "on resume, accept changes to the run's config (budgets, eval/ckpt cadence, lr, schedule); "
-            "never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer"
-        ),
-    )
-    nonfinite: str = field(
-        default="stop", metadata=_help("on NaN/Inf loss or grads: 'stop' (and name the module) or 'skip'")
-    )
-    tensorboard: bool = field(
-        default=False, metadata=_help("also log to TensorBoard (needs the track extra)")
-    )
-
-    def __post_init__(self) -> None:
-        _one_of(self.schedule, "train.schedule", ("cosine", "linear", "wsd", "constant"))
-        _one_of(self.precision, "train.precision", ("fp32", "bf16", "fp16"))
-        _one_of(self.device, "train.device", ("auto", "cpu", "cuda"))
-        _one_of(self.nonfinite, "train.nonfinite", ("stop", "skip"))
-        _one_of(self.optimizer, "train.optimizer", ("adamw", "muon"))
-        for key in ("seq_len", "batch_tokens", "micro_batch", "log_every"):
-            value = getattr(self, key)
-            _require(value >= 1, f"train.{key}", f"train.{key} must be >= 1; got {value}")
-        for key in (
-            "max_steps",
-            "max_tokens",
-            "max_time",
-            "warmup_steps",
-            "eval_every",
-            "ckpt_every",
-            "grad_clip",
-            "z_loss",
-            "weight_decay",
-            "lr",
-            "muon_lr",
-            "muon_weight_decay",
-            "embed_lr",
-            "head_lr",
-        ):
-            value = getattr(self, key)
-            _require(value >= 0, f"train.{key}", f"train.{key} must be >= 0; got {value}")
-        _require(
-            0.0 <= self.muon_momentum < 1.0, "train.muon_momentum", "train.muon_momentum must be in [0, 1)"
-        )
-        _require(
-            self.keep_last >= 2, "train.keep_last", f"train.keep_last must be >= 2; got {self.keep_last}"
-        )
-        _require(
-            0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "train.min_lr_ratio must be in [0, 1]"
-        )
-        _require(
-            0.0 < self.decay_fraction <= 1.0, "train.decay_fraction", "train.decay_fraction must be in (0, 1]"
-        )
+    tensorboard: bool = opt(False, "also log to TensorBoard (needs the track extra)")
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section, key="parallel"):
     """How ranks share the work (launch with `ember train CONFIG --nproc N` or torchrun)."""
 
-    data: str = field(default="ddp", metadata=_help("data parallelism across ranks: 'ddp' or 'fsdp' (FSDP2)"))
-    backend: str = field(
-        default="auto", metadata=_help("'auto' (nccl on CUDA, gloo on CPU), 'nccl' or 'gloo'")
-    )
-    timeout_s: int = field(default=600, metadata=_help("collective timeout in seconds"))
-
-    def __post_init__(self) -> None:
-        _one_of(self.data, "parallel.data", ("ddp", "fsdp"))
-        _one_of(self.backend, "parallel.backend", ("auto", "nccl", "gloo"))
-        _require(self.timeout_s >= 1, "parallel.timeout_s", "parallel.timeout_s must be >= 1")
+    data: str = opt("ddp", "data parallelism across ranks: DDP or FSDP2", choices=("ddp", "fsdp"))
+    backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
+    timeout_s: int = opt(600, "collective timeout in seconds", ge=1)
 
 
 @dataclass
 class Config:
-    run: RunConfig = field(default_factory=RunConfig, metadata=_help("run name, output folder and seed"))
-    data: DataConfig = field(default_factory=DataConfig, metadata=_help("corpus, tokenizer and shards"))
-    model: ModelConfig = field(default_factory=ModelConfig, metadata=_help("model architecture"))
-    train: TrainConfig = field(default_factory=TrainConfig, metadata=_help("training loop"))
-    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata=_help("parallel layout"))
+    run: RunConfig = opt(RunConfig, "run name, output folder and seed")
+    data: DataConfig = opt(DataConfig, "corpus, tokenizer and shards")
+    model: ModelConfig = opt(ModelConfig, "model architecture")
+    train: TrainConfig = opt(TrainConfig, "training loop")
+    parallel: ParallelConfig = opt(ParallelConfig, "parallel layout")
 
     def __post_init__(self) -> None:
         _require(
@@ -465,6 +369,12 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _domain(tp: Any, meta: Mapping[str, Any]) -> str:
+    if meta.get("choices"):
+        return " | ".join(repr(c) for c in meta["choices"])
+    return f"{_type_name(tp)} {_allowed(meta)}".rstrip()
+
+
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -479,9 +389,10 @@ def _schema() -> dict[str, Any]:
 
 
 def config_keys() -> list[tuple[str, str, str, str]]:
-    """(dotted key, type name, default repr, help) for every leaf field, in file order."""
+    """(dotted key, type, default repr, help) for every leaf field, in file order; the
+    type says what the field accepts: ``'bpe' | 'char'``, ``int >= 1``, ``float in [0, 1)``."""
     return [
-        (key, _type_name(tp), repr(_default(f)), f.metadata.get("help", ""))
+        (key, _domain(tp, f.metadata), repr(_default(f)), f.metadata.get("help", ""))
         for key, tp, f in _fields(Config)
         if not dataclasses.is_dataclass(tp)
     ]

@@ -272,11 +272,32 @@ def test_numeric_strings_convert(tmp_path: Path) -> None:
         ("data.shard_tokens=0", r"data\.shard_tokens must be > 0"),
         ("data.tokenizer_train_bytes=0", r"data\.tokenizer_train_bytes must be > 0"),
         ("data.sources=[]", r"data\.sources is empty"),
+        (
+            "data={val_fraction: 0.6, test_fraction: 0.5}",
+            r"data\.val_fraction \+ data\.test_fraction must be < 1; got 0\.6 \+ 0\.5",
+        ),
+        ("train.decay_fraction=0", r"train\.decay_fraction must be in \(0, 1\]; got 0\.0"),
     ],
 )
 def test_bad_values(override: str, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         load_config(None, [override])
+
+
+def test_every_declared_choice_and_bound_is_enforced() -> None:
+    checked = 0
+    for section in ("run", "data", "model", "train", "parallel"):
+        for f in dataclasses.fields(getattr(Config(), section)):
+            key = f"{section}.{f.name}"
+            bad = ["nope"] if f.metadata["choices"] else []
+            for op, bound in f.metadata["bounds"]:  # a value just outside each bound
+                cast, step = (int, 1) if type(f.default) is int else (float, 0.5)
+                bad.append(cast({">=": bound - step, ">": bound, "<=": bound + step, "<": bound}[op]))
+            for value in bad:
+                with pytest.raises(ConfigError, match=rf"^{key} must be .*; got {value!r} \(command-line"):
+                    load_config(None, [f"{key}={value}"])
+                checked += 1
+    assert checked > 50
 
 
 def test_bad_enum_in_file_names_line(tmp_path: Path) -> None:
@@ -382,7 +403,10 @@ def test_config_keys_cover_every_leaf() -> None:
     leaves = {f"{s}.{k}" for s, sub in config_to_dict(Config()).items() for k in sub}
     assert set(names) == leaves
     table = {k: (t, d, h) for k, t, d, h in keys}
-    assert table["data.vocab_size"][:2] == ("int", "4096")
+    assert table["data.vocab_size"][:2] == ("int >= 1", "4096")
+    assert table["data.val_fraction"][0] == "float in [0, 1)"
+    assert table["train.decay_fraction"][0] == "float in (0, 1]"
+    assert table["data.tokenizer"][0] == "'bpe' | 'char'"
     assert table["data.sources"][:2] == ("list[str]", "['embedded:python']")
     assert table["data.dedup"][0] == "bool"
     assert all(h for _, _, _, h in keys), "every key needs a help text"

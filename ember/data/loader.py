@@ -44,10 +44,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ember.config import SAMPLING_MODES as MODES
 from ember.data.shards import read_shard
 from ember.errors import ConfigError, DataError
-
-MODES = ("random", "epoch")
 
 
 class TokenDataset:

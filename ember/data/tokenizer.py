@@ -34,6 +34,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ember.atomic import write_text_atomic
+from ember.config import TOKENIZER_KINDS as KINDS
 from ember.errors import DataError
 
 SPECIAL_TOKENS = [
@@ -47,7 +48,6 @@ SPECIAL_TOKENS = [
     "<|end_turn|>",
     *(f"<|reserved_{i}|>" for i in range(8)),
 ]
-KINDS = ("bpe", "char")
 
 
 def min_vocab_size(kind: str) -> int:
