@@ -126,15 +126,15 @@ class _Section:
     on construction every field is checked against its declared choices and bounds.
     A section with rules across fields adds them after ``super().__post_init__()``."""
 
-    key: ClassVar[str]
+    section: ClassVar[str]
 
     def __init_subclass__(cls, key: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.key = key
+        cls.section = key
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(typing.cast(Any, self)):
-            value, meta, key = getattr(self, f.name), f.metadata, f"{self.key}.{f.name}"
+            value, meta, key = getattr(self, f.name), f.metadata, f"{self.section}.{f.name}"
             choices, bounds = meta.get("choices"), meta.get("bounds", [])
             ok = value in choices if choices else all(_COMPARE[op](value, b) for op, b in bounds)
             _require(ok, key, f"{key} must be {_allowed(meta)}; got {value!r}")
