@@ -216,15 +216,15 @@ class ModelConfig(_Section, key="model"):
         0, "MLP hidden width; 0 = 4*d_model (gelu, relu2) or 8/3*d_model rounded to 64 (swiglu)", ge=0
     )
     norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
-    norm_eps: float = opt(1e-5, "epsilon of the norms")
+    norm_eps: float = opt(1e-5, "epsilon of the norms", ge=0)
     pos: str = opt("learned", "positions: learned absolute embeddings or RoPE", choices=("learned", "rope"))
-    rope_theta: float = opt(10000.0, "RoPE base frequency")
+    rope_theta: float = opt(10000.0, "RoPE base frequency", gt=0)
     tie_embeddings: bool = opt(True, "share the token embedding with the output head")
     bias: bool = opt(True, "biases in linear layers and norms (GPT-2 style)")
     dropout: float = opt(0.0, "dropout on attention weights and residual branches", ge=0, lt=1)
     qk_norm: bool = opt(False, "normalize queries and keys per head before attention")
     init_std: float = opt(
-        0.02, "std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)"
+        0.02, "std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)", ge=0
     )
     logit_softcap: float = opt(0.0, "cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)", ge=0)
 
@@ -291,7 +291,7 @@ class TrainConfig(_Section, key="train"):
     deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")
     device: str = opt("auto", "auto = cuda if present", choices=("auto", "cpu", "cuda"))
     eval_every: int = opt(100, "evaluate every this many steps (0 = only at the end)", ge=0)
-    eval_windows: int = opt(256, "at most this many validation windows per evaluation")
+    eval_windows: int = opt(256, "at most this many validation windows per evaluation", ge=1)
     log_every: int = opt(10, "print a log line every this many steps", ge=1)
     ckpt_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
     keep_last: int = opt(2, "checkpoints kept, newest first", ge=2)
