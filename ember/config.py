@@ -27,8 +27,16 @@ Design choices:
   ``true`` into the string ``"True"`` for a ``str`` field (YAML 1.1 reads
   ``yes``/``no``/``on``/``off`` as booleans), and it lets a nested list or
   mapping into a ``list[str]``. ``_check_layer`` rejects both before merging.
-- Value checks live in each section's ``__post_init__``, so a dataclass built
-  in code is checked the same way as one loaded from YAML.
+- Does OmegaConf still earn its place next to the PyYAML walk? It is the project's chosen
+  config library (DESIGN.md's dependencies), it does the typed merge, dotlist parsing and
+  unknown-key checks we would otherwise write and test ourselves, and the glue above is two
+  small functions. A hand-written merge was tried (issue 9) and came out ~45 lines shorter
+  at the price of owning interpolation and type coercion; that trade belongs with the
+  dependency list, so OmegaConf stays until the map changes.
+- Each field declares its rules once: ``opt(default, help, choices=... | ge=/gt=/le=/lt=...)``.
+  One generic pass (``_Section.__post_init__``) checks every field against them, so a
+  dataclass built in code is checked like one loaded from YAML, and ``ember config keys``
+  prints the same declarations. Only rules across fields are written out.
   ``OmegaConf.to_object`` builds the dataclasses and lets those errors through
   unwrapped; ``load_config`` adds where the bad value came from.
 - A config is data: YAML is loaded with a safe loader, nothing is ever
