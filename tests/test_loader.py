@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import json
 
 import numpy as np
@@ -264,3 +265,14 @@ def test_cuda_pinned_prefetch_matches_plain(ds):
             assert x.is_cuda and y.is_cuda
             px, py = plain.batch(want)
             assert step == want and torch.equal(x.cpu(), px) and torch.equal(y.cpu(), py)
+
+
+def test_prefetcher_ends_with_its_items_and_stops_when_left():
+    from ember.data.prefetch import Prefetcher
+
+    assert list(Prefetcher(range(7), depth=2)) == list(range(7))
+    endless = Prefetcher(itertools.count(), depth=2)
+    for i in endless:
+        if i == 3:
+            break
+    assert not endless.alive  # leaving the loop stopped the thread, though its queue was full

@@ -36,15 +36,15 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ember.config import SAMPLING_MODES as MODES
+from ember.data.prefetch import Prefetcher
 from ember.data.shards import read_shard
 from ember.errors import ConfigError, DataError
 
@@ -227,62 +227,6 @@ def _to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device, non_block
     return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
 
 
-class _Failure:
-    def __init__(self, exc: BaseException):
-        self.exc = exc
-
-
-class _Prefetcher:
-    """A daemon thread that computes ``produce(step)`` for consecutive steps into a
-    bounded queue. Errors travel through the queue and are raised by ``get()``."""
-
-    def __init__(self, produce: Callable, start_step: int, depth: int):
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(produce, start_step), name="ember-prefetch", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, produce: Callable, step: int) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self._put((step, *produce(step))):
-                    return
-                step += 1
-        except BaseException as exc:  # handed to the consumer, who re-raises it
-            self._put(_Failure(exc))
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():  # poll so stop() never waits on a full queue
-            try:
-                self._queue.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def get(self):
-        while True:
-            try:
-                item = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("the prefetch thread stopped without a result") from None
-                continue
-            if isinstance(item, _Failure):
-                raise item.exc
-            return item
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-
 class TrainLoader:
     """Training batches: ``batch(step)`` or ``iterate(start_step)`` -> (x, y) of shape
     (global_batch // world_size, seq_len), int64, on ``device``."""
@@ -326,7 +270,7 @@ class TrainLoader:
         self._rows = slice(rank * self.local_batch, (rank + 1) * self.local_batch)
         sampler_cls = _RandomSampler if mode == "random" else _EpochSampler
         self._sampler = sampler_cls(dataset, seq_len, global_batch, seed)
-        self._worker: _Prefetcher | None = None
+        self._worker: Prefetcher | None = None
 
     def _host_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if step < 0:
@@ -344,10 +288,10 @@ class TrainLoader:
             for step in itertools.count(start_step):
                 yield (step, *self.batch(step))
         self.close()  # one prefetch thread per loader: a new iteration replaces the old one
-        worker = self._worker = _Prefetcher(self._host_batch, start_step, self.prefetch_depth)
+        host = ((step, *self._host_batch(step)) for step in itertools.count(start_step))
+        worker = self._worker = Prefetcher(host, self.prefetch_depth)
         try:
-            while True:
-                step, x, y = worker.get()
+            for step, x, y in worker:
                 yield (step, *_to_device(x, y, self.device, non_blocking=self._pin))
         finally:
             worker.stop()

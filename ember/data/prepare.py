@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import queue
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -41,6 +39,7 @@ import ember
 from ember.atomic import publish_dir, staging_dir
 from ember.data.clean import Cleaner, content_digest
 from ember.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER, read_manifest, write_manifest
+from ember.data.prefetch import Prefetcher
 from ember.data.shards import ShardSplitWriter, token_dtype
 from ember.data.sources import Source, open_source, tests_available
 from ember.data.splits import SplitPlan, plan_splits
@@ -118,46 +117,6 @@ def _batches(sources, plan, cleaner) -> Iterator[list[tuple[str, str, str]]]:
             batch, size = [], 0
     if batch:
         yield batch
-
-
-def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
-    """Run an iterator in a background thread (reading and cleaning overlap encoding)."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        """Hand over an item unless the consumer has gone away; True when handed over."""
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work():
-        try:
-            for item in it:
-                if not put(item):
-                    return
-            put(done)
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            put(e)
-
-    thread = threading.Thread(target=work, name="ember-prepare-reader", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=5)
 
 
 def _check_target(target: Path, fingerprint: str, force: bool) -> dict | None:
@@ -263,7 +222,8 @@ def _build(
     counts = {s: {"documents": 0, "bytes": 0, "tokens": 0} for s in SPLITS}
     strata: dict[str, list[dict]] = {s: [] for s in SPLITS}  # contiguous token ranges per stratum
     eos = np.array([tokenizer.eos_id], dtype=dtype)
-    for batch in _prefetched(_batches(sources + test_sources, plan, cleaner)):
+    # reading and cleaning (a thread) overlap encoding
+    for batch in Prefetcher(_batches(sources + test_sources, plan, cleaner), name="ember-prepare-reader"):
         encoded = tokenizer.encode_batch([text for _, _, text in batch])
         for split in SPLITS:
             parts = []
