@@ -36,7 +36,7 @@ from ember.atomic import write_text_atomic
 from ember.config import load_config
 from ember.data.manifest import load_tokenizer
 from ember.data.prepare import prepare
-from ember.infer.evaluate import evaluate_run, score, split_text, token_bytes_table
+from ember.infer.evaluate import evaluate_run, score, split_text
 from ember.stats import permutation_test, summarize, welch
 from ember.train.trainer import train
 
@@ -78,7 +78,7 @@ def run_ember(seconds: float, seed: int, out: Path, data: str, overrides: list[s
 def run_reference(seconds: float, seed: int, data: str) -> dict:
     model, info = reference.train(data, seconds, seed)
     tokenizer = load_tokenizer(data)
-    token_bytes = token_bytes_table(tokenizer, model.emb.num_embeddings)
+    token_bytes = torch.tensor(tokenizer.token_byte_lengths(model.emb.num_embeddings))
     out = {}
     for split in ("test", "val"):
         tokens, strata = split_text(data, split)

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from ember.cli import main
 from ember.errors import EmberError
@@ -36,10 +37,9 @@ def test_val_split_matches_the_trainer(run):
     """With disjoint windows, the eval of the whole val split equals the trainer's LMTask.evaluate
     over the same windows, and every token is scored once."""
     import numpy as np
-    import torch
 
     from ember.data.loader import TokenDataset, ValLoader
-    from ember.infer.evaluate import score, split_text, token_bytes_table
+    from ember.infer.evaluate import score, split_text
     from ember.train.trainer import LMTask
 
     model, tok = load_model(run)
@@ -47,12 +47,11 @@ def test_val_split_matches_the_trainer(run):
     tokens, strata = split_text(data_dir, "val")
     n_full = (len(tokens) - 1) // 32
     cut = tokens[: n_full * 32 + 1]  # only full windows: exactly the ValLoader's
-    ours = score(model, cut, token_bytes_table(tok, model.cfg.vocab_size), strata, 32, eos_id=tok.eos_id)
+    token_bytes = torch.tensor(tok.token_byte_lengths(model.cfg.vocab_size))
+    ours = score(model, cut, token_bytes, strata, 32, eos_id=tok.eos_id)
     loader = ValLoader(TokenDataset(data_dir, "val"), 32, 4)
     assert loader.n_windows == n_full
-    theirs = LMTask(0.0, token_bytes_table(tok, model.cfg.vocab_size)).evaluate(
-        model, loader, torch.autocast("cpu", enabled=False)
-    )
+    theirs = LMTask(0.0, token_bytes).evaluate(model, loader, torch.autocast("cpu", enabled=False))
     assert ours["loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
     assert ours["bpb"] == pytest.approx(theirs["val_bpb"], abs=1e-5)
     assert ours["tokens"] == n_full * 32
@@ -61,9 +60,7 @@ def test_val_split_matches_the_trainer(run):
     r = results["val"]
     m = json.loads((data_dir / "manifest.json").read_text())["splits"]["val"]
     assert r["tokens"] == len(tokens) - 1 == m["tokens"] - 1  # every target token, the tail too
-    first = int(
-        token_bytes_table(tok, model.cfg.vocab_size)[int(tokens[0])]
-    )  # the first token is context, never a target
+    first = int(token_bytes[int(tokens[0])])  # the first token is context, never a target
     assert r["documents"] == m["documents"] and r["bytes"] == m["bytes"] - first
     tail = 1 if (len(tokens) - 1) % 32 else 0  # a last, shorter window when the split has a rest
     assert r["windows"] == r["windows_total"] == n_full + tail
@@ -101,11 +98,11 @@ def test_windows_score_every_target_once():
 
 
 def test_stride_per_stratum_and_eval_json_accumulates(run, tmp_path):
-    from ember.infer.evaluate import score, split_text, token_bytes_table
+    from ember.infer.evaluate import score, split_text
 
     model, tok = load_model(run)
     tokens, strata = split_text(_data_dir(run), "val")
-    tb = token_bytes_table(tok, model.cfg.vocab_size)
+    tb = torch.tensor(tok.token_byte_lengths(model.cfg.vocab_size))
     full = score(model, tokens, tb, strata, 32, eos_id=tok.eos_id)
     strided = score(model, tokens, tb, strata, 32, stride=8, eos_id=tok.eos_id)
     assert strided["tokens"] == full["tokens"] and strided["bytes"] == full["bytes"]

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ember.config import ModelConfig
 from ember.data.tokenizer import SPECIAL_TOKENS, Tokenizer
-from ember.infer.evaluate import score, token_bytes_table
+from ember.infer.evaluate import score
 from ember.model.gpt import GPT
 from ember.train.metrics import read_metrics
 from ember.train.trainer import LMTask, Trainer
@@ -88,7 +88,7 @@ def test_bits_per_byte_divides_by_the_utf8_bytes_of_the_decoded_text(kind):
     T = len(tokens) - 1  # one window holds the whole text, so the context is plain
     model = GPT.build(ModelConfig(vocab_size=V, n_layer=1, n_head=2, d_model=16, max_seq_len=T), seed=0)
     strata = [{"name": "all", "offset": 0, "documents": len(DOCS), "bytes": n_bytes, "tokens": len(tokens)}]
-    r = score(model, tokens, token_bytes_table(tok, V), strata, seq_len=T, eos_id=tok.eos_id)
+    r = score(model, tokens, torch.tensor(tok.token_byte_lengths(V)), strata, seq_len=T, eos_id=tok.eos_id)
 
     with torch.no_grad():
         logits = model(torch.from_numpy(tokens[None, :-1]))[0]  # (T, V)

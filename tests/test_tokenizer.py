@@ -100,3 +100,5 @@ def test_token_byte_lengths_sum_to_utf8_bytes(kind, bpe, char):
     assert lengths[: len(SPECIAL_TOKENS)] == [0] * len(SPECIAL_TOKENS)
     for text in CORPUS:
         assert sum(lengths[i] for i in tok.encode(text)) == len(text.encode("utf-8"))
+    # a model's vocabulary rounded up past the tokenizer's: the extra ids stand for no bytes
+    assert tok.token_byte_lengths(tok.vocab_size + 5) == lengths + [0] * 5

@@ -136,14 +136,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
-    def token_byte_lengths(self) -> list[int]:
-        """UTF-8 bytes each id stands for; 0 for special tokens. Byte-level BPE tokens are
-        strings over a 256-symbol alphabet, one symbol per byte, so their length is exact
-        even for tokens that are only part of a multi-byte character."""
-        n_special = len(SPECIAL_TOKENS)
-        if self.kind == "bpe":
-            return [0 if i < n_special else len(self.hf.id_to_token(i)) for i in range(self.vocab_size)]
-        return [0 if i < n_special else len(self.hf.id_to_token(i).encode()) for i in range(self.vocab_size)]
+    def token_byte_lengths(self, vocab_size: int | None = None) -> list[int]:
+        """UTF-8 bytes each id stands for, the table behind every bits per byte; 0 for special
+        tokens and for ids up to ``vocab_size`` (a model's, rounded up) beyond the tokenizer's.
+        Byte-level BPE tokens are strings over a 256-symbol alphabet, one symbol per byte, so
+        their length is exact even for tokens that are only part of a multi-byte character."""
+        tokens = [self.hf.id_to_token(i) for i in range(len(SPECIAL_TOKENS), self.vocab_size)]
+        lengths = [len(t if self.kind == "bpe" else t.encode()) for t in tokens]
+        return [0] * len(SPECIAL_TOKENS) + lengths + [0] * ((vocab_size or self.vocab_size) - self.vocab_size)
 
     def id_to_token(self, i: int) -> str | None:
         return self.hf.id_to_token(i)

@@ -247,13 +247,6 @@ def document_ci95(per_doc: np.ndarray, resamples: int = 2000, seed: int = 0) -> 
     }
 
 
-def token_bytes_table(tokenizer: Tokenizer, vocab_size: int) -> torch.Tensor:
-    """UTF-8 bytes per id for a model with ``vocab_size`` rows (padding rows and specials: 0)."""
-    token_bytes = torch.zeros(vocab_size, dtype=torch.int64)
-    token_bytes[: tokenizer.vocab_size] = torch.tensor(tokenizer.token_byte_lengths())
-    return token_bytes
-
-
 def evaluate_run(
     run_dir: Path,
     sources: list[str] | None = None,
@@ -276,7 +269,7 @@ def evaluate_run(
         if split not in SPLITS:
             raise EmberError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     splits = splits if splits is not None else ([] if sources else ["val"])
-    token_bytes = token_bytes_table(tokenizer, model.cfg.vocab_size)
+    token_bytes = torch.tensor(tokenizer.token_byte_lengths(model.cfg.vocab_size))
     datasets = [(split, lambda s=split: split_text(config["data"]["dir"], s)) for split in splits]
     datasets += [(spec, lambda s=spec: source_text([s], tokenizer)) for spec in sources or []]
     results = {}

@@ -262,8 +262,7 @@ class Trainer:
             if dtype and not fsdp_casts
             else contextlib.nullcontext()
         )
-        token_bytes = torch.zeros(self.model_cfg.vocab_size, dtype=torch.int64)
-        token_bytes[: self.tokenizer.vocab_size] = torch.tensor(self.tokenizer.token_byte_lengths())
+        token_bytes = torch.tensor(self.tokenizer.token_byte_lengths(self.model_cfg.vocab_size))
         self.task = LMTask(t.z_loss, token_bytes.to(env.device))
 
         train_set = TokenDataset(cfg.data.dir, "train")
