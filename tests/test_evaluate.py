@@ -8,7 +8,8 @@ import torch
 
 from ember.cli import main
 from ember.errors import EmberError
-from ember.infer.evaluate import evaluate_run, load_model
+from ember.infer.evaluate import evaluate_run
+from ember.train.checkpoint import load_run
 from ember.train.trainer import train
 
 
@@ -42,7 +43,7 @@ def test_val_split_matches_the_trainer(run):
     from ember.infer.evaluate import score, split_text
     from ember.train.trainer import LMTask
 
-    model, tok = load_model(run)
+    model, tok = load_run(run)
     data_dir = _data_dir(run)
     tokens, strata = split_text(data_dir, "val")
     n_full = (len(tokens) - 1) // 32
@@ -100,7 +101,7 @@ def test_windows_score_every_target_once():
 def test_stride_per_stratum_and_eval_json_accumulates(run, tmp_path):
     from ember.infer.evaluate import score, split_text
 
-    model, tok = load_model(run)
+    model, tok = load_run(run)
     tokens, strata = split_text(_data_dir(run), "val")
     tb = torch.tensor(tok.token_byte_lengths(model.cfg.vocab_size))
     full = score(model, tokens, tb, strata, 32, eos_id=tok.eos_id)
@@ -161,20 +162,45 @@ def test_any_source_and_checkpoints(run, tmp_path):
 
 def test_bad_runs(run, tmp_path):
     with pytest.raises(EmberError, match="does not exist"):
-        load_model(tmp_path / "nope")
+        load_run(tmp_path / "nope")
     broken = tmp_path / "broken"
     shutil.copytree(run, broken)
     with pytest.raises(EmberError, match="no checkpoint step-000007.*newest: step-000012"):
-        load_model(broken, "7")
+        load_run(broken, "7")
     cfg = json.loads((broken / "model" / "model_config.json").read_text())
     cfg["vocab_size"] = 100
     (broken / "model" / "model_config.json").write_text(json.dumps(cfg))
     with pytest.raises(EmberError, match="does not match the weights"):
-        load_model(broken)
+        load_run(broken)
     shutil.rmtree(broken / "model")
-    with pytest.raises(EmberError, match="no model/model_config.json"):
-        load_model(broken)
+    with pytest.raises(EmberError, match="model_config.json not found"):
+        load_run(broken)
     assert main(["eval", str(broken)]) == 2
+
+
+@pytest.mark.parametrize("verb", ["eval", "generate", "load_run"])
+def test_damaged_run_files_are_named(run, tmp_path, capsys, verb):
+    """A truncated weights file or a model config that is not JSON: an EmberError naming the
+    file, from the one loader every verb uses, and exit code 2 at the command line."""
+
+    def load(path):
+        if verb == "load_run":
+            with pytest.raises(EmberError) as e:
+                load_run(path)
+            return str(e.value)
+        assert main([verb, str(path), *(["--prompt", "def "] if verb == "generate" else [])]) == 2
+        return capsys.readouterr().err
+
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    weights = broken / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    message = load(broken)
+    assert f"cannot load {weights}" in message and "truncated" in message
+    weights.write_bytes((run / "model" / "model.safetensors").read_bytes())
+    config = broken / "model" / "model_config.json"
+    config.write_text(config.read_text()[:-10])  # cut short: not JSON any more
+    assert f"{config} is not a valid model config" in load(broken)
 
 
 def test_generate_cli(run, capsys):

@@ -45,7 +45,6 @@ Design choices:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,11 +52,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
-from ember.model.gpt import GPT, Attention
-from ember.train.checkpoint import load_weights
+from ember.model.gpt import Attention
+from ember.train.checkpoint import load_run
 
 # ---------------------------------------------------------------------------
 # KV cache
@@ -294,42 +292,9 @@ class Engine:
         self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, device: str | torch.device = "cpu") -> Engine:
-        """The final weights of a run: ``model/model.safetensors``, ``model/model_config.json``
-        and ``model/tokenizer.json`` (or the run's ``tokenizer.json``)."""
-        run_dir = Path(run_dir)
-        model_dir = run_dir / "model"
-        config_path = model_dir / "model_config.json"
-        if not config_path.is_file():
-            if not run_dir.is_dir():
-                raise EmberError(f"run directory {run_dir} does not exist")
-            raise EmberError(
-                f"{config_path} not found: {run_dir} has no final weights; "
-                "`ember train CONFIG` writes model/ when training ends"
-            )
-        try:
-            cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
-        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
-            raise EmberError(
-                f"{config_path} is not a valid model config ({e}); re-export the weights"
-            ) from None
-        tokenizer_path = next(
-            (p for p in (model_dir / "tokenizer.json", run_dir / "tokenizer.json") if p.is_file()), None
-        )
-        if tokenizer_path is None:
-            raise EmberError(
-                f"no tokenizer.json in {model_dir} or {run_dir}; "
-                "copy the tokenizer the run was trained with there"
-            )
-        tokenizer = Tokenizer.load(tokenizer_path)
-        if tokenizer.vocab_size > cfg.vocab_size:
-            raise EmberError(
-                f"{tokenizer_path} has {tokenizer.vocab_size} tokens but the weights in {model_dir} only "
-                f"{cfg.vocab_size}: the tokenizer does not match the weights"
-            )
-        model = GPT.build(cfg, device=device)
-        load_weights(model, model_dir)
-        return cls(model.eval(), tokenizer)
+    def from_run(cls, run_dir: str | Path, device: str | torch.device = "cpu", ckpt: str = "last") -> Engine:
+        """A run directory's model at ``ckpt`` (default: the final weights), by ``load_run``."""
+        return cls(*load_run(run_dir, ckpt, device))
 
     # -- prompts ------------------------------------------------------------
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
@@ -41,56 +40,14 @@ import torch.nn.functional as F
 import yaml
 
 from ember.atomic import write_text_atomic
-from ember.config import ModelConfig
 from ember.data.loader import TokenDataset
 from ember.data.manifest import read_manifest
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
-from ember.model.gpt import GPT
-from ember.train.checkpoint import latest_checkpoint, load_checkpoint, load_weights
+from ember.train.checkpoint import load_run
 
 SPLITS = ("train", "val", "test")  # train: to compare like with like (use --max-windows)
-
-
-def _run_file(run_dir: Path, *names: str) -> Path:
-    for name in names:
-        if (run_dir / name).is_file():
-            return run_dir / name
-    raise EmberError(
-        f"{run_dir} has no {names[0]}: is it a run directory? train one with `ember train CONFIG`"
-    )
-
-
-def load_model(run_dir: Path, ckpt: str = "last") -> tuple[GPT, Tokenizer]:
-    """The run's model (eval mode, CPU) at ``ckpt`` and its tokenizer, checked to match."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise EmberError(f"run directory {run_dir} does not exist")
-    model_cfg = ModelConfig(**json.loads(_run_file(run_dir, "model/model_config.json").read_text()))
-    tokenizer = Tokenizer.load(_run_file(run_dir, "model/tokenizer.json", "tokenizer.json"))
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise EmberError(
-            f"the tokenizer in {run_dir} has {tokenizer.vocab_size} tokens but the weights only "
-            f"{model_cfg.vocab_size}: the tokenizer does not match the weights"
-        )
-    model = GPT.build(model_cfg)
-    if ckpt in ("last", "best"):
-        folder = run_dir / ("model" if ckpt == "last" else "model-best")
-        load_weights(model, folder)
-    else:
-        m = re.fullmatch(r"(?:step-)?(\d+)", ckpt)
-        if not m:
-            raise EmberError(f"--ckpt {ckpt!r}: use last, best, or a step number (e.g. 1200)")
-        folder = run_dir / "checkpoints" / f"step-{int(m.group(1)):06d}"
-        if not folder.is_dir():
-            newest = latest_checkpoint(run_dir / "checkpoints")
-            raise EmberError(
-                f"no checkpoint {folder.name} in {run_dir}"
-                + (f" (newest: {newest.name})" if newest else " (none kept)")
-            )
-        load_checkpoint(folder, model, None)
-    return model.eval(), tokenizer
 
 
 # ---------------------------------------------------------------- text to score
@@ -260,8 +217,11 @@ def evaluate_run(
     """Evaluate on ``splits`` of the run's data (default ``val`` unless ``sources`` are given)
     and on each source; update ``RUN/eval.json``; returns {dataset label: metrics}."""
     run_dir = Path(run_dir)
-    model, tokenizer = load_model(run_dir, ckpt)
-    config = yaml.safe_load(_run_file(run_dir, "config.yaml").read_text())
+    model, tokenizer = load_run(run_dir, ckpt)
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise EmberError(f"cannot read {run_dir / 'config.yaml'} ({e}); `ember train` writes it") from None
     seq_len = seq_len or config["train"]["seq_len"]
     if seq_len > model.cfg.max_seq_len:
         raise EmberError(f"--seq-len {seq_len} is beyond the model's max_seq_len {model.cfg.max_seq_len}")

@@ -4,6 +4,7 @@
     folder = latest_checkpoint(run_dir / "checkpoints")      # newest *committed* step, or None
     meta = load_checkpoint(folder, model, optimizer)
     export_weights(model, run_dir / "model", model_cfg)        # model.safetensors + model_config.json
+    model, tokenizer = load_run(run_dir, ckpt="last")           # what eval, generate and chat load
 
 Layout of ``checkpoints/step-NNNNNN/``: the model and optimizer state written by
 ``torch.distributed.checkpoint`` (each rank writes its own shards; a checkpoint saved by
@@ -39,7 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ember.atomic import publish_dir, staging_dir, write_text_atomic
+from ember.config import ModelConfig
+from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
+from ember.model.gpt import GPT
 from ember.parallel.dist import barrier, get_rank
 
 MARKER = "COMMITTED"
@@ -215,13 +219,19 @@ def export_weights(
 
 def load_weights(model: torch.nn.Module, folder: Path) -> None:
     """Load ``model.safetensors`` into ``model`` (tied weights are re-shared by the model)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
         raise EmberError(f"{path} not found; train the run first (`ember train CONFIG`)")
-    state = load_file(str(path))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    except (OSError, SafetensorError, RuntimeError) as e:  # RuntimeError: a shape that does not fit
+        raise EmberError(
+            f"cannot load {path} ({str(e).strip().splitlines()[0]}): the file is truncated, damaged or "
+            "from another model; export or copy the weights again"
+        ) from None
     first: dict[int, str] = {}
     aliases = set()  # second names of tied parameters, which export_weights stores once
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -232,3 +242,57 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
             f"{path} does not match the model (missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]})"
         )
+
+
+def load_run(
+    run_dir: str | Path, ckpt: str = "last", device: str | torch.device = "cpu"
+) -> tuple[GPT, Tokenizer]:
+    """A run directory's model (eval mode, on ``device``) and tokenizer, checked to match: the
+    one loader behind ``ember eval``, ``generate``, ``chat`` and ``Engine.from_run``. ``ckpt``
+    is ``last`` (``model/``, the final weights), ``best`` (``model-best/``) or a committed
+    training checkpoint (``1200`` or ``step-001200``). A missing, unreadable or damaged file
+    raises an EmberError that names it. Returns ``(model, tokenizer)``; ``model.cfg`` is the
+    ``ModelConfig``."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise EmberError(f"run directory {run_dir} does not exist")
+    config_path = run_dir / "model" / "model_config.json"
+    if not config_path.is_file():
+        raise EmberError(
+            f"{config_path} not found: {run_dir} has no final weights; "
+            "`ember train CONFIG` writes model/ when training ends"
+        )
+    try:
+        cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError, EmberError) as e:  # ValueError: bad JSON or UTF-8
+        raise EmberError(f"{config_path} is not a valid model config ({e}); re-export the weights") from None
+    tokenizer_path = next(
+        (p for p in (run_dir / "model" / "tokenizer.json", run_dir / "tokenizer.json") if p.is_file()), None
+    )
+    if tokenizer_path is None:
+        raise EmberError(
+            f"no tokenizer.json in {run_dir / 'model'} or {run_dir}; "
+            "copy the tokenizer the run was trained with there"
+        )
+    tokenizer = Tokenizer.load(tokenizer_path)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise EmberError(
+            f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {config_path} only "
+            f"{cfg.vocab_size}: the tokenizer does not match the weights"
+        )
+    model = GPT.build(cfg, device=device)
+    if ckpt in ("last", "best"):
+        load_weights(model, run_dir / ("model" if ckpt == "last" else "model-best"))
+    else:
+        m = re.fullmatch(r"(?:step-)?(\d+)", ckpt)
+        if not m:
+            raise EmberError(f"--ckpt {ckpt!r}: use last, best, or a step number (e.g. 1200)")
+        folder = step_dir(run_dir / "checkpoints", int(m.group(1)))
+        if not folder.is_dir():
+            newest = latest_checkpoint(run_dir / "checkpoints")
+            raise EmberError(
+                f"no checkpoint {folder.name} in {run_dir}"
+                + (f" (newest: {newest.name})" if newest else " (none kept)")
+            )
+        load_checkpoint(folder, model, None)
+    return model.eval(), tokenizer
