@@ -76,6 +76,7 @@ from ember.config import ModelConfig
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.model.hf import to_hf
 
@@ -177,7 +178,7 @@ def shorten(tokenizer: Tokenizer, prompts: list[str]) -> list[str]:
 def ember_generate(engine: Engine, prompts: list[str], new_tokens: int) -> Generate:
     def generate() -> list[list[int]]:
         with torch.inference_mode():
-            completions = engine.generate(prompts, new_tokens, temperature=0.0, ignore_eos=True)
+            completions = engine.generate(prompts, Sampling(new_tokens, temperature=0.0, ignore_eos=True))
         return [c.token_ids for c in completions]
 
     return generate

@@ -157,11 +157,19 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    from dataclasses import asdict
+def _sampling(args):
+    """The ``Sampling`` that the options of `generate` or `chat` spell out (checked here)."""
+    from dataclasses import fields
 
-    from ember.errors import EmberError
-    from ember.infer.engine import Engine, check_seed
+    from ember.infer.sampling import Sampling
+
+    return Sampling(**{f.name: getattr(args, f.name) for f in fields(Sampling) if hasattr(args, f.name)})
+
+
+def cmd_generate(args) -> int:
+    from dataclasses import asdict, replace
+
+    from ember.infer.engine import Engine
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -171,38 +179,33 @@ def cmd_generate(args) -> int:
             raise EmberError(f"cannot read --prompts-file {args.prompts_file} ({e.strerror})") from None
     if not prompts:
         raise EmberError("no prompt: pass --prompt TEXT (repeatable) or --prompts-file FILE")
+    sampling = _sampling(args)
+    sampling.check_seed(len(prompts))  # before the run is loaded or the first prompt streams
     engine = Engine.from_run(args.run)
-    options = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop=args.stop or (),
-        truncate=args.truncate,
-    )
     if args.json:
-        completions = engine.generate(prompts, **options)
+        completions = engine.generate(prompts, sampling, args.truncate)
         print(
             json.dumps(
                 [{"prompt": p, **asdict(c)} for p, c in zip(prompts, completions, strict=True)], indent=2
             )
         )
         return 0
-    check_seed(args.seed, len(prompts))  # before the first prompt streams
     for i, prompt in enumerate(prompts):  # stream each prompt's text as it is produced
         print(f"--- {i + 1}/{len(prompts)}" if len(prompts) > 1 else "---", flush=True)
         print(prompt, end="", flush=True)
         # row i of a batch samples with seed + i: the same text as --json gives for this prompt
-        for _, piece in engine.stream([prompt], **{**options, "seed": args.seed + i}):
+        for _, piece in engine.stream([prompt], replace(sampling, seed=sampling.seed + i), args.truncate):
             print(piece, end="", flush=True)
         print(flush=True)
     return 0
 
 
 def cmd_chat(args) -> int:
+    from dataclasses import replace
+
     from ember.infer.engine import Engine
 
+    sampling = _sampling(args)
     engine = Engine.from_run(args.run)
     print(f"ember chat with {args.run} (a base model: it continues your text). Empty line or Ctrl-D to quit.")
     for turn in itertools.count(1):
@@ -212,15 +215,7 @@ def cmd_chat(args) -> int:
             break
         if not prompt.strip():
             break
-        for _, piece in engine.stream(
-            [prompt],
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed + turn,
-            truncate=True,
-        ):
+        for _, piece in engine.stream([prompt], replace(sampling, seed=sampling.seed + turn), truncate=True):
             print(piece, end="", flush=True)
         print(flush=True)
     return 0
@@ -283,12 +278,19 @@ def cmd_quickstart(args) -> int:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, seed_help: str) -> None:
-    """The sampling options shared by `generate` and `chat`."""
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p")
-    p.add_argument("--seed", type=int, default=0, help=seed_help)
+    """The fields of ``ember.infer.sampling.Sampling`` as options, shared by `generate` and `chat`."""
+    from ember.infer.sampling import Sampling
+
+    for flag, kind, help_text in (
+        ("--max-new-tokens", int, "tokens to generate at most (default %(default)s)"),
+        ("--temperature", float, "0 = greedy (default %(default)s)"),
+        ("--top-k", int, "sample among the k most likely tokens"),
+        ("--top-p", float, "nucleus sampling: smallest set with mass p"),
+        ("--seed", int, seed_help),
+    ):
+        default = getattr(Sampling, flag[2:].replace("-", "_"))
+        p.add_argument(flag, type=kind, default=default, help=help_text)
+    p.add_argument("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -387,8 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
-    _add_sampling_args(p, seed_help="sampling seed (default 0): same seed, same text")
-    p.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
+    _add_sampling_args(p, seed_help="sampling seed (default %(default)s): same seed, same text")
     p.add_argument("--truncate", action="store_true", help="drop the start of prompts that are too long")
     p.add_argument("--json", action="store_true", help="print completions as JSON")
     p.set_defaults(func=cmd_generate)

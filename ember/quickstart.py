@@ -25,6 +25,7 @@ from ember.data.prepare import prepare
 from ember.data.stats import print_manifest
 from ember.infer.engine import Engine
 from ember.infer.evaluate import evaluate_run
+from ember.infer.sampling import Sampling
 from ember.report.report import write_report
 from ember.train.trainer import train
 
@@ -35,7 +36,7 @@ PROMPTS = ["def ", "import ", "class ", "The "]
 def write_samples(run_dir: Path, prompts: Sequence[str] = PROMPTS, max_new_tokens: int = 64) -> None:
     """Sample each prompt (temperature 0.8, seed 0) and write ``samples.md``; print them too."""
     engine = Engine.from_run(run_dir)
-    completions = engine.generate(list(prompts), max_new_tokens, temperature=0.8, seed=0)
+    completions = engine.generate(list(prompts), Sampling(max_new_tokens, temperature=0.8, seed=0))
     parts = ["# Samples\n", f"temperature 0.8, seed 0, up to {max_new_tokens} new tokens\n"]
     for prompt, c in zip(prompts, completions, strict=True):
         parts.append(f"\n## `{prompt.strip()}`\n\n```\n{prompt}{c.text}\n```\n")

@@ -15,6 +15,7 @@ from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.infer.engine import Engine, KVCache, filter_logits, sample_next
+from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.train.checkpoint import export_weights
 
@@ -194,7 +195,7 @@ def test_engine_parity_for_a_batch_of_mixed_length_prompts(tok, layout):
     prompts = ["The quick", "The lazy", "def main():\n", "The dog", "Héllo wörld 😀", "fox jumps"]
     lengths = {len(tok.encode(p)) for p in prompts}
     assert len(lengths) < len(prompts) and len(lengths) > 1  # shared and distinct lengths
-    out = engine.generate(prompts, max_new_tokens=20, temperature=1.0, seed=3)
+    out = engine.generate(prompts, Sampling(max_new_tokens=20, temperature=1.0, seed=3))
     assert recorder.calls > 1 and recorder.padded_calls == recorder.calls  # one ragged stream
     assert recorder.max_logit > 1 and recorder.max_diff <= 1e-5, f"max |diff| {recorder.max_diff:.2e}"
     assert all(len(c.token_ids) >= 1 for c in out)
@@ -218,9 +219,9 @@ def test_batched_greedy_equals_each_prompt_alone_and_the_uncached_loop(tok):
     model = tiny_model(vocab_size=320, **LLAMA)
     engine = Engine(model, tok)
     prompts = ["The quick", "def main():\n", "fox", "The lazy", "café 😀"]
-    batch = engine.generate(prompts, max_new_tokens=16, temperature=0)
+    batch = engine.generate(prompts, Sampling(max_new_tokens=16, temperature=0))
     for prompt, got in zip(prompts, batch, strict=True):
-        [alone] = engine.generate([prompt], max_new_tokens=16, temperature=0)
+        [alone] = engine.generate([prompt], Sampling(max_new_tokens=16, temperature=0))
         assert got == alone
         ref = greedy_without_cache(model, tok.encode(prompt), 16, tok.eos_id, tok.vocab_size)
         assert got.token_ids == ref
@@ -282,41 +283,49 @@ def test_temperature_flattens_and_sharpens():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": -1.0}, {"temperature": math.nan}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}],
+    [
+        {"temperature": -1.0},
+        {"temperature": math.nan},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"max_new_tokens": 0},
+        {"stop": ["ok", ""]},
+    ],
 )
 def test_bad_sampling_arguments_raise(kwargs):
     with pytest.raises(EmberError):
-        sample_next(LOGITS, **{"temperature": 1.0, **kwargs})
+        Sampling(**kwargs)
 
 
 def test_greedy_is_deterministic_and_seeds_reproduce(tok):
     engine = Engine(tiny_model(vocab_size=320), tok)
     prompts = ["The quick", "def"]
-    a = engine.generate(prompts, 24, temperature=0)
-    assert a == engine.generate(prompts, 24, temperature=0, seed=123)
-    s1 = engine.generate(prompts, 24, temperature=1.0, seed=1)
-    assert s1 == engine.generate(prompts, 24, temperature=1.0, seed=1)
-    s2 = engine.generate(prompts, 24, temperature=1.0, seed=2)
+    a = engine.generate(prompts, Sampling(24, temperature=0))
+    assert a == engine.generate(prompts, Sampling(24, temperature=0, seed=123))
+    s1 = engine.generate(prompts, Sampling(24, temperature=1.0, seed=1))
+    assert s1 == engine.generate(prompts, Sampling(24, temperature=1.0, seed=1))
+    s2 = engine.generate(prompts, Sampling(24, temperature=1.0, seed=2))
     assert [c.token_ids for c in s1] != [c.token_ids for c in s2]
     # a row samples with seed + row, whatever else is in the batch
-    [alone] = engine.generate(["def"], 24, temperature=1.0, seed=2)
+    [alone] = engine.generate(["def"], Sampling(24, temperature=1.0, seed=2))
     assert alone == s1[1]
 
 
 def test_seeds_beyond_the_generator_range_raise(tok):
     engine = Engine(tiny_model(vocab_size=320), tok)
     top = 2**64 - 1
-    assert len(engine.generate(["a", "b"], 2, seed=top - 1)) == 2  # rows take top - 1 and top
+    assert len(engine.generate(["a", "b"], Sampling(2, seed=top - 1))) == 2  # rows take top - 1 and top
     for seed, prompts in ((top, ["a", "b"]), (2**64, ["a"]), (-(2**63) - 1, ["a"])):
         with pytest.raises(EmberError, match="out of range"):
-            engine.generate(prompts, 2, seed=seed)
+            engine.generate(prompts, Sampling(2, seed=seed))
 
 
 def test_ids_beyond_the_tokenizer_are_never_sampled(tok):
     model = tiny_model(vocab_size=320)
     with torch.no_grad():  # make the 20 padding ids of the vocab by far the most likely
         model.output.weight[300:] = model.output.weight[300:] * 0 + model.tok_embeddings.weight.mean(0) * 1e3
-    out = Engine(model, tok).generate(["The"], 16, temperature=2.0)
+    out = Engine(model, tok).generate(["The"], Sampling(16, temperature=2.0))
     assert all(i < 300 for i in out[0].token_ids)
 
 
@@ -332,18 +341,18 @@ def scripted_engine(tok: Tokenizer, text: str, then: list[int] | None = None) ->
 
 def test_stops_on_eos(tok):
     engine = scripted_engine(tok, "the lazy dog", then=[tok.eos_id] + [5] * 64)
-    [c] = engine.generate(["The"], 30)
+    [c] = engine.generate(["The"], Sampling(30))
     assert c.text == "the lazy dog" and c.finish_reason == "eos"
     assert c.token_ids == tok.encode("the lazy dog")
 
 
 def test_stops_on_a_stop_string_across_tokens_and_excludes_it(tok):
     engine = scripted_engine(tok, "return x\n\ndef main")
-    [c, d] = engine.generate(["def", "The quick"], 30, stop=["\n\n", "zzz"])
+    [c, d] = engine.generate(["def", "The quick"], Sampling(30, stop=["\n\n", "zzz"]))
     assert c.text == d.text == "return x" and c.finish_reason == "stop"
-    [e] = engine.generate(["def"], 30, stop="main")  # a single string works too
+    [e] = engine.generate(["def"], Sampling(30, stop="main"))  # a single string works too
     assert e.text == "return x\n\ndef " and e.finish_reason == "stop"
-    [f] = engine.generate(["def"], 5, stop=["never"])
+    [f] = engine.generate(["def"], Sampling(5, stop=["never"]))
     assert f.finish_reason == "length" and len(f.token_ids) == 5
 
 
@@ -352,10 +361,10 @@ def test_stream_pieces_join_to_the_text_and_never_split_characters(tok):
     engine = scripted_engine(tok, text)
     prompts = ["The", "def main", "fox"]
     pieces: dict[int, list[str]] = {0: [], 1: [], 2: []}
-    for row, piece in engine.stream(prompts, 40, stop=["\n\n"]):
+    for row, piece in engine.stream(prompts, Sampling(40, stop=["\n\n"])):
         assert piece and "\ufffd" not in piece and "\n" not in piece  # held back, then cut
         pieces[row].append(piece)
-    completions = engine.generate(prompts, 40, stop=["\n\n"])
+    completions = engine.generate(prompts, Sampling(40, stop=["\n\n"]))
     for row, c in enumerate(completions):
         assert "".join(pieces[row]) == c.text == "Héllo wörld 😀 café"
         assert len(pieces[row]) > 3  # incremental, not one piece at the end
@@ -366,9 +375,9 @@ def test_stream_pieces_join_to_the_text_and_never_split_characters(tok):
 def test_stream_checks_arguments_before_the_first_step(tok):
     engine = Engine(tiny_model(vocab_size=320), tok)
     with pytest.raises(EmberError, match="empty"):
-        engine.stream([""], 4)
+        engine.stream([""], Sampling(4))
     with pytest.raises(EmberError, match="stop string"):
-        engine.stream(["a"], 4, stop=[""])
+        engine.stream(["a"], Sampling(4, stop=[""]))
 
 
 # ---------------------------------------------------------------------------
@@ -383,8 +392,8 @@ def test_prompt_too_long_raises_and_truncate_keeps_the_tail(tok):
     ids = tok.encode(prompt)
     assert len(ids) > 64
     with pytest.raises(EmberError, match=f"prompt 1 is {len(ids)} tokens.*max_seq_len=64.*--truncate"):
-        engine.generate([prompt], 10)
-    [c] = engine.generate([prompt], 10, temperature=0, truncate=True)
+        engine.generate([prompt], Sampling(10))
+    [c] = engine.generate([prompt], Sampling(10, temperature=0), truncate=True)
     assert c.prompt_tokens == 54 and c.dropped_tokens == len(ids) - 54
     ref = greedy_without_cache(model, ids[-54:], 10, tok.eos_id, tok.vocab_size)
     assert c.token_ids == ref
@@ -392,28 +401,28 @@ def test_prompt_too_long_raises_and_truncate_keeps_the_tail(tok):
     short = tok.decode(ids[:40])
     assert len(tok.encode(short)) == 40
     with pytest.raises(EmberError, match=r"40 tokens.*that is 70.*max_seq_len=64.*--max-new-tokens to 24"):
-        engine.generate(["ok", short], 30)
-    [_, d] = engine.generate(["ok", short], 30, temperature=0, truncate=True)
+        engine.generate(["ok", short], Sampling(30))
+    [_, d] = engine.generate(["ok", short], Sampling(30, temperature=0), truncate=True)
     assert d.prompt_tokens == 34 and d.dropped_tokens == 6
     with pytest.raises(EmberError, match="max-new-tokens"):
-        engine.generate(["a"], 64, truncate=True)
+        engine.generate(["a"], Sampling(64), truncate=True)
     with pytest.raises(EmberError, match="max-new-tokens"):
-        engine.generate(["a"], 0)
+        engine.generate(["a"], Sampling(0))
 
 
 def test_empty_prompt_raises(tok):
     engine = Engine(tiny_model(vocab_size=320), tok)
     with pytest.raises(EmberError, match="prompt 2 is empty"):
-        engine.generate(["fine", ""], 4)
+        engine.generate(["fine", ""], Sampling(4))
     with pytest.raises(EmberError):
-        engine.generate([], 4)
+        engine.generate([], Sampling(4))
     with pytest.raises(EmberError, match="list"):
-        engine.generate("a string, not a list", 4)
+        engine.generate("a string, not a list", Sampling(4))
 
 
 def test_engine_leaves_a_training_model_in_training_mode(tok):
     model = tiny_model(vocab_size=320).train()
-    Engine(model, tok).generate(["The"], 3)
+    Engine(model, tok).generate(["The"], Sampling(3))
     assert model.training
 
 
@@ -435,11 +444,13 @@ def run_dir(tmp_path, tok):
 def test_from_run_generates_what_the_model_in_memory_does(run_dir, tok):
     path, model = run_dir
     loaded = Engine.from_run(path)
-    got = loaded.generate(["The quick", "def"], 12, temperature=0)
-    assert got == Engine(model.eval(), tok).generate(["The quick", "def"], 12, temperature=0)
+    got = loaded.generate(["The quick", "def"], Sampling(12, temperature=0))
+    assert got == Engine(model.eval(), tok).generate(["The quick", "def"], Sampling(12, temperature=0))
     assert all(c.token_ids for c in got)
-    sampled = loaded.generate(["The quick"], 12, temperature=0.8, top_k=20, top_p=0.9, seed=5)
-    assert sampled == loaded.generate(["The quick"], 12, temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    sampled = loaded.generate(["The quick"], Sampling(12, temperature=0.8, top_k=20, top_p=0.9, seed=5))
+    assert sampled == loaded.generate(
+        ["The quick"], Sampling(12, temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    )
 
 
 def test_from_run_errors(run_dir, tmp_path):

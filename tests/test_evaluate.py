@@ -230,6 +230,10 @@ def test_generate_cli(run, capsys):
     assert main(["generate", str(run)]) == 2
     assert main(["generate", str(run), "--prompt", "x" * 400, "--max-new-tokens", "8"]) == 2
     assert "max_seq_len" in capsys.readouterr().err
+    # one Sampling checks the options of generate and chat alike, before any weights load
+    assert main(["generate", "no-such-run", "--prompt", "a", "--top-p", "2"]) == 2
+    assert main(["chat", "no-such-run", "--top-p", "2"]) == 2
+    assert capsys.readouterr().err.count("--top-p must be in (0, 1]") == 2
 
 
 def test_chat_cli(run):

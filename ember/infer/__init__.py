@@ -1,1 +1,1 @@
-"""Inference: the generation engine (engine.py) and evaluation on any text (evaluate.py)."""
+"""Inference: the engine (engine.py, sampling.py) and evaluation on any text (evaluate.py)."""

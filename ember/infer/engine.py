@@ -1,9 +1,9 @@
 """Text generation: a preallocated KV cache, sampling, batched and streaming decoding.
 
     engine = Engine.from_run("runs/tiny")                      # or Engine(model, tokenizer)
-    [c] = engine.generate(["def main("], max_new_tokens=64, temperature=0.8, top_k=50, seed=0)
+    [c] = engine.generate(["def main("], Sampling(max_new_tokens=64, temperature=0.8, top_k=50))
     print(c.text, c.finish_reason)                             # finish_reason: eos | stop | length
-    for row, piece in engine.stream(["Once", "In the"], 64, stop=["\\n\\n"]):
+    for row, piece in engine.stream(["Once", "In the"], Sampling(64, stop=["\\n\\n"])):
         print(row, piece, end="", flush=True)
 
 The model is touched only through ``model(idx, cache=cache)`` (eval mode, inference
@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
+from ember.infer.sampling import Sampling
 from ember.model.gpt import Attention
 from ember.train.checkpoint import load_run
 
@@ -134,24 +135,6 @@ class KVCache:
 # ---------------------------------------------------------------------------
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0:  # also catches NaN
-        raise EmberError(f"--temperature must be >= 0 (0 = greedy); got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise EmberError(f"--top-k must be a positive number of tokens (or 0/None for all); got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise EmberError(f"--top-p must be in (0, 1] (1 = no nucleus filter); got {top_p}")
-
-
-def check_seed(seed: int, rows: int) -> None:
-    """Row i samples with seed + i, which torch.Generator takes in [-2**63, 2**64 - 1]."""
-    if not -(2**63) <= seed or seed + rows - 1 > 2**64 - 1:
-        raise EmberError(
-            f"--seed {seed} is out of range: row i of {rows} samples with seed + i, which must lie in "
-            f"[-2**63, 2**64 - 1]; use a seed from -2**63 to {2**64 - rows}"
-        )
-
-
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
     """logits (B, V) with everything outside the top-k, then outside the nucleus, set to -inf."""
     if top_k and top_k < logits.size(-1):
@@ -176,8 +159,8 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """logits (B, V) -> next ids (B,): argmax when ``temperature == 0``, else a draw from
-    softmax(filter_logits(logits / temperature)) using ``generator``."""
-    check_sampling(temperature, top_k, top_p)
+    softmax(filter_logits(logits / temperature)) using ``generator``. Arguments as checked by
+    ``Sampling``."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)  # (B, V)
@@ -307,8 +290,6 @@ class Engine:
         if not prompts:
             raise EmberError("no prompts given")
         max_seq_len = self.model.cfg.max_seq_len
-        if max_new_tokens < 1:
-            raise EmberError(f"--max-new-tokens must be >= 1; got {max_new_tokens}")
         if max_new_tokens >= max_seq_len:
             raise EmberError(
                 f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
@@ -338,29 +319,20 @@ class Engine:
     # -- generation -------------------------------------------------------
 
     def _start(
-        self,
-        prompts: Sequence[str],
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        seed: int,
-        stop: Sequence[str],
-        truncate: bool,
-    ) -> tuple[list[_Row], _Stream, list[str]]:
-        """Check the arguments, encode the prompts, set up the rows and their stream."""
-        check_sampling(temperature, top_k, top_p)
-        check_seed(seed, len(prompts))
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if any(not s for s in stop):
-            raise EmberError("a stop string is empty; it would end every row at once")
+        self, prompts: Sequence[str], sampling: Sampling, truncate: bool
+    ) -> tuple[list[_Row], Iterator[tuple[int, str]]]:
+        """Check the seeds, encode the prompts, set up the rows and their stream; returns the
+        rows and the (not yet started) iterator of their text pieces."""
+        sampling.check_seed(len(prompts))
         rows = []
-        for i, (ids, dropped) in enumerate(self._encode(prompts, max_new_tokens, truncate)):
+        for i, (ids, dropped) in enumerate(self._encode(prompts, sampling.max_new_tokens, truncate)):
             generator = None
-            if temperature > 0:
-                generator = torch.Generator(device=self.device).manual_seed(seed + i)
+            if sampling.temperature > 0:
+                generator = torch.Generator(device=self.device).manual_seed(sampling.seed + i)
             rows.append(_Row(i, ids, dropped, generator))
-        return rows, _Stream(self, rows, max_new_tokens), stop
+        stream, s = _Stream(self, rows, sampling.max_new_tokens), sampling
+        pieces = self._decode(stream, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.stop, s.ignore_eos)
+        return rows, pieces
 
     def _decode(
         self,
@@ -397,45 +369,20 @@ class Engine:
                     yield row.row, piece
 
     def stream(
-        self,
-        prompts: Sequence[str],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop: Sequence[str] = (),
-        truncate: bool = False,
-        ignore_eos: bool = False,
+        self, prompts: Sequence[str], sampling: Sampling | None = None, truncate: bool = False
     ) -> Iterator[tuple[int, str]]:
         """Yield (row, text piece) as tokens are produced; a row's pieces join to its
         ``generate`` text. Arguments as in ``generate``; bad ones raise here, before any step."""
-        _, stream, stop = self._start(
-            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, truncate
-        )
-        return self._decode(stream, max_new_tokens, temperature, top_k, top_p, stop, ignore_eos)
+        return self._start(prompts, sampling or Sampling(), truncate)[1]
 
     def generate(
-        self,
-        prompts: Sequence[str],
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int = 0,
-        stop: Sequence[str] = (),
-        truncate: bool = False,
-        ignore_eos: bool = False,
+        self, prompts: Sequence[str], sampling: Sampling | None = None, truncate: bool = False
     ) -> list[Completion]:
-        """Continue each prompt by up to ``max_new_tokens`` tokens; stop early at ``<|eos|>``
-        or at any of ``stop`` (excluded from the text). ``temperature=0`` is greedy;
-        ``top_k``/``top_p`` None leave the distribution whole; row i samples with seed + i.
-        A prompt that does not fit with ``max_new_tokens`` raises unless ``truncate``, which
-        keeps its last tokens. ``ignore_eos`` decodes past ``<|eos|>`` as if it were any
-        token, so every row makes ``max_new_tokens`` (for benchmarks, like vLLM's option)."""
-        rows, stream, stop = self._start(
-            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, truncate
-        )
-        for _ in self._decode(stream, max_new_tokens, temperature, top_k, top_p, stop, ignore_eos):
+        """Continue each prompt as ``sampling`` says (default ``Sampling()``): up to
+        ``max_new_tokens`` tokens, ending early at ``<|eos|>`` or at a ``stop`` string (excluded
+        from the text); row i samples with seed + i. A prompt that does not fit with
+        ``max_new_tokens`` raises unless ``truncate``, which keeps its last tokens."""
+        rows, pieces = self._start(prompts, sampling or Sampling(), truncate)
+        for _ in pieces:
             pass
         return [row.completion() for row in rows]
