@@ -2,14 +2,15 @@
 
     result = train(load_config("tiny", ["train.max_steps=20"]))
 
-The loop (``Trainer.run``) reads top to bottom: budget check, learning rates, batch,
-micro-batches with loss scaled by accumulation, backward, unscale + clip, non-finite
-guard agreed across ranks, optimizer step, log, evaluate, checkpoint. What is trained is a
-*task* (``LMTask`` here: next-token prediction), which supplies ``loss`` and ``evaluate``;
-post-training tasks plug into the same loop later. The optimizer (``train.optimizer``: AdamW,
-or Muon on the block matrices) comes from ``ember.train.optim`` with one parameter group per
-role; each group has its own peak learning rate (``group["peak_lr"]``) and the schedule
-scales each peak alike. The logged ``lr`` is the schedule at ``train.lr``.
+The loop (``Trainer.run``) reads top to bottom: budget check, learning rates, batch, the
+step (``train_step``: micro-batches with loss scaled by accumulation, backward, unscale +
+clip, non-finite guard agreed across ranks, optimizer step), log (``_log``), evaluate,
+checkpoint. What is trained is a *task* (``LMTask`` here: next-token prediction), which
+supplies ``loss`` and ``evaluate``; post-training tasks plug into the same loop later. The
+optimizer (``train.optimizer``: AdamW, or Muon on the block matrices) comes from
+``ember.train.optim`` with one parameter group per role; each group has its own peak
+learning rate (``group["peak_lr"]``) and the schedule scales each peak alike. The logged
+``lr`` is the schedule at ``train.lr``.
 
 Numbers you can trust:
 
@@ -251,6 +252,7 @@ class Trainer:
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
+        self.peak_flops = peak_flops(env.device)
         model.to(env.device)
         self.model = parallelize(model, env, cfg)
         self.optimizer = build_optimizer(self.model, t, env.device)
@@ -427,7 +429,6 @@ class Trainer:
             f"{t.batch_tokens:,} tokens/step ({self.grad_accum} micro-steps of {t.micro_batch}×{t.seq_len} "
             f"per rank) → {self.run_dir}"
         )
-        peak = peak_flops(env.device)
         bar = ProgressBar(env.is_main)
         start = time.perf_counter()
         last = {}
@@ -442,64 +443,13 @@ class Trainer:
                     group["lr"] = lr_at(self.step, progress_after, t, peak=group["peak_lr"])
                 _, x, y = next(batches)
                 t1 = time.perf_counter()
-
-                loss_sum = torch.zeros((), device=env.device)
-                for micro in range(self.grad_accum):
-                    rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
-                    with self._sync_grads(micro == self.grad_accum - 1):
-                        with self.autocast:
-                            loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
-                            loss = loss / self.grad_accum
-                        self.scaler.scale(loss).backward()
-                    loss_sum += loss.detach()
-                t2 = time.perf_counter()
-
-                self.scaler.unscale_(self.optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-                all_reduce(loss_sum, "avg")
-                bad = ~torch.isfinite(loss_sum)
-                if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
-                    bad |= ~torch.isfinite(grad_norm)
-                if all_reduce(bad.float(), "max").item():
-                    self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
-                else:
-                    self.scaler.step(self.optimizer)
-                self.scaler.update()
-                self.optimizer.zero_grad(set_to_none=True)
+                loss, grad_norm, fwd_bwd_s = self.train_step(x, y)
                 t3 = time.perf_counter()
-
                 self.step += 1
                 self.tokens += t.batch_tokens
                 elapsed = self._elapsed(start)
                 progress = self.progress(elapsed)
-                dt = t3 - t0
-                last = {
-                    "skipped": self.skipped,
-                    "step": self.step,
-                    "tokens": self.tokens,
-                    "loss": loss_sum.item(),
-                    "lr": lr,
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_s": t.batch_tokens / dt,
-                    "step_s": dt,
-                    "data_s": t1 - t0,
-                    "fwd_bwd_s": t2 - t1,
-                    "opt_s": t3 - t2,
-                    "elapsed_s": elapsed,
-                    "peak_mem_mb": peak_memory_mb(env.device),
-                }
-                if peak:
-                    last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (peak * env.world_size)
-                self.metrics.write(last)
-                bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
-                if self.step % t.log_every == 0 or self.step == 1:
-                    eta = elapsed / max(progress, 1e-9) * (1 - progress)
-                    print0(
-                        f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
-                        f"| grad {last['grad_norm']:.2f} | "
-                        f"{last['tokens_per_s']:,.0f} tok/s | {100 * progress:5.1f}% | eta {eta:6.0f}s"
-                    )
+                last = self._log(bar, lr, loss, grad_norm, (t0, t1, t1 + fwd_bwd_s, t3), elapsed, progress)
                 final = progress >= 1.0
                 if (t.eval_every and self.step % t.eval_every == 0) or final:
                     last.update(self._evaluate())
@@ -510,6 +460,74 @@ class Trainer:
             self.loader.close()
             self.metrics.close()
         self._finish(last)
+        return last
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step on this rank's rows (x, y: (rows, seq_len)): micro-batches with the
+        loss scaled by accumulation, backward, unscale + clip, the non-finite guard agreed across
+        ranks, step. Returns the loss (mean over ranks), the gradient norm and the seconds spent
+        in forward + backward."""
+        t = self.cfg.train
+        start = time.perf_counter()
+        loss_sum = torch.zeros((), device=self.env.device)
+        for micro in range(self.grad_accum):
+            rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
+            with self._sync_grads(micro == self.grad_accum - 1):
+                with self.autocast:
+                    loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
+                    loss = loss / self.grad_accum
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        fwd_bwd_s = time.perf_counter() - start
+
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        all_reduce(loss_sum, "avg")
+        bad = ~torch.isfinite(loss_sum)
+        if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
+            bad |= ~torch.isfinite(grad_norm)
+        if all_reduce(bad.float(), "max").item():
+            self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
+        else:
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, grad_norm, fwd_bwd_s
+
+    def _log(self, bar, lr: float, loss, grad_norm, times: tuple, elapsed: float, progress: float) -> dict:
+        """The finished step's record, written to metrics.jsonl and shown on the progress bar, and
+        a line every ``train.log_every`` steps. ``times``: when the step began, its batch came,
+        forward + backward ended, and it ended."""
+        t, env = self.cfg.train, self.env
+        t0, t1, t2, t3 = times
+        dt = t3 - t0
+        last = {
+            "skipped": self.skipped,
+            "step": self.step,
+            "tokens": self.tokens,
+            "loss": loss.item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": t.batch_tokens / dt,
+            "step_s": dt,
+            "data_s": t1 - t0,
+            "fwd_bwd_s": t2 - t1,
+            "opt_s": t3 - t2,
+            "elapsed_s": elapsed,
+            "peak_mem_mb": peak_memory_mb(env.device),
+        }
+        if self.peak_flops:
+            last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (self.peak_flops * env.world_size)
+        self.metrics.write(last)
+        bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
+        if self.step % t.log_every == 0 or self.step == 1:
+            eta = elapsed / max(progress, 1e-9) * (1 - progress)
+            print0(
+                f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
+                f"| grad {last['grad_norm']:.2f} | "
+                f"{last['tokens_per_s']:,.0f} tok/s | {100 * progress:5.1f}% | eta {eta:6.0f}s"
+            )
         return last
 
     def _elapsed(self, start: float) -> float:
