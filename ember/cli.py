@@ -42,6 +42,7 @@ def cmd_config_show(args) -> int:
 def cmd_config_keys(args) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from ember.config import config_keys
 
@@ -49,7 +50,9 @@ def cmd_config_keys(args) -> int:
     for key, type_name, default, help_text in config_keys():
         if args.prefix and not key.startswith(args.prefix):
             continue
-        table.add_row(key, type_name, default, help_text)
+        table.add_row(
+            *(Text(str(cell)) for cell in (key, type_name, default, help_text))
+        )  # list[str] is no markup
     Console(width=max(120, Console().width)).print(table)
     return 0
 

@@ -417,3 +417,10 @@ def test_config_keys_cover_every_leaf() -> None:
             load_config(None, [f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"])
             == Config()
         )
+
+
+def test_config_keys_prints_types_literally(capsys) -> None:
+    from ember.cli import main
+
+    assert main(["config", "keys", "data.sources"]) == 0
+    assert "list[str]" in capsys.readouterr().out  # not read as rich markup
