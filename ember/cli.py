@@ -50,9 +50,8 @@ def cmd_config_keys(args) -> int:
     for key, type_name, default, help_text in config_keys():
         if args.prefix and not key.startswith(args.prefix):
             continue
-        table.add_row(
-            *(Text(str(cell)) for cell in (key, type_name, default, help_text))
-        )  # list[str] is no markup
+        cells = (key, type_name, default, help_text)
+        table.add_row(*(Text(str(c)) for c in cells))  # literal: list[str] is not markup
     Console(width=max(120, Console().width)).print(table)
     return 0
 
