@@ -14,7 +14,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
-from ember.infer.engine import Engine, KVCache, filter_logits, sample_next
+from ember.infer.engine import Engine, KVCache, StaticKVCache, filter_logits, sample_next
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.train.checkpoint import export_weights
@@ -114,12 +114,16 @@ class Scripted(nn.Module):
 # ---------------------------------------------------------------------------
 
 
+CACHES = {"eager": KVCache, "static": StaticKVCache}
+
+
+@pytest.mark.parametrize("cache_type", CACHES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_cache_matches_full_forward_at_every_step(layout):
+def test_cache_matches_full_forward_at_every_step(layout, cache_type):
     model = tiny_model(**LAYOUTS[layout])
     g = torch.Generator().manual_seed(1)
     seq = torch.randint(0, 64, (3, 40), generator=g)
-    cache = KVCache(model, batch_size=3, max_len=40)
+    cache = CACHES[cache_type](max_len=40)
     worst, largest = 0.0, 0.0
     with torch.inference_mode():
         # prefill 10, a chunk of 5 (queries after a cache: bottom-right causal mask), then one at a time
@@ -129,12 +133,13 @@ def test_cache_matches_full_forward_at_every_step(layout):
             full = model(seq[:, :b])[:, a:b]
             worst = max(worst, (cached - full).abs().max().item())
             largest = max(largest, full.abs().max().item())
-    assert cache.pos == 40 and largest > 1
+    assert int(cache.pos) == 40 and largest > 1
     assert worst <= 1e-5, f"{layout}: cached vs full max |diff| {worst:.2e}"
 
 
+@pytest.mark.parametrize("cache_type", CACHES)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_left_padded_rows_match_each_row_alone_at_every_step(layout):
+def test_left_padded_rows_match_each_row_alone_at_every_step(layout, cache_type):
     # A ragged batch in one cache: row b is its own sequence after pad[b] pad slots. Chunks
     # cross the pad boundary (prefill 10 holds only pads for row 2), then one token at a time.
     model = tiny_model(**LAYOUTS[layout])
@@ -143,7 +148,8 @@ def test_left_padded_rows_match_each_row_alone_at_every_step(layout):
     seq = torch.randint(0, 64, (3, 40), generator=g)
     for b, n in enumerate(pad):
         seq[b, :n] = 63  # any id: the mask must hide it
-    cache = KVCache(model, batch_size=3, max_len=40, pad=pad)
+    Cache = CACHES[cache_type]
+    cache = Cache(max_len=40, pad=pad)
     worst, largest = 0.0, 0.0
     with torch.inference_mode():
         cuts = [0, 10, 15, *range(16, 41)]
@@ -156,8 +162,8 @@ def test_left_padded_rows_match_each_row_alone_at_every_step(layout):
         other = seq.clone()
         for b, n in enumerate(pad):
             other[b, :n] = 5
-        again = model(other, cache=KVCache(model, batch_size=3, max_len=40, pad=pad))
-        first = model(seq, cache=KVCache(model, batch_size=3, max_len=40, pad=pad))
+        again = model(other, cache=Cache(max_len=40, pad=pad))
+        first = model(seq, cache=Cache(max_len=40, pad=pad))
     for b, n in enumerate(pad):
         torch.testing.assert_close(again[b, n:], first[b, n:], rtol=0, atol=1e-6)
     assert largest > 1
@@ -165,27 +171,83 @@ def test_left_padded_rows_match_each_row_alone_at_every_step(layout):
 
 
 def test_cache_positions_and_mask_for_padded_rows():
-    model = tiny_model()
-    cache = KVCache(model, batch_size=2, max_len=6, pad=[0, 2])
-    assert cache.positions(4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
-    mask = cache.mask(4)  # (2, 1, 4, 4)
-    assert mask[0, 0].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
-    assert mask[1, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
-    plain = KVCache(model, batch_size=2, max_len=6, pad=[0, 0])
-    assert plain.mask(4) is None and plain.positions(4).tolist() == [0, 1, 2, 3]
+    cache = KVCache(max_len=6, pad=[0, 2])
+    assert cache.extend(4).tolist() == [[0, 1, 2, 3], [0, 0, 0, 1]]
+    assert cache.mask.shape == (2, 1, 4, 4)
+    assert cache.mask[0, 0].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
+    assert cache.mask[1, 0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert cache.extend(1).tolist() == [[4], [2]] and cache.mask[1, 0].int().tolist() == [[0, 0, 1, 1, 1]]
+    plain = KVCache(max_len=6, pad=[0, 0])
+    assert plain.extend(4).tolist() == [0, 1, 2, 3] and plain.mask is None
+    static, eager = StaticKVCache(max_len=6, pad=[0, 2]), KVCache(max_len=6, pad=[0, 2])
+    assert static.extend(4).tolist() == eager.extend(4).tolist()
+    assert static.mask.shape == (2, 1, 4, 6)  # the same mask over all 6 slots, the unwritten ones hidden
+    assert torch.equal(static.mask[..., :4], eager.mask) and not static.mask[..., 4:].any()
     with pytest.raises(ValueError):
-        KVCache(model, batch_size=2, max_len=6, pad=[0, 6])
+        KVCache(max_len=6, pad=[0, 6])
 
 
-def test_cache_shapes_follow_the_weights():
-    model = tiny_model(n_kv_head=2)
-    cache = KVCache(model, batch_size=2, max_len=8)
+class Unweighted(nn.Module):
+    """A linear behind a wrapper with no ``.weight`` (as a LoRA, quantized or packed linear)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.inner = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("cache_type", CACHES)
+def test_cache_is_sized_from_the_keys_it_receives(cache_type):
+    model = tiny_model(**LLAMA, n_kv_head=2)
+    for layer in model.layers.values():
+        layer.attention.wk = Unweighted(layer.attention.wk)
+    seq = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    cache = CACHES[cache_type](max_len=9)
     with torch.inference_mode():
-        model(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+        steps = [model(seq[:, :5], cache=cache)]
+        steps += [model(seq[:, t : t + 1], cache=cache) for t in range(5, 9)]
+        full = model(seq)
     assert set(cache.k) == {"0", "1"}
-    assert cache.k["0"].shape == (2, 2, 8, 16)  # (B, n_kv_head, max_len, head_dim)
-    with pytest.raises(IndexError), torch.inference_mode():
-        model(torch.zeros(2, 6, dtype=torch.long), cache=cache)
+    assert cache.k["0"].shape == cache.v["1"].shape == (2, 2, 9, 16)  # (B, n_kv_head, max_len, head_dim)
+    assert full.abs().max() > 1
+    assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
+    if cache_type == "eager":
+        with pytest.raises(IndexError), torch.inference_mode():
+            model(seq[:, :1], cache=cache)  # all 9 slots are held
+
+
+def test_static_cache_decode_compiles_to_one_graph_that_matches_the_eager_cache():
+    # fullgraph=True raises on any graph break. The position is a tensor and the shapes never
+    # change, so every step, and a second cache of the same size, runs the one graph.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model = tiny_model(**LLAMA, n_kv_head=2)
+    counter = CompileCounterWithBackend("inductor")
+    decode = torch.compile(model, backend=counter, fullgraph=True)
+    seq = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(5))
+    worst, largest, graphs = 0.0, 0.0, []
+    with torch.inference_mode():
+        for pad in ([0, 3], [0, 3], None):
+            static, eager = StaticKVCache(max_len=20, pad=pad), KVCache(max_len=20, pad=pad)
+            model(seq[:, :8], cache=static), model(seq[:, :8], cache=eager)  # the prefill, eager
+            for t in range(8, 20):
+                got, want = decode(seq[:, t : t + 1], cache=static), model(seq[:, t : t + 1], cache=eager)
+                worst = max(worst, (got - want).abs().max().item())
+                largest = max(largest, want.abs().max().item())
+            graphs.append(counter.frame_count)
+    assert graphs == [1, 1, 2]  # 12 steps of two padded caches: one graph; no pads (pad shape 1): one more
+    assert largest > 1 and worst <= 1e-5, f"compiled static vs eager cache max |diff| {worst:.2e}"
+
+
+def test_compiled_engine_generates_what_the_eager_engine_does(tok):
+    model = tiny_model(vocab_size=320, **LLAMA)
+    prompts = ["The quick", "def main():\n", "fox"]
+    greedy = Sampling(max_new_tokens=12, temperature=0)
+    eager = Engine(model, tok).generate(prompts, greedy)
+    assert Engine(model, tok, compile=True).generate(prompts, greedy) == eager
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

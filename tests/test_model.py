@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ember.config import ModelConfig, load_config
 from ember.errors import ConfigError
-from ember.model.gpt import GPT, RotaryPositions, apply_rotary, mlp_hidden_size
+from ember.model.gpt import ATTENTION, GPT, RotaryPositions, apply_rotary, mlp_hidden_size
 
 GPT2 = {}
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
@@ -90,27 +90,23 @@ def test_set_attention_unknown():
 
 
 class ListCache:
-    """The smallest KVCache (see gpt.KVCache): tensors concatenated per layer."""
+    """The smallest KVCache (see gpt.KVCache): tensors concatenated per layer, attended by
+    ``attend`` (every row starts at slot 0, so causal attention needs no mask)."""
 
-    def __init__(self) -> None:
-        self.pos = 0
+    def __init__(self, attend) -> None:
+        self.pos, self.attention = 0, attend
         self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(self, layer, k, v):
+    def extend(self, T):
+        self.pos += T
+        return torch.arange(self.pos - T, self.pos)
+
+    def attend(self, layer, q, k, v):
         if layer in self.kv:
             k = torch.cat([self.kv[layer][0], k], dim=2)
             v = torch.cat([self.kv[layer][1], v], dim=2)
         self.kv[layer] = (k, v)
-        return k, v
-
-    def positions(self, T):
-        return torch.arange(self.pos, self.pos + T)
-
-    def mask(self, T):
-        return None  # every row starts at slot 0: plain causal attention
-
-    def advance(self, n):
-        self.pos += n
+        return self.attention(q, k, v, 0.0)
 
 
 def test_sdpa_equals_reference_under_an_explicit_mask():
@@ -132,13 +128,11 @@ def test_cache_protocol_matches_full_forward(layout, attention):
     model = GPT.build(tiny(**LAYOUTS[layout]), seed=0).eval().set_attention(attention)
     idx = tokens(T=12)
     full = model(idx)
-    cache = ListCache()
+    cache = ListCache(ATTENTION[attention])
     steps = [model(idx[:, :7], cache)] + [model(idx[:, t : t + 1], cache) for t in range(7, 10)]
     steps.append(model(idx[:, 10:], cache))  # a 2-token chunk after the cache: mask is bottom-right
     assert cache.pos == 12
     assert (torch.cat(steps, dim=1) - full).abs().max() <= 1e-5
-    with pytest.raises(ConfigError, match="max_seq_len=16"):
-        model(idx[:, :5], cache)  # 12 held + 5 new > 16
 
 
 def test_meta_init_stds_and_buffers():

@@ -8,19 +8,28 @@
 
 The model is touched only through ``model(idx, cache=cache)`` (eval mode, inference
 mode): the first call per stream prefills the whole prompt, every later call feeds the
-one token just sampled. ``KVCache`` here implements the ``KVCache`` protocol of
-ember/model/gpt.py. Written by hand because the cache is what ember studies (DESIGN).
+one token just sampled. Written by hand because the cache is what ember studies (DESIGN).
+
+The cache contract (the ``KVCache`` protocol of ember/model/gpt.py): per forward of T
+tokens the model calls ``cache.extend(T)`` once for their position ids, then each layer
+calls ``cache.attend(layer, q, k, v)`` and gets its attention output back. So the cache
+holds the per-row lengths and padding, sizes its buffers from the k and v it receives
+(never from ``wk.weight``: a DTensor's global shape, absent on a wrapped linear), and
+chooses the attention kernel. ``KVCache`` here is the eager one (SDPA over the slots
+held); ``StaticKVCache`` keeps its position in a tensor and attends over every slot under
+a mask, so ``Engine(..., compile=True)`` runs the one-token decode step as one
+``torch.compile(fullgraph=True)`` graph (benchmarks/decode.py times both).
 
 Design choices:
 
 - **Ragged batches are left-padded, and the cache hides the pads.** Prompts of different
   lengths share one cache and one forward per step: row b is padded on the left with
   ``pad[b]`` slots. The cache gives the model each row's positions (slot - pad[b], so a
-  row's first real token is at position 0, as it would be alone) and a mask that lets a
-  query read only the row's real keys up to itself (a pad query reads only itself, so no
-  softmax row is empty). A row's logits therefore equal those of a forward over that row
-  alone (tested to 1e-5, as HF ``generate`` does with left padding and an attention
-  mask). A batch whose prompts all have one length has no pads, no mask and takes the
+  row's first real token is at position 0, as it would be alone) and attends under a
+  mask that lets a query read only the row's real keys up to itself (a pad query reads
+  only itself, so no softmax row is empty). A row's logits therefore equal those of a
+  forward over that row alone (tested to 1e-5, as HF ``generate`` does with left padding
+  and an attention mask). A batch whose prompts all have one length has no pads, no mask and takes the
   plain causal path. Cost: the prefill runs the longest prompt's length for every row.
 - **A finished row keeps its slot.** Its group decodes until every row is done and
   ignores that row's tokens (as nanochat does); compacting the cache would copy it on
@@ -55,7 +64,7 @@ from torch import Tensor, nn
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
-from ember.model.gpt import Attention
+from ember.model.gpt import sdpa_attention
 from ember.train.checkpoint import load_run
 
 # ---------------------------------------------------------------------------
@@ -63,71 +72,82 @@ from ember.train.checkpoint import load_run
 # ---------------------------------------------------------------------------
 
 
+def visible(slots: Tensor, pad: Tensor, n_keys: int) -> Tensor:
+    """(B, 1, T, n_keys) bool, True where the query in slot ``slots[t]`` may read a key slot:
+    the row's real keys (not among its ``pad[b]`` leading pads) up to itself. A pad query
+    reads only itself, so no softmax row is empty; slots not yet written lie after every query."""
+    key = torch.arange(n_keys, device=slots.device)  # (S,)
+    query = slots[:, None]  # (T, 1)
+    real = key >= pad[:, None, None]  # (B, 1, S)
+    return ((key <= query) & real | (key == query))[:, None]
+
+
 class KVCache:
-    """Keys and values of every attention layer for ``batch_size`` rows, up to ``max_len``
-    slots each; the ``KVCache`` protocol of ember/model/gpt.py.
+    """Keys and values of every attention layer, up to ``max_len`` slots per row; the
+    ``KVCache`` protocol of ember/model/gpt.py, attending with SDPA over the slots held.
 
     ``pad`` (one count per row) says how many slots at the start of each row are left
     padding: they get position 0 and are masked from every real query. Without pads the
-    positions are the slots and the mask is None (plain causal attention).
+    positions are the slots and attention is plainly causal (no mask is built).
 
-    Head counts and head size are read from each layer's ``wk`` weight (so a tensor-parallel
-    shard gets its own share). The buffers are allocated on a layer's first ``update``, in
-    the dtype and on the device of the keys it hands over (so autocast and quantized models
-    need no special case), and never grow.
+    Nothing is read from the model: a layer's buffers are allocated on its first
+    ``attend``, shaped (B, n_kv_head, max_len, head_dim) after the keys it receives and in
+    their dtype and device (a tensor-parallel shard, a wrapped or quantized ``wk``, autocast
+    all need no special case), and never grow. ``device`` is where positions are made.
     """
 
-    def __init__(
-        self, model: nn.Module, batch_size: int, max_len: int, pad: Sequence[int] | None = None
-    ) -> None:
-        self.batch_size, self.max_len = batch_size, max_len
-        self.device = next(model.parameters()).device
-        self.shapes: dict[str, tuple[int, int, int, int]] = {}
-        for module in model.modules():
-            if isinstance(module, Attention):
-                n_kv_head = module.wk.weight.size(0) // module.head_dim
-                self.shapes[module.layer_id] = (batch_size, n_kv_head, max_len, module.head_dim)
+    def __init__(self, max_len: int, pad: Sequence[int] | None = None, device: torch.device | None = None):
+        self.max_len, self.device = max_len, device
         self.k: dict[str, Tensor] = {}  # layer -> (B, n_kv_head, max_len, head_dim)
         self.v: dict[str, Tensor] = {}
-        self._pos = 0
+        self.pos = 0  # slots held in every row
+        self.held = 0  # slots attention reads
         self.pad: Tensor | None = None  # (B,) left-pad slots per row, None when there are none
         if pad is not None and any(pad):
-            if len(pad) != batch_size or min(pad) < 0 or max(pad) >= max_len:
-                raise ValueError(f"pad {list(pad)} does not fit {batch_size} rows of {max_len} slots")
-            self.pad = torch.tensor(list(pad), device=self.device)
+            if min(pad) < 0 or max(pad) >= max_len:
+                raise ValueError(f"pad {list(pad)} does not fit rows of {max_len} slots")
+            self.pad = torch.tensor(list(pad), device=device)
 
-    @property
-    def pos(self) -> int:
-        return self._pos
-
-    def positions(self, T: int) -> Tensor:
-        slots = torch.arange(self._pos, self._pos + T, device=self.device)  # (T,)
+    def extend(self, T: int) -> Tensor:
+        if self.pos + T > self.max_len:  # the engine sizes the cache; reaching here is a bug
+            raise IndexError(f"KV cache of {self.max_len} slots cannot take {self.pos} + {T}")
+        self.slots = torch.arange(self.pos, self.pos + T, device=self.device)  # (T,)
+        self.pos = self.held = self.pos + T
         if self.pad is None:
-            return slots
-        return (slots[None, :] - self.pad[:, None]).clamp_(min=0)  # (B, T); pads sit at 0
+            self.mask = None  # sdpa_attention's causal mask
+            return self.slots
+        self.mask = visible(self.slots, self.pad, self.held)  # (B, 1, T, held)
+        return (self.slots - self.pad[:, None]).clamp(min=0)  # (B, T); pads sit at 0
 
-    def mask(self, T: int) -> Tensor | None:
-        if self.pad is None:
-            return None
-        query = torch.arange(self._pos, self._pos + T, device=self.device)[:, None]  # (T, 1)
-        key = torch.arange(self._pos + T, device=self.device)[None, :]  # (1, S)
-        real = key[None] >= self.pad[:, None, None]  # (B, 1, S): not a pad slot
-        # a query reads the real keys up to itself; a pad query reads only itself (no empty softmax row)
-        return ((key <= query)[None] & real | (key == query)[None])[:, None]  # (B, 1, T, S)
-
-    def update(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if layer not in self.k:
-            self.k[layer] = k.new_zeros(self.shapes[layer])
-            self.v[layer] = v.new_zeros(self.shapes[layer])
-        start, end = self._pos, self._pos + k.size(2)
-        if end > self.max_len:  # the engine sizes the cache; reaching here is a bug
-            raise IndexError(f"KV cache of {self.max_len} positions cannot take positions {start}..{end - 1}")
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]  # (B, n_kv_head, end, head_dim)
+            self.k[layer] = k.new_zeros(k.size(0), k.size(1), self.max_len, k.size(3))
+            self.v[layer] = v.new_zeros(v.size(0), v.size(1), self.max_len, v.size(3))
+        keys = self.k[layer].index_copy_(2, self.slots, k)[:, :, : self.held]  # (B, n_kv_head, held, hd)
+        values = self.v[layer].index_copy_(2, self.slots, v)[:, :, : self.held]
+        return sdpa_attention(q, keys, values, 0.0, self.mask)  # (B, n_head, T, hd)
 
-    def advance(self, n: int) -> None:
-        self._pos += n
+
+class StaticKVCache(KVCache):
+    """A ``KVCache`` whose step has no Python-side state: the position is a tensor and
+    attention reads all ``max_len`` slots under a mask (slots not yet written are hidden),
+    so every decode step has the same shapes and ``torch.compile(model, fullgraph=True)``
+    traces it once (gpt-fast's static cache). The buffers are allocated by the first,
+    eager forward (the prefill). Nothing checks for overflow: size it for the whole call.
+    Cost: each step attends over ``max_len`` keys, however few are held."""
+
+    def __init__(self, max_len: int, pad: Sequence[int] | None = None, device: torch.device | None = None):
+        super().__init__(max_len, pad, device)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # type: ignore[assignment]
+        self.held = max_len
+        if self.pad is None:
+            self.pad = torch.zeros(1, dtype=torch.long, device=device)  # one row of 0 pads broadcasts
+
+    def extend(self, T: int) -> Tensor:
+        self.slots = self.pos + torch.arange(T, device=self.device)  # (T,)
+        self.pos += T
+        self.mask = visible(self.slots, self.pad, self.held)  # (B or 1, 1, T, max_len)
+        return (self.slots - self.pad[:, None]).clamp(min=0)  # (B or 1, T)
 
 
 # ---------------------------------------------------------------------------
@@ -209,7 +229,7 @@ class _Stream:
         width = max(len(r.prompt) for r in rows)
         pad = [width - len(r.prompt) for r in rows]
         # The last sampled token is never fed back, hence the - 1.
-        self.cache = KVCache(engine.model, len(rows), width + max_new_tokens - 1, pad)
+        self.cache = engine.cache_type(width + max_new_tokens - 1, pad, engine.device)
         pad_id = getattr(engine.tokenizer, "pad_id", 0)  # any id would do: the mask hides pad slots
         self.next_input = torch.tensor(
             [[pad_id] * n + r.prompt for n, r in zip(pad, rows, strict=True)], device=engine.device
@@ -227,7 +247,8 @@ class _Stream:
         if was_training:
             model.eval()
         try:
-            logits = model(self.next_input, cache=self.cache)[:, -1]  # (B, V)
+            forward = self.engine.decode if self.cache.k else model  # the prefill (no buffers yet) is eager
+            logits = forward(self.next_input, cache=self.cache)[:, -1]  # (B, V)
         finally:
             if was_training:
                 model.train()
@@ -264,15 +285,24 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
 
 class Engine:
     """Generate text from a ``GPT`` (or anything called as ``model(idx, cache=...)`` with a
-    ``cfg.max_seq_len``) and its tokenizer. ``device`` None keeps the model where it is."""
+    ``cfg.max_seq_len``) and its tokenizer. ``device`` None keeps the model where it is.
+    ``compile`` decodes with a ``StaticKVCache`` and ``torch.compile(model, fullgraph=True)``."""
 
-    def __init__(self, model: nn.Module, tokenizer: Tokenizer, device: str | torch.device | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Tokenizer,
+        device: str | torch.device | None = None,
+        compile: bool = False,
+    ):
         if device is not None:
             model = model.to(device)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         vocab_size = model.cfg.vocab_size
         self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
+        self.cache_type = StaticKVCache if compile else KVCache
+        self.decode = torch.compile(model, fullgraph=True) if compile else model
 
     @classmethod
     def from_run(cls, run_dir: str | Path, device: str | torch.device = "cpu", ckpt: str = "last") -> Engine:

@@ -28,10 +28,13 @@ Design choices:
 - Attention is ``F.scaled_dot_product_attention`` (GQA by ``enable_gqa``);
   ``reference_attention`` spells out softmax(QK^T/sqrt(d) + mask) V for tests.
   ``model.set_attention("reference")`` swaps the function each Attention calls.
-- The optional inference cache (the ``KVCache`` protocol below) decides where the new
-  tokens sit: it hands the forward their position ids and, for a left-padded ragged
-  batch, a (B, 1, T, S) mask; without a cache the positions are 0 .. T-1 and attention
-  is plainly causal. The model knows nothing of padding.
+- The optional inference cache (the ``KVCache`` protocol below) owns everything about
+  the tokens held: it hands the forward the new tokens' position ids, takes each layer's
+  q, k, v and hands back the attention output, so it sizes its storage from the keys it
+  receives (a tensor-parallel shard's heads, a wrapped ``wk``) and picks the kernel (SDPA
+  over a contiguous buffer, a gather over block tables, a paged kernel). Without a cache
+  the positions are 0 .. T-1 and attention is plainly causal. The model knows nothing of
+  padding or of per-row lengths.
 - GELU is the tanh approximation (``gelu_new`` in GPT-2 and HF), so GPT-2
   checkpoints match exactly.
 - Tied embeddings share one Parameter. ``to_empty()`` gives each module a fresh
@@ -55,36 +58,20 @@ Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
 
 class KVCache(Protocol):
-    """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds one).
+    """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds them).
 
-    One forward call: the model asks for ``positions(T)`` and ``mask(T)``, every layer
-    calls ``update`` once, then the model calls ``advance(T)``. A cache whose rows are
-    left-padded to a common length (a ragged batch) gives each row its own positions and
-    hides the pad slots through the mask; a cache without padding returns ``None`` masks
-    and the plain causal attention applies.
+    A forward of T new tokens calls ``extend(T)`` once, then every layer calls ``attend``
+    once. Per-row lengths and left padding live in the cache: its positions and its
+    attention say where each row's tokens sit, and the model never sees a mask.
     """
 
-    @property
-    def pos(self) -> int:
-        """Slots already held; the T new tokens fill slots pos .. pos + T - 1."""
+    def extend(self, T: int) -> Tensor:
+        """Take T more tokens in every row; their position ids, (T,) or (B, T)."""
         ...
 
-    def positions(self, T: int) -> Tensor:
-        """Position ids of the next T slots: (T,) when every row starts at slot 0, else (B, T)."""
-        ...
-
-    def mask(self, T: int) -> Tensor | None:
-        """(B, 1, T, pos + T) bool, True where a query slot may read a key slot; None for
-        the plain causal mask."""
-        ...
-
-    def update(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k, v (B, n_kv_head, T, head_dim) of ``layer``; return all held
-        keys and values, (B, n_kv_head, pos + T, head_dim)."""
-        ...
-
-    def advance(self, n: int) -> None:
-        """Every layer has written its n new positions."""
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Hold k, v (B, n_kv_head, T, head_dim) of ``layer``'s new tokens; return the causal
+        attention of q (B, n_head, T, head_dim) over the row's held keys, (B, n_head, T, head_dim)."""
         ...
 
 
@@ -257,17 +244,16 @@ class Attention(nn.Module):
             init_module(module, std, generator)
         init_module(self.wo, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
-    def forward(
-        self, x: Tensor, rope: Rope | None, cache: KVCache | None = None, mask: Tensor | None = None
-    ) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_head, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
         q, k = self.rotate(self.q_norm(q), self.k_norm(k), rope)
-        if cache is not None:
-            k, v = cache.update(self.layer_id, k, v)  # (B, n_kv_head, S, hd), S = cache.pos + T
-        y = self.attend(q, k, v, self.attn_dropout if self.training else 0.0, mask)  # (B, n_head, T, hd)
+        if cache is None:
+            y = self.attend(q, k, v, self.attn_dropout if self.training else 0.0)  # (B, n_head, T, hd)
+        else:
+            y = cache.attend(self.layer_id, q, k, v)  # (B, n_head, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, n_head * hd)
         return self.resid_dropout(self.wo(y))
 
@@ -349,10 +335,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = {"swiglu": SwiGLU, "relu2": ReluSquaredMLP, "gelu": GeluMLP}[cfg.mlp](cfg)
 
-    def forward(
-        self, x: Tensor, rope: Rope | None, cache: KVCache | None = None, mask: Tensor | None = None
-    ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache, mask)
+    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -389,23 +373,19 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
-        continues the sequences it holds, at the positions and under the mask it gives."""
+        continues the sequences it holds, at the positions it gives (a cache is sized to at
+        most max_seq_len tokens by whoever builds it: the engine checks prompts)."""
         T = idx.size(1)
-        if cache is None:
-            start, positions, mask = 0, torch.arange(T, device=idx.device), None  # (T,), causal
-        else:  # positions (T,) or (B, T); mask (B, 1, T, S) or None
-            start, positions, mask = cache.pos, cache.positions(T), cache.mask(T)
-        if start + T > self.cfg.max_seq_len:
+        if T > self.cfg.max_seq_len:
             raise ConfigError(
-                f"a sequence of {start + T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
+                f"a sequence of {T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
                 "shorten the input or use a model with a larger max_seq_len"
             )
+        positions = torch.arange(T, device=idx.device) if cache is None else cache.extend(T)  # (T,) or (B, T)
         x, rope = self.pos(self.tok_embeddings(idx), positions)  # (B, T, C)
         x = self.dropout(x)
         for layer in self.layers.values():
-            x = layer(x, rope, cache, mask)
-        if cache is not None:
-            cache.advance(T)
+            x = layer(x, rope, cache)
         return self.softcap(self.output(self.norm(x)).float())  # (B, T, vocab_size)
 
     # -- building ---------------------------------------------------------
