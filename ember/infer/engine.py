@@ -138,7 +138,7 @@ class StaticKVCache(KVCache):
 
     def __init__(self, max_len: int, pad: Sequence[int] | None = None, device: torch.device | None = None):
         super().__init__(max_len, pad, device)
-        self.pos = torch.zeros((), dtype=torch.long, device=device)  # type: ignore[assignment]
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # a tensor: no Python int to guard on
         self.held = max_len
         if self.pad is None:
             self.pad = torch.zeros(1, dtype=torch.long, device=device)  # one row of 0 pads broadcasts
@@ -286,7 +286,8 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
 class Engine:
     """Generate text from a ``GPT`` (or anything called as ``model(idx, cache=...)`` with a
     ``cfg.max_seq_len``) and its tokenizer. ``device`` None keeps the model where it is.
-    ``compile`` decodes with a ``StaticKVCache`` and ``torch.compile(model, fullgraph=True)``."""
+    ``compile`` runs the one-token decode step under ``torch.compile(model, fullgraph=True)``
+    with a ``StaticKVCache`` (the prefill stays eager; the first call compiles, seconds)."""
 
     def __init__(
         self,
