@@ -268,6 +268,24 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from ember.export.hf import TARGETS, export_hf
+
+    if args.to not in TARGETS:  # checked here, not by argparse, for a one-line error and exit 2
+        raise EmberError(f"--to {args.to!r}: unknown export target; choose one of {', '.join(TARGETS)}")
+    out = export_hf(args.run, args.dir, ckpt=args.ckpt, force=args.force)
+    print(f"written {out} (load it with transformers' AutoModelForCausalLM and AutoTokenizer)")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from ember.export.hf import import_hf
+
+    out = import_hf(args.dir, args.out, force=args.force)
+    print(f"written {out} (try `ember generate {out} --prompt TEXT`)")
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from ember.quickstart import quickstart
 
@@ -475,6 +493,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default=None, help="the sweep directory (default runs/sweep-<config name>)")
     p.set_defaults(func=cmd_sweep)
+
+    p = verbs.add_parser(
+        "export",
+        help="write a run's model and tokenizer for another library (--to hf: HF transformers)",
+        description="Write RUN's final weights (or --ckpt) and tokenizer into DIR for another library. "
+        "--to hf writes what save_pretrained writes: config.json (GPT2LMHeadModel for learned "
+        "positions, LlamaForCausalLM for RoPE), model.safetensors, generation_config.json and a fast "
+        "tokenizer (tokenizer.json, tokenizer_config.json), so AutoModelForCausalLM.from_pretrained(DIR) "
+        "and AutoTokenizer.from_pretrained(DIR) load it without ember, with the same logits. A layout HF "
+        "cannot represent (qk_norm, logit_softcap, ...) is refused, naming the option. DIR appears "
+        "only when complete. Needs transformers.",
+        epilog="example: ember export runs/tiny --to hf out/tiny-hf",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory written by `ember train` or `ember import`")
+    p.add_argument("--to", required=True, metavar="FORMAT", help="the target format: hf")
+    p.add_argument("dir", metavar="DIR", help="the folder to write (must not exist or be empty)")
+    p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
+    p.set_defaults(func=cmd_export)
+
+    p = verbs.add_parser(
+        "import",
+        help="make a run directory from another library's checkpoint (hf: a GPT-2 or Llama folder)",
+        description="Read DIR, a folder written by transformers' save_pretrained holding a GPT-2 or "
+        "Llama-family causal LM and its fast tokenizer.json (ember's special tokens at ids 0..15, as "
+        "`ember export --to hf` writes), and write a run directory OUT: model/ (model.safetensors, "
+        "model_config.json, tokenizer.json), tokenizer.json and config.yaml, which `ember eval OUT "
+        "--data ...` and `ember generate OUT` read. A config ember cannot represent is refused, naming "
+        "the field. OUT appears only when complete. Needs transformers.",
+        epilog="example: ember import hf out/tiny-hf --out runs/tiny-back",
+    )
+    p.add_argument("source", choices=["hf"], metavar="FORMAT", help="the source format: hf")
+    p.add_argument("dir", metavar="DIR", help="the folder to read (config.json, weights, tokenizer.json)")
+    p.add_argument("--out", required=True, metavar="RUN", help="the run directory to write")
+    p.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
+    p.set_defaults(func=cmd_import)
 
     cfg = verbs.add_parser(
         "config",

@@ -1,0 +1,1 @@
+"""Export and import: a run directory to and from other formats (hf.py: HF transformers)."""
