@@ -124,7 +124,7 @@ def _hf_checkpoint(config, tokenizer_from: str, out):
     "make",
     [
         lambda: transformers.GPT2Config(vocab_size=520, n_positions=48, n_embd=32, n_layer=2, n_head=4,
-                                        initializer_range=0.2),
+                                        initializer_range=0.2, bos_token_id=0, eos_token_id=1),
         lambda: transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=80,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=48, initializer_range=0.2,
@@ -192,3 +192,22 @@ def test_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys):
     assert "tokenizer.json" in _fails(capsys, ["import", "hf", str(target), "--out", str(back)])
     assert not back.parent.exists() or not any(back.parent.iterdir())
     assert sorted(p.name for p in target.parent.iterdir()) == ["hf"]  # no staging folder left
+
+
+def test_a_foreign_tokenizer_is_named(run, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    export_hf(run, tmp_path / "hf")
+    foreign = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))  # no ember specials
+    foreign.save(str(tmp_path / "hf" / "tokenizer.json"))
+    with pytest.raises(EmberError, match=r"tokenizer\.json: .*not at id 0"):
+        import_hf(tmp_path / "hf", tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+
+
+def test_transformers_missing_is_an_ember_error(run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(EmberError, match="pip install transformers"):
+        export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -116,7 +116,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             "save the tokenizer there too (tokenizer.save_pretrained)"
         )
     _check_target(out, force)
-    tokenizer = Tokenizer.load(hf_dir / TOKENIZER)  # DataError if not an ember tokenizer
+    try:
+        tokenizer = Tokenizer.load(hf_dir / TOKENIZER)
+    except EmberError as e:  # e.g. GPT-2's own tokenizer: its specials are not ember's
+        raise EmberError(
+            f"{hf_dir / TOKENIZER}: {e}; ember imports tokenizers with its special tokens at ids "
+            "0..15, as `ember export --to hf` writes them"
+        ) from None
     model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     if model_type not in ("gpt2", "llama"):
         raise EmberError(
