@@ -194,6 +194,23 @@ def test_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys):
     assert sorted(p.name for p in target.parent.iterdir()) == ["hf"]  # no staging folder left
 
 
+def test_unreadable_hf_folders_are_named(run, tmp_path, capsys):
+    hf_dir, back = tmp_path / "hf", tmp_path / "back"
+    export_hf(run, hf_dir)
+    (hf_dir / "model.safetensors").write_bytes(b"not safetensors")
+    assert "cannot load the model" in _fails(capsys, ["import", "hf", str(hf_dir), "--out", str(back)])
+    (hf_dir / "config.json").write_text("{not json")
+    assert "config.json cannot be read" in _fails(capsys, ["import", "hf", str(hf_dir), "--out", str(back)])
+    assert not back.exists()
+
+
+def test_a_layout_hf_cannot_hold_is_named(tiny_cfg, tmp_path, capsys):
+    train(tiny_cfg("train.max_steps=1", "model.qk_norm=true"))
+    run, out = tmp_path / "runs" / "tiny", tmp_path / "hf"
+    assert "qk_norm" in _fails(capsys, ["export", str(run), "--to", "hf", str(out)])
+    assert not out.exists()
+
+
 def test_a_foreign_tokenizer_is_named(run, tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models

@@ -123,12 +123,21 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             f"{hf_dir / TOKENIZER}: {e}; ember imports tokenizers with its special tokens at ids "
             "0..15, as `ember export --to hf` writes them"
         ) from None
-    model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    try:
+        model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:  # ValueError: bad JSON or UTF-8
+        raise EmberError(f"{hf_dir / 'config.json'} cannot be read ({e})") from None
     if model_type not in ("gpt2", "llama"):
         raise EmberError(
             f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; ember reads gpt2, llama"
         )
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    from safetensors import SafetensorError
+
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    except (OSError, ValueError, SafetensorError) as e:  # no or damaged weights; transformers says which
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise EmberError(f"cannot load the model in {hf_dir} ({message[:300]})") from None
     model = from_hf(hf)  # ConfigError naming the field ember cannot represent
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise EmberError(
