@@ -111,6 +111,7 @@ def test_round_trip_is_bit_exact_and_the_import_is_a_run(run, tmp_path, capsys):
     text = tmp_path / "t.py"
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     assert main(["eval", str(back), "--data", str(text)]) == 0
+    assert "manifest.json" in _fails(capsys, ["eval", str(back)])  # no prepared data to split
 
 
 def _hf_checkpoint(config, tokenizer_from: str, out):

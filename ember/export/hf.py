@@ -79,8 +79,9 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
     _check_target(out, force)
     model, tokenizer = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
     hf = to_hf(model).eval()
-    special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    special["pad_token_id"] = tokenizer.pad_id
+    special = dict(
+        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id
+    )
     for key, value in special.items():
         setattr(hf.config, key, value)
     hf.generation_config = transformers.GenerationConfig(**special)
@@ -148,7 +149,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     cfg = replace(
         cfg,
         run=replace(cfg.run, name=out.name, out_dir=str(out.parent)),
-        data=replace(cfg.data, tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size),
+        # no prepared data: `ember eval --split` then says so instead of reading another corpus
+        data=replace(
+            cfg.data, dir=str(out / "data"), tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size
+        ),
         model=model.cfg,
         train=replace(cfg.train, seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len)),
     )
