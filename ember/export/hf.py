@@ -50,6 +50,7 @@ def _transformers():
         raise EmberError(
             "HF export and import need transformers: pip install transformers (or ember[dev])"
         ) from None
+    transformers.utils.logging.disable_progress_bar()  # ember prints what was written itself
     return transformers
 
 
