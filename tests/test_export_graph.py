@@ -11,7 +11,7 @@ from ember.export.graph import load_graph
 from ember.train.checkpoint import load_run
 from ember.train.trainer import train
 
-TOL = {"pt2": 1e-5, "aoti": 1e-5, "onnx": 1e-4}
+TOL = {"pt2": 1e-5, "aoti": 1e-5, "onnx": 1e-4, "onnx-decode": 1e-4}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def run(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("target", list(TOL))
 def test_graph_matches_eager_at_three_shapes(target, run, tmp_path, capsys):
-    if target == "onnx":
+    if target.startswith("onnx"):
         pytest.importorskip("onnxruntime")
         pytest.importorskip("onnxscript")
     out = tmp_path / f"tiny.{target}"
@@ -56,3 +56,21 @@ def test_existing_file_is_refused_without_force(run, tmp_path, capsys):
     assert main(["export", str(run), "--to", "pt2", str(tmp_path)]) == 2  # a directory is not a file
     assert main(["export", str(tmp_path / "no-run"), "--to", "pt2", str(tmp_path / "x.pt2")]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.pt2"]
+
+
+def test_onnx_decode_graph_greedy_matches_ember(run, tmp_path):
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    from ember.export.graph import ort_greedy
+    from ember.infer.engine import Engine
+    from ember.infer.sampling import Sampling
+
+    out = tmp_path / "tiny.decode.onnx"
+    assert main(["export", str(run), "--to", "onnx-decode", str(out)]) == 0
+    model, tokenizer = load_run(run)
+    model.eval()
+    engine = Engine(model, tokenizer)
+    for prompt in ["def ", "class Foo", "import os\n"]:
+        want = engine.generate([prompt], Sampling(max_new_tokens=16, temperature=0))[0].text
+        new = ort_greedy(out, tokenizer.encode(prompt), 16, tokenizer.eos_id)
+        assert len(new) > 1 and tokenizer.decode(new) == want, prompt  # steps through the past inputs

@@ -15,6 +15,9 @@ so decoding re-runs the whole sequence. The tokenizer is not in the file: it sta
   ``torch._inductor.aoti_load_package(f)``. Needs a C++ compiler at export time.
 - ``onnx``: ``torch.onnx.export(..., dynamo=True, dynamic_shapes=...)`` (the torch.export
   based exporter); run with onnxruntime. Needs the ``export`` extra.
+- ``onnx-decode``: ONNX with a KV cache, ``(idx, past_k_0, past_v_0, ...) -> (logits,
+  present_k_0, present_v_0, ...)``; past (B, n_kv_head, P, head_dim), P >= 0 dynamic (0 for
+  the prompt), present = past + the T new tokens. ``ort_greedy`` decodes through it.
 
 After writing, the file is loaded back and called once on the example input; ``check``
 returns the load and first-call times and the max |logit diff| against eager, which the
@@ -30,12 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ember.errors import EmberError
 from ember.train.checkpoint import load_run
 
-TARGETS = ("pt2", "aoti", "onnx")
+TARGETS = ("pt2", "aoti", "onnx", "onnx-decode")
 EXAMPLE = (2, 8)  # (B, T) of the tracing input; neither 1 (export would specialize a size-1 dim)
 
 
@@ -46,6 +51,66 @@ class Check:
     load_s: float
     first_call_s: float
     max_abs_diff: float  # max |logits - eager logits| on the example input
+
+
+class PastCache:
+    """The ``KVCache`` protocol of ember/model/gpt.py over past tensors given as inputs:
+    positions continue after them, each layer attends over past + new keys and keeps them as
+    its present. Every shape stays symbolic (always a bottom-right causal mask, no size
+    branch), so one graph serves the prompt (P = 0) and every later step."""
+
+    def __init__(self, past: list[torch.Tensor]) -> None:
+        self.past, self.present = past, []
+
+    def extend(self, T: int) -> torch.Tensor:
+        P = self.past[0].size(2)
+        return torch.arange(P, P + T, device=self.past[0].device)  # (T,)
+
+    def attend(self, layer: str, q, k, v) -> torch.Tensor:
+        i = len(self.present) // 2
+        k = torch.cat([self.past[2 * i], k], dim=2)  # (B, n_kv_head, P + T, hd)
+        v = torch.cat([self.past[2 * i + 1], v], dim=2)
+        self.present += [k, v]
+        T, S = q.size(2), k.size(2)
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        gqa = q.size(1) != k.size(1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Decoder(torch.nn.Module):
+    """``model`` with past keys and values as inputs and outputs (2 * n_layer tensors)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cache = PastCache(list(past))
+        logits = self.model(idx, cache)
+        return (logits, *cache.present)
+
+
+def _empty_past(model: torch.nn.Module, B: int, P: int) -> list[torch.Tensor]:
+    cfg = model.cfg
+    shape = (B, cfg.n_kv_head or cfg.n_head, P, cfg.d_model // cfg.n_head)
+    return [torch.zeros(shape) for _ in range(2 * cfg.n_layer)]
+
+
+def ort_greedy(path: str | Path, prompt: list[int], max_new_tokens: int, eos_id: int) -> list[int]:
+    """Greedy decoding through an ``onnx-decode`` file with onnxruntime: the new token ids."""
+    session = _onnxruntime().InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    n_kv_head, head_dim = session.get_inputs()[1].shape[1], session.get_inputs()[1].shape[3]
+    past = [np.zeros((1, n_kv_head, 0, head_dim), np.float32) for _ in names[1:]]
+    idx, new = np.array([prompt], np.int64), []
+    for _ in range(max_new_tokens):
+        logits, *past = session.run(None, dict(zip(names, [idx, *past], strict=True)))
+        token = int(logits[0, -1].argmax())
+        if token == eos_id:
+            break
+        new.append(token)
+        idx = np.array([[token]], np.int64)
+    return new
 
 
 def _dynamic_shapes(max_seq_len: int) -> dict:
@@ -69,10 +134,12 @@ def load_graph(target: str, path: str | Path):
     if target == "aoti":
         return torch._inductor.aoti_load_package(path)
     session = _onnxruntime().InferenceSession(path, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
+    inputs = session.get_inputs()  # onnx-decode: idx and the past, given empty (P = 0) here
 
     def run(idx: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(session.run(None, {name: idx.numpy()})[0])
+        past = [np.zeros((idx.size(0), i.shape[1], 0, i.shape[3]), np.float32) for i in inputs[1:]]
+        feed = dict(zip([i.name for i in inputs], [idx.numpy(), *past], strict=True))
+        return torch.from_numpy(session.run(None, feed)[0])
 
     return run
 
@@ -91,6 +158,22 @@ def _onnxruntime():
 
 
 def _write(model: torch.nn.Module, target: str, tmp: Path) -> None:
+    if target == "onnx-decode":
+        B, T = EXAMPLE
+        past_len = torch.export.Dim("past", min=0, max=model.cfg.max_seq_len - 1)
+        dims = _dynamic_shapes(model.cfg.max_seq_len)["idx"]
+        kv = {0: dims[0], 2: past_len}
+        n = 2 * model.cfg.n_layer
+        names = [f"{kind}_{i}" for i in range(model.cfg.n_layer) for kind in ("k", "v")]
+        with torch.no_grad():
+            torch.onnx.export(
+                Decoder(model).eval(), (torch.zeros(EXAMPLE, dtype=torch.long), *_empty_past(model, B, 3)),
+                str(tmp), dynamo=True, external_data=False,
+                input_names=["idx", *(f"past_{n}" for n in names)],
+                output_names=["logits", *(f"present_{n}" for n in names)],
+                dynamic_shapes=(dims, tuple([kv] * n)),  # *past is one tuple argument
+            )  # fmt: skip
+        return
     if target == "onnx":
         _onnxruntime()
         idx = torch.zeros(EXAMPLE, dtype=torch.long)
@@ -132,12 +215,12 @@ def export_graph(
         raise EmberError(f"{out} is a directory; --to {target} writes one file, give a file path")
     if out.exists() and not force:
         raise EmberError(f"{out} exists; choose another path or pass --force to replace it")
-    if target == "onnx":
+    if target.startswith("onnx"):
         _onnxruntime()  # before loading the run: a missing package is the first thing to hear
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
     model = model.float().eval()
     out.parent.mkdir(parents=True, exist_ok=True)
-    suffix = ".onnx" if target == "onnx" else ".pt2"  # aoti_compile_and_package wants .pt2
+    suffix = ".onnx" if target.startswith("onnx") else ".pt2"  # aoti_compile_and_package wants .pt2
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}{suffix}"
     try:
         _write(model, target, tmp)
