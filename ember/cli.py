@@ -275,7 +275,7 @@ def cmd_export(args) -> int:
 
     if args.to in GRAPHS:
         c = export_graph(args.run, args.to, args.dir, ckpt=args.ckpt, force=args.force)
-        print(f"written {args.dir}: load {c.load_s:.2f} s, first call {c.first_call_s:.2f} s, "
+        print(f"written {args.dir}: load {c.load_s * 1e3:.1f} ms, first call {c.first_call_s * 1e3:.1f} ms, "
               f"max |logit diff| vs eager {c.max_abs_diff:.1e}")  # fmt: skip
         return 0
     if args.to not in TARGETS:  # checked here, not by argparse, for a one-line error and exit 2
@@ -514,13 +514,16 @@ def build_parser() -> argparse.ArgumentParser:
         "cannot represent (qk_norm, logit_softcap, ...) is refused, naming the option. DIR appears "
         "only when complete. Needs transformers. --to pt2 (torch.export program), aoti (AOTInductor "
         "package) and onnx (ONNX, needs onnx, onnxscript, onnxruntime) write one FILE holding "
-        "forward(idx) -> logits with dynamic batch and sequence length; it is loaded back and "
+        "forward(idx) -> logits with dynamic batch and sequence length (onnx-decode: ONNX with past "
+        "keys/values as inputs and outputs, for decoding with onnxruntime); it is loaded back and "
         "checked against eager, and the load and first-call times are printed.",
         epilog="examples: ember export runs/tiny --to hf out/tiny-hf; "
         "ember export runs/tiny --to onnx out/tiny.onnx",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train` or `ember import`")
-    p.add_argument("--to", required=True, metavar="FORMAT", help="the target format: hf, pt2, aoti, onnx")
+    p.add_argument(
+        "--to", required=True, metavar="FORMAT", help="the target format: hf, pt2, aoti, onnx, onnx-decode"
+    )
     p.add_argument(
         "dir", metavar="DIR", help="the folder (hf) or file (pt2, aoti, onnx) to write; must not exist"
     )

@@ -168,7 +168,7 @@ def _write(model: torch.nn.Module, target: str, tmp: Path) -> None:
         with torch.no_grad():
             torch.onnx.export(
                 Decoder(model).eval(), (torch.zeros(EXAMPLE, dtype=torch.long), *_empty_past(model, B, 3)),
-                str(tmp), dynamo=True, external_data=False,
+                str(tmp), dynamo=True, external_data=False, verbose=False,
                 input_names=["idx", *(f"past_{n}" for n in names)],
                 output_names=["logits", *(f"present_{n}" for n in names)],
                 dynamic_shapes=(dims, tuple([kv] * n)),  # *past is one tuple argument
@@ -179,7 +179,7 @@ def _write(model: torch.nn.Module, target: str, tmp: Path) -> None:
         idx = torch.zeros(EXAMPLE, dtype=torch.long)
         with torch.no_grad():
             torch.onnx.export(
-                model, (idx,), str(tmp), dynamo=True, external_data=False,
+                model, (idx,), str(tmp), dynamo=True, external_data=False, verbose=False,
                 input_names=["idx"], output_names=["logits"],
                 dynamic_shapes=_dynamic_shapes(model.cfg.max_seq_len),
             )  # fmt: skip
