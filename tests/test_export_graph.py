@@ -3,11 +3,14 @@ logits at three (batch, sequence) shapes; an existing target is refused without 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from ember.cli import main
-from ember.export.graph import load_graph
+from ember.errors import EmberError
+from ember.export.graph import export_graph, load_graph
 from ember.train.checkpoint import load_run
 from ember.train.trainer import train
 
@@ -74,3 +77,10 @@ def test_onnx_decode_graph_greedy_matches_ember(run, tmp_path):
         want = engine.generate([prompt], Sampling(max_new_tokens=16, temperature=0))[0].text
         new = ort_greedy(out, tokenizer.encode(prompt), 16, tokenizer.eos_id)
         assert len(new) > 1 and tokenizer.decode(new) == want, prompt  # steps through the past inputs
+
+
+def test_onnxruntime_missing_is_an_ember_error(run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime raises ImportError
+    with pytest.raises(EmberError, match="pip install onnx onnxscript onnxruntime"):
+        export_graph(run, "onnx", tmp_path / "tiny.onnx")
+    assert not any(tmp_path.iterdir())
