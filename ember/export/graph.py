@@ -158,30 +158,21 @@ def _onnxruntime():
 
 
 def _write(model: torch.nn.Module, target: str, tmp: Path) -> None:
-    if target == "onnx-decode":
-        B, T = EXAMPLE
-        past_len = torch.export.Dim("past", min=0, max=model.cfg.max_seq_len - 1)
-        dims = _dynamic_shapes(model.cfg.max_seq_len)["idx"]
-        kv = {0: dims[0], 2: past_len}
-        n = 2 * model.cfg.n_layer
-        names = [f"{kind}_{i}" for i in range(model.cfg.n_layer) for kind in ("k", "v")]
+    if target.startswith("onnx"):
+        idx, shapes = torch.zeros(EXAMPLE, dtype=torch.long), _dynamic_shapes(model.cfg.max_seq_len)
+        inputs, args, outputs = ["idx"], (idx,), ["logits"]
+        if target == "onnx-decode":
+            past = {0: shapes["idx"][0], 2: torch.export.Dim("past", min=0, max=model.cfg.max_seq_len - 1)}
+            layers = [f"{kind}_{i}" for i in range(model.cfg.n_layer) for kind in ("k", "v")]
+            inputs += [f"past_{name}" for name in layers]
+            outputs += [f"present_{name}" for name in layers]
+            args += tuple(_empty_past(model, EXAMPLE[0], 3))
+            shapes = (shapes["idx"], tuple(past for _ in layers))  # *past is one tuple argument
+            model = Decoder(model).eval()
         with torch.no_grad():
             torch.onnx.export(
-                Decoder(model).eval(), (torch.zeros(EXAMPLE, dtype=torch.long), *_empty_past(model, B, 3)),
-                str(tmp), dynamo=True, external_data=False, verbose=False,
-                input_names=["idx", *(f"past_{n}" for n in names)],
-                output_names=["logits", *(f"present_{n}" for n in names)],
-                dynamic_shapes=(dims, tuple([kv] * n)),  # *past is one tuple argument
-            )  # fmt: skip
-        return
-    if target == "onnx":
-        _onnxruntime()
-        idx = torch.zeros(EXAMPLE, dtype=torch.long)
-        with torch.no_grad():
-            torch.onnx.export(
-                model, (idx,), str(tmp), dynamo=True, external_data=False, verbose=False,
-                input_names=["idx"], output_names=["logits"],
-                dynamic_shapes=_dynamic_shapes(model.cfg.max_seq_len),
+                model, args, str(tmp), dynamo=True, external_data=False, verbose=False,
+                input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
             )  # fmt: skip
         return
     program = export_program(model)
