@@ -269,10 +269,19 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from ember.export.graph import TARGETS as GRAPHS
+    from ember.export.graph import export_graph
     from ember.export.hf import TARGETS, export_hf
 
+    if args.to in GRAPHS:
+        c = export_graph(args.run, args.to, args.dir, ckpt=args.ckpt, force=args.force)
+        print(f"written {args.dir}: load {c.load_s * 1e3:.1f} ms, first call {c.first_call_s * 1e3:.1f} ms, "
+              f"max |logit diff| vs eager {c.max_abs_diff:.1e}")  # fmt: skip
+        return 0
     if args.to not in TARGETS:  # checked here, not by argparse, for a one-line error and exit 2
-        raise EmberError(f"--to {args.to!r}: unknown export target; choose one of {', '.join(TARGETS)}")
+        raise EmberError(
+            f"--to {args.to!r}: unknown export target; choose one of {', '.join(TARGETS + GRAPHS)}"
+        )
     out = export_hf(args.run, args.dir, ckpt=args.ckpt, force=args.force)
     print(f"written {out} (load it with transformers' AutoModelForCausalLM and AutoTokenizer)")
     return 0
@@ -496,19 +505,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser(
         "export",
-        help="write a run's model and tokenizer for another library (--to hf: HF transformers)",
+        help="write a run's model for another library (--to hf, pt2, aoti, onnx)",
         description="Write RUN's final weights (or --ckpt) and tokenizer into DIR for another library. "
         "--to hf writes what save_pretrained writes: config.json (GPT2LMHeadModel for learned "
         "positions, LlamaForCausalLM for RoPE), model.safetensors, generation_config.json and a fast "
         "tokenizer (tokenizer.json, tokenizer_config.json), so AutoModelForCausalLM.from_pretrained(DIR) "
         "and AutoTokenizer.from_pretrained(DIR) load it without ember, with the same logits. A layout HF "
         "cannot represent (qk_norm, logit_softcap, ...) is refused, naming the option. DIR appears "
-        "only when complete. Needs transformers.",
-        epilog="example: ember export runs/tiny --to hf out/tiny-hf",
+        "only when complete. Needs transformers. --to pt2 (torch.export program), aoti (AOTInductor "
+        "package) and onnx (ONNX, needs onnx, onnxscript, onnxruntime) write one FILE holding "
+        "forward(idx) -> logits with dynamic batch and sequence length (onnx-decode: ONNX with past "
+        "keys/values as inputs and outputs, for decoding with onnxruntime); it is loaded back and "
+        "checked against eager, and the load and first-call times are printed.",
+        epilog="examples: ember export runs/tiny --to hf out/tiny-hf; "
+        "ember export runs/tiny --to onnx out/tiny.onnx",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train` or `ember import`")
-    p.add_argument("--to", required=True, metavar="FORMAT", help="the target format: hf")
-    p.add_argument("dir", metavar="DIR", help="the folder to write (must not exist or be empty)")
+    p.add_argument(
+        "--to", required=True, metavar="FORMAT", help="the target format: hf, pt2, aoti, onnx, onnx-decode"
+    )
+    p.add_argument(
+        "dir", metavar="DIR", help="the folder (hf) or file (pt2, aoti, onnx) to write; must not exist"
+    )
     p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
     p.add_argument("--force", action="store_true", help="replace DIR if it exists and is not empty")
     p.set_defaults(func=cmd_export)

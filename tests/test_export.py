@@ -180,7 +180,7 @@ def test_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys):
     bare.mkdir()
     target = tmp_path / "out" / "hf"
     assert "no final weights" in _fails(capsys, ["export", str(bare), "--to", "hf", str(target)])
-    assert "'onnx'" in _fails(capsys, ["export", str(run), "--to", "onnx", str(target)])
+    assert "'tflite'" in _fails(capsys, ["export", str(run), "--to", "tflite", str(target)])
     assert not target.exists()
     target.mkdir(parents=True)
     (target / "keep.txt").write_text("mine")
