@@ -27,9 +27,11 @@ leaves nothing half-written; an existing target is refused unless ``force``.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,7 +171,10 @@ def _write(model: torch.nn.Module, target: str, tmp: Path) -> None:
             args += tuple(_empty_past(model, EXAMPLE[0], 3))
             shapes = (shapes["idx"], tuple(past for _ in layers))  # *past is one tuple argument
             model = Decoder(model).eval()
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own deprecations, not the user's
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.onnx")  # axis names
+            logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
             torch.onnx.export(
                 model, args, str(tmp), dynamo=True, external_data=False, verbose=False,
                 input_names=inputs, output_names=outputs, dynamic_shapes=shapes,
