@@ -21,8 +21,9 @@ so decoding re-runs the whole sequence. The tokenizer is not in the file: it sta
 
 After writing, the file is loaded back and called once on the example input; ``check``
 returns the load and first-call times and the max |logit diff| against eager, which the
-CLI prints. The file is written beside the target and renamed into place, so a failure
-leaves nothing half-written; an existing target is refused unless ``force``.
+CLI prints. The file is written in a staging folder beside the target (ember/atomic.py) and
+renamed into place, so a failure leaves nothing half-written; an existing target is refused
+unless ``force``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ember.atomic import staging_dir
 from ember.errors import EmberError
 from ember.train.checkpoint import load_run
 
@@ -215,15 +217,13 @@ def export_graph(
         _onnxruntime()  # before loading the run: a missing package is the first thing to hear
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
     model = model.float().eval()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    suffix = ".onnx" if target.startswith("onnx") else ".pt2"  # aoti_compile_and_package wants .pt2
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}{suffix}"
+    stage = staging_dir(out)  # ember/atomic.py: a killed process's stage is swept by the next writer
+    tmp = stage / ("graph.onnx" if target.startswith("onnx") else "graph.pt2")  # aoti wants .pt2
     try:
         _write(model, target, tmp)
         idx = torch.randint(0, model.cfg.vocab_size, EXAMPLE, generator=torch.Generator().manual_seed(0))
         result = check(model, target, tmp, idx)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return result
