@@ -5,6 +5,9 @@ an exact permutation test.
     welch([2.1, 2.2, 2.0], [2.4, 2.5, 2.3])
     permutation_test([2.1, 2.2, 2.0], [2.4, 2.5, 2.3])
 
+DESIGN.md places the statistics in ``sweep.py``; they are a module of their own so that the
+formulas can be read and tested (against scipy) apart from the orchestration.
+
 Seeds are expensive, so a sweep has 3-10 values per setting; these are the tests that are
 honest at that size:
 

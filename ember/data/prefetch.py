@@ -3,6 +3,9 @@
     for batch in Prefetcher(batches(), depth=2):   # the thread reads while this loop computes
         ...
 
+Its own module (not in loader.py) because ``ember data prepare`` uses it too and must not
+import torch.
+
 A thread, not processes: the work it hides (memmap reads, pinned host copies, reading and
 cleaning source files) releases the GIL or waits on I/O, and a thread needs no pickling.
 """

@@ -7,6 +7,9 @@
 Each file holds ``GPT.forward(idx) -> logits``: idx (B, T) int64 token ids, logits
 (B, T, vocab_size) fp32, with B and T dynamic (1 <= T <= max_seq_len); there is no KV cache,
 so decoding re-runs the whole sequence. The tokenizer is not in the file: it stays in the run.
+DESIGN.md's layout names ``onnx.py`` and ``aoti.py``; they are one module here because all
+three targets start from the same ``torch.export`` program and share the load-back check
+and the staged write.
 
 - ``pt2``: ``torch.export.export`` then ``torch.export.save``; load with
   ``torch.export.load(f).module()``. Needs torch only.
