@@ -68,3 +68,16 @@ def publish_dir(tmp: str | os.PathLike, target: str | os.PathLike) -> None:
         os.replace(target, old)
     os.replace(tmp, target)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def build_dir(target: str | os.PathLike, fill) -> Path:
+    """Call ``fill(tmp)`` on a staging folder beside ``target``, then publish it there; a
+    failure removes the staging folder and leaves ``target`` as it was."""
+    tmp = staging_dir(target)
+    try:
+        fill(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, target)
+    return Path(target)

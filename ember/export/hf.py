@@ -32,7 +32,7 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ember.atomic import publish_dir, staging_dir
+from ember.atomic import build_dir
 from ember.config import Config, config_to_yaml
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
@@ -59,18 +59,6 @@ def _check_target(out: Path, force: bool) -> None:
         raise EmberError(f"{out} exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise EmberError(f"{out} exists and is not empty; choose another path or pass --force to replace it")
-
-
-def _write(out: Path, fill) -> Path:
-    """Call ``fill(tmp)`` on a staging folder beside ``out``, then move it into place."""
-    tmp = staging_dir(out)
-    try:
-        fill(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    publish_dir(tmp, out)
-    return out
 
 
 def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: bool = False) -> Path:
@@ -103,7 +91,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
         # ember's own file: transformers adds a no-op post_processor; this keeps the round trip exact
         (tmp / TOKENIZER).write_text(tokenizer.to_str(), encoding="utf-8")
 
-    return _write(out, fill)
+    return build_dir(out, fill)
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
@@ -163,4 +151,4 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
         (tmp / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
-    return _write(out, fill)
+    return build_dir(out, fill)

@@ -251,7 +251,9 @@ def load_run(
     one loader behind ``ember eval``, ``generate``, ``chat`` and ``Engine.from_run``. ``ckpt``
     is ``last`` (``model/``, the final weights), ``best`` (``model-best/``) or a committed
     training checkpoint (``1200`` or ``step-001200``). A missing, unreadable or damaged file
-    raises an EmberError that names it. Returns ``(model, tokenizer)``; ``model.cfg`` is the
+    raises an EmberError that names it. A quantized run
+    (``model/quant.json``, written by ``ember quantize``) gets its quantized linear layers
+    swapped in before loading. Returns ``(model, tokenizer)``; ``model.cfg`` is the
     ``ModelConfig``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -281,7 +283,15 @@ def load_run(
             f"{cfg.vocab_size}: the tokenizer does not match the weights"
         )
     model = GPT.build(cfg, device=device)
-    if ckpt in ("last", "best"):
+    from ember.export.quantize import pack, quantize, read_spec
+
+    spec = read_spec(run_dir / "model")
+    if spec is not None:  # a quantized run (ember quantize): only its final weights exist
+        if ckpt != "last":
+            raise EmberError(f"--ckpt {ckpt}: {run_dir} is quantized ({spec.label}) and holds only `last`")
+        load_weights(quantize(model, spec, empty=True), run_dir / "model")
+        pack(model)
+    elif ckpt in ("last", "best"):
         load_weights(model, run_dir / ("model" if ckpt == "last" else "model-best"))
     else:
         m = re.fullmatch(r"(?:step-)?(\d+)", ckpt)
