@@ -396,6 +396,7 @@ def report(
         pairs = [(a, b) for x, y in rows_ids for a, b in zip(x, y, strict=True)]
         row["agree"] = sum(a == b for a, b in pairs) / len(pairs)
         row["bpb_change"] = row["bpb"] / ref["bpb"] - 1
+    for row in rows.values():
         del row["ids"]
     out = {
         "run": str(run),
