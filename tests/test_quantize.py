@@ -83,7 +83,7 @@ def test_kernel_path_matches_the_plain_path(spec, bias):
             assert (y - ref).norm() / ref.norm() < 1e-2
     x = torch.randn(2, FAST_ROWS, 128)  # 16 rows: the plain path itself
     if spec.scheme != "int8-dynamic":
-        torch.testing.assert_close(m(x), plain(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(m(x), plain(x), rtol=1e-5, atol=1e-5)  # int8: scale after the sum
     # the whole layer stays close to the float one it came from
     ref = linear(x)
     bound = 0.02 if spec.scheme.startswith("int8") else 0.12

@@ -195,10 +195,12 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.spec.scheme == "int8-dynamic":
             y = self._dynamic(x2)
-        elif self._packed is not None and x2.size(0) <= FAST_ROWS:
+        elif self._packed is not None and x2.size(0) <= FAST_ROWS and x2.device.type == "cpu":
             y = self._kernel(x2)
-        else:
+        elif self.spec.scheme == "int4-weight":
             y = F.linear(x2, self.dequantize().to(x2.dtype))
+        else:  # the scale after the product: the form torch.compile fuses into one kernel on GPUs
+            y = F.linear(x2, self.weight_q.to(x2.dtype)) * self.weight_scale.to(x2.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
