@@ -12,6 +12,13 @@ optimizer (``train.optimizer``: AdamW, or Muon on the block matrices) comes from
 learning rate (``group["peak_lr"]``) and the schedule scales each peak alike. The logged
 ``lr`` is the schedule at ``train.lr``.
 
+Before the layout is applied, the model may start from a finished run's float weights
+(``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
+skipped on resume, where the checkpoint's weights win), and its block linears may fake-quantize
+their weights in every forward (``train.qat``: ``QATLinear``, same parameters and names), so
+compile traces the rounding and DDP/FSDP, checkpoints and the exported float weights are those
+of a plain run; ``ember quantize`` with the same scheme then stores what training saw.
+
 Numbers you can trust:
 
 - the global batch at step ``s`` is a pure function of ``(run.seed, s)`` (see
