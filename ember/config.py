@@ -84,7 +84,7 @@ def opt(
     default: Any,
     help_text: str,
     *,
-    choices: Sequence[str] = (),
+    choices: Sequence[str | int] = (),
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
@@ -320,6 +320,18 @@ class TrainConfig(_Section, key="train"):
         choices=("stop", "skip"),
     )
     tensorboard: bool = opt(False, "also log to TensorBoard (needs the track extra)")
+    qat: str = opt(
+        "none",
+        "quantization-aware training: the block linears see their weights fake-quantized as "
+        "`ember quantize --scheme` of the same name stores them",
+        choices=("none", "int8-weight", "int4-weight"),
+    )
+    qat_group_size: int = opt(
+        32, "input features per scale and zero point (int4-weight only)", choices=(32, 64, 128)
+    )
+    init_from: str = opt(
+        "", "a run directory whose final float weights (RUN/model/) start this run (fine-tuning); '' = none"
+    )
 
 
 @dataclass

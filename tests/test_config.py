@@ -289,7 +289,8 @@ def test_every_declared_choice_and_bound_is_enforced() -> None:
     for section in ("run", "data", "model", "train", "parallel"):
         for f in dataclasses.fields(getattr(Config(), section)):
             key = f"{section}.{f.name}"
-            bad = ["nope"] if f.metadata["choices"] else []
+            choices = f.metadata["choices"]  # strings, or numbers (train.qat_group_size)
+            bad = [("nope" if isinstance(choices[0], str) else max(choices) + 1)] if choices else []
             for op, bound in f.metadata["bounds"]:  # a value just outside each bound
                 cast, step = (int, 1) if type(f.default) is int else (float, 0.5)
                 bad.append(cast({">=": bound - step, ">": bound, "<=": bound + step, "<": bound}[op]))

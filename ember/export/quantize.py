@@ -120,7 +120,9 @@ def fake_quantize(w: Tensor, spec: QuantSpec) -> Tensor:
     else:
         q, scale = quantize_int8(w)
         wq = q.float() * scale[:, None]
-    return w + (wq.to(w.dtype) - w).detach()
+    # wq + (w - w.detach()) rather than w + (wq - w).detach(): the same gradient, and a forward
+    # that is wq bit for bit (the other form rounds twice and can miss it by an ulp)
+    return wq.to(w.dtype) + (w - w.detach())
 
 
 # ------------------------------------------------------------------ modules

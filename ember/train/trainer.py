@@ -12,6 +12,13 @@ optimizer (``train.optimizer``: AdamW, or Muon on the block matrices) comes from
 learning rate (``group["peak_lr"]``) and the schedule scales each peak alike. The logged
 ``lr`` is the schedule at ``train.lr``.
 
+Before the layout is applied, the model may start from a finished run's float weights
+(``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
+skipped on resume, where the checkpoint's weights win), and its block linears may fake-quantize
+their weights in every forward (``train.qat``: ``QATLinear``, same parameters and names), so
+compile traces the rounding and DDP/FSDP, checkpoints and the exported float weights are those
+of a plain run; ``ember quantize`` with the same scheme then stores what training saw.
+
 Numbers you can trust:
 
 - the global batch at step ``s`` is a pure function of ``(run.seed, s)`` (see
@@ -53,7 +60,13 @@ from ember.errors import ConfigError, DataError, EmberError
 from ember.model.gpt import GPT
 from ember.parallel.dist import all_reduce, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
-from ember.train.checkpoint import export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
+from ember.train.checkpoint import (
+    export_weights,
+    latest_checkpoint,
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+)
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
 
@@ -65,6 +78,7 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # batch: no opt-in accepts a change to them. Other changes (budgets and so the schedule's length,
 # eval and checkpoint cadence, learning rates) need train.resume_allow_changes=true.
 RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train.log_every", "parallel.")
+RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
 
@@ -225,6 +239,65 @@ def _find_nonfinite_module(model, task, batch, autocast) -> str:
     return found[0] if found else "none in the forward pass (the backward pass or the loss)"
 
 
+def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
+    """Load run directory ``run``'s final float weights (``model/``) into ``model`` (fine-tuning);
+    an EmberError, before anything is written, if they cannot stand for this run's model: another
+    model config, another tokenizer, or quantized weights (their rounding is not trainable)."""
+    from ember.export.quantize import read_spec
+
+    src = Path(run)
+    folder = src / "model"
+    if not (folder / "model_config.json").is_file():
+        raise ConfigError(
+            f"train.init_from={run}: no final weights there ({folder / 'model_config.json'} not found); "
+            "give a run directory that `ember train` finished"
+        )
+    spec = read_spec(folder)
+    if spec is not None:
+        raise ConfigError(
+            f"train.init_from={run} is quantized ({spec.label}); fine-tune from the float run it was "
+            "quantized from (train.qat trains towards the same rounding)"
+        )
+    try:
+        theirs = json.loads((folder / "model_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"train.init_from={run}: cannot read {folder}/model_config.json ({e})") from None
+    ours = asdict(model_cfg)
+    differ = [k for k in ours if k in theirs and theirs[k] != ours[k]] + [k for k in theirs if k not in ours]
+    if differ:
+        listing = ", ".join(f"model.{k}={theirs.get(k)!r} there but {ours.get(k)!r} here" for k in differ)
+        raise ConfigError(
+            f"train.init_from={run}: its model differs from this run's: {listing}; set those keys to the "
+            f"source's values (or use {src / 'config.yaml'} as the config)"
+        )
+    tokenizer = next((p for p in (folder / TOKENIZER, src / TOKENIZER) if p.is_file()), None)
+    if tokenizer is None or file_sha256(tokenizer) != tokenizer_sha:
+        found = f"{tokenizer} differs from" if tokenizer else f"no {TOKENIZER} in {folder} or {src} to match"
+        raise ConfigError(
+            f"train.init_from={run}: {found} the data dir's tokenizer; prepare the data with the "
+            "source run's tokenizer, or fine-tune on the data dir it was trained on"
+        )
+    load_weights(model, folder)
+
+
+def _apply_qat(model, train_cfg) -> None:
+    """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass
+    (``QATLinear``: same parameters and names, so optimizer, checkpoints and the exported float
+    weights are unchanged, and ``ember quantize`` of the same scheme stores what training saw)."""
+    from ember.export.quantize import QuantSpec, apply_qat
+
+    spec = QuantSpec(train_cfg.qat, train_cfg.qat_group_size)
+    if spec.scheme == "int4-weight":
+        widths = sorted({m.in_features for m in model.layers.modules() if isinstance(m, torch.nn.Linear)})
+        bad = [k for k in widths if k % spec.group_size]
+        if bad:
+            raise ConfigError(
+                f"train.qat_group_size={spec.group_size} does not divide the block linears' input widths "
+                f"{bad}; choose a group size that divides {widths}"
+            )
+    apply_qat(model, spec)
+
+
 # ---------------------------------------------------------------- the trainer
 
 
@@ -250,6 +323,10 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
+        if t.init_from and self.resume_from is None:  # on resume the checkpoint's weights win
+            _init_from(model, t.init_from, self.model_cfg, manifest["tokenizer"]["sha256"])
+        if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
+            _apply_qat(model, t)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(env.device)
