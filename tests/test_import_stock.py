@@ -92,11 +92,23 @@ def llama_model(vocab_size, eos):
 STYLES = {"gpt2": (gpt2_style, gpt2_model), "llama": (llama_style, llama_model)}
 
 
+def make_eos_reachable(model, hf_tok) -> None:
+    """Greedy decoding of PROMPTS[1] then ends within 4 tokens, so stopping at eos is tested:
+    eos's output row becomes twice the row of the 4th token it would pick."""
+    x = torch.tensor([hf_tok(PROMPTS[1], add_special_tokens=False).input_ids])
+    eos = hf_tok.eos_token_id
+    with torch.no_grad():
+        pick = model.generate(x, max_new_tokens=4, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        head = model.get_output_embeddings().weight
+        head[eos] = 2 * head[pick[0, -1]]
+
+
 def save_checkpoint(style: str, out):
     make_tokenizer, make_model = STYLES[style]
     torch.manual_seed(0)
     hf_tok = make_tokenizer(corpus())
     model = make_model(len(hf_tok), hf_tok.eos_token_id).eval()
+    make_eos_reachable(model, hf_tok)
     model.save_pretrained(out)
     hf_tok.save_pretrained(out)
     return model, hf_tok
@@ -194,7 +206,8 @@ def test_greedy_generation_equals_transformers(stock, capsys):
             new = new[: new.index(hf_tok.eos_token_id)]
         assert completion["token_ids"] == new and completion["text"] == hf_tok.decode(new)
         assert completion["prompt_tokens"] == x.shape[1]
-    assert sum(len(c["token_ids"]) for c in ours) > 12
+    assert sum(len(c["token_ids"]) for c in ours) > 4
+    assert ours[1]["finish_reason"] == "eos" and len(ours[1]["token_ids"]) < 4
     engine = Engine.from_run(run)  # the API reads the same run
     assert (
         engine.generate([PROMPTS[0]], Sampling(max_new_tokens=12, temperature=0))[0].token_ids
