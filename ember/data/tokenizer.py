@@ -85,14 +85,14 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
-def _types(component) -> list[dict]:
+def _parts(component) -> list[dict]:
     """A tokenizer.json component (pre_tokenizer, decoder, ...) and its nested parts, flat."""
     if not isinstance(component, dict):
         return []
     parts = [component]
     for key in ("pretokenizers", "decoders", "normalizers", "processors"):
         for sub in component.get(key) or []:
-            parts += _types(sub)
+            parts += _parts(sub)
     return parts
 
 
@@ -215,7 +215,7 @@ class Tokenizer:
 
     def _foreign_byte_lengths(self) -> list[int]:
         spec = json.loads(self.to_str())
-        parts = _types(spec.get("pre_tokenizer")) + _types(spec.get("decoder"))
+        parts = _parts(spec.get("pre_tokenizer")) + _parts(spec.get("decoder"))
         byte_level = any(p.get("type") == "ByteLevel" for p in parts)
         byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
         space = next((p["replacement"] for p in parts if p.get("type") == "Metaspace"), "\u2581")

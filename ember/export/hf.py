@@ -29,7 +29,10 @@ Design choices:
   ``<s>``/``</s>``, ``<unk>``, ``<pad>``). They are stored as ``specials.json`` beside each
   copy of ``tokenizer.json`` (ember/data/tokenizer.py), which is copied unchanged. No eos,
   no ``tokenizer.json``, or a vocabulary larger than the embedding is refused before
-  anything is written.
+  anything is written. Imported text is encoded as transformers does with
+  ``add_special_tokens=False``, except that a special-token string inside the text stays
+  ordinary characters (see above). Exporting an imported run names its own special tokens
+  (pad = eos where it had none), so stock → ember → HF keeps the ids and the logits.
 - Both directions write into a staging folder beside the target and rename it into place
   at the end (ember/atomic.py): a failure leaves nothing half-written. A target that exists
   and is not empty is refused unless ``force``.
