@@ -296,3 +296,17 @@ def test_a_tokenizer_without_eos_is_refused():
         Tokenizer(tok, {"eos": "</s>"})
     with pytest.raises(EmberError, match="roles"):
         Tokenizer(tok, {"eos": "a", "sep": "b"})
+
+
+def test_a_stock_tokenizer_may_name_its_eos_like_embers(tmp_path):
+    """``<|eos|>`` at a stock id (not ember's 1) is a stock tokenizer's eos, not a damaged ember one."""
+    from ember.export.hf import _read_tokenizer
+
+    tok = gpt2_style(corpus())._tokenizer
+    tok.add_special_tokens(["<|eos|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    tokenizer = _read_tokenizer(tmp_path)
+    assert tokenizer.eos_id == tokenizer.pad_id == tokenizer.vocab_size - 1 > 1
+    assert tokenizer.bos_id == tokenizer.vocab_size - 2  # <|endoftext|>, a well-known name
+    assert tokenizer.token_byte_lengths()[-2:] == [0, 0]

@@ -226,8 +226,10 @@ def _read_tokenizer(hf_dir: Path) -> Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise EmberError(f"{hf_dir / TOKENIZER} is not a valid tokenizer.json ({e})") from None
     named = [_json(hf_dir / name).get("eos_token") for name in TOKEN_FILES]
-    if hf_tok.token_to_id(SPECIAL_TOKENS[1]) is not None or SPECIAL_TOKENS[1] in named:
-        # it says it is ember's own (ember's exports name <|eos|>) but is not: say why
+    eos = SPECIAL_TOKENS[1]
+    if any(hf_tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS[:4])) or (
+        eos in named and hf_tok.token_to_id(eos) is None
+    ):  # a damaged ember tokenizer (some specials where ember puts them, or <|eos|> named but absent)
         raise EmberError(
             f"{hf_dir / TOKENIZER}: {ember_error}; ember's own tokenizers have their special tokens "
             "at ids 0..15, as `ember export --to hf` writes them"
