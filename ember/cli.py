@@ -454,8 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate",
         help="sample text from a run's model (KV cache, streaming)",
         description="Continue each prompt with RUN's final weights, streaming text to the terminal as "
-        "it is produced (or --json for machine-readable output). Stops at <|eos|>, a --stop string, "
-        "or --max-new-tokens.",
+        "it is produced (or --json for machine-readable output). Stops at the tokenizer's eos "
+        "(<|eos|>, or an imported tokenizer's own), a --stop string, or --max-new-tokens.",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
     p.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -577,9 +577,12 @@ def build_parser() -> argparse.ArgumentParser:
         "import",
         help="make a run directory from another library's checkpoint (hf: a GPT-2 or Llama folder)",
         description="Read DIR, a folder written by transformers' save_pretrained holding a GPT-2 or "
-        "Llama-family causal LM and its fast tokenizer.json (ember's special tokens at ids 0..15, as "
-        "`ember export --to hf` writes), and write a run directory OUT: model/ (model.safetensors, "
-        "model_config.json, tokenizer.json), tokenizer.json and config.yaml, which `ember eval OUT "
+        "Llama-family causal LM and its fast tokenizer.json (ember's own, as `ember export --to hf` "
+        "writes, or a stock one such as GPT-2's byte-level BPE or a Llama-style SentencePiece BPE, "
+        "its bos/eos/pad/unk read from tokenizer_config.json, special_tokens_map.json, "
+        "generation_config.json or config.json), and write a run directory OUT: model/ "
+        "(model.safetensors, model_config.json, tokenizer.json, and specials.json for a stock "
+        "tokenizer), tokenizer.json and config.yaml, which `ember eval OUT "
         "--data ...` and `ember generate OUT` read. A config ember cannot represent is refused, naming "
         "the field. OUT appears only when complete. Needs transformers.",
         epilog="example: ember import hf out/tiny-hf --out runs/tiny-back",

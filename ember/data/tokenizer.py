@@ -20,12 +20,28 @@ Design choices:
   slots. Text that happens to contain ``<|eos|>`` is encoded as ordinary characters
   (``encode_special_tokens``), so documents cannot inject control tokens; special ids are
   added by code (the shard writer appends ``eos_id`` after each document).
+- A *foreign* tokenizer (one imported with a GPT-2 or Llama-family checkpoint by
+  ``ember import hf``: byte-level BPE like GPT-2's, or SentencePiece-style BPE with a
+  Metaspace ``▁`` and ``<0xNN>`` byte fallback like Llama's) keeps its own ``tokenizer.json``
+  untouched and gets a small ``specials.json`` beside it naming its bos/eos/pad/unk tokens
+  (``{"bos": "<s>", "eos": "</s>", "pad": null, "unk": "<unk>"}``). ``Tokenizer.load`` reads
+  that file when it is there, so every verb reads an imported run with nothing else; no
+  ``specials.json`` means ember's own layout, checked as before. eos is required (it ends
+  documents and generation); bos and unk may be absent; a missing pad is eos, as
+  transformers users set it. Text is encoded without the tokenizer's template (no ``<s>``
+  prepended), the same ids as transformers' ``add_special_tokens=False``.
+- ``token_byte_lengths`` counts 0 bytes for special and added tokens, and the UTF-8 bytes a
+  token stands for otherwise: byte-level tokens map back through GPT-2's byte-to-unicode
+  alphabet, ``<0xNN>`` is one byte, ``▁`` is one space (so a Metaspace tokenizer's prepended
+  space counts one byte per encoded text).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -50,6 +66,36 @@ SPECIAL_TOKENS = [
 ]
 
 
+SPECIALS_FILE = "specials.json"  # beside a foreign tokenizer.json: its special tokens by role
+ROLES = ("bos", "eos", "pad", "unk")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-unicode alphabet, inverted: each printable stand-in back to its byte
+    (the table HF ``tokenizers``' ByteLevel uses; openai/gpt-2 encoder.py ``bytes_to_unicode``)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _parts(component) -> list[dict]:
+    """A tokenizer.json component (pre_tokenizer, decoder, ...) and its nested parts, flat."""
+    if not isinstance(component, dict):
+        return []
+    parts = [component]
+    for key in ("pretokenizers", "decoders", "normalizers", "processors"):
+        for sub in component.get(key) or []:
+            parts += _parts(sub)
+    return parts
+
+
 def min_vocab_size(kind: str) -> int:
     """Specials plus the 256 byte symbols (BPE) or at least one character (char)."""
     return len(SPECIAL_TOKENS) + (256 if kind == "bpe" else 1)
@@ -69,17 +115,36 @@ def _check_vocab(kind: str, vocab_size: int) -> None:
 class Tokenizer:
     """A trained tokenizer: ``encode``, ``encode_batch``, ``decode`` and the special ids."""
 
-    def __init__(self, hf: HFTokenizer):
+    def __init__(self, hf: HFTokenizer, specials: dict[str, str | None] | None = None):
+        """``specials`` None: ember's own layout (its special tokens at ids 0..15). Otherwise a
+        foreign tokenizer's special tokens by role (``bos``, ``eos``, ``pad``, ``unk``; token
+        strings or None), as ``specials.json`` stores them."""
         hf.encode_special_tokens = True  # not stored in tokenizer.json; see module docstring
         self.hf = hf
-        for i, tok in enumerate(SPECIAL_TOKENS):
-            if hf.token_to_id(tok) != i:
-                raise DataError(
-                    f"tokenizer special token {tok!r} is not at id {i}; this is not an ember tokenizer"
-                )
-        self.kind = "bpe" if hf.pre_tokenizer is not None else "char"
-        self.bos_id, self.eos_id, self.pad_id, self.unk_id = range(4)
         self.vocab_size = hf.get_vocab_size()
+        self.specials = None if specials is None else {role: specials.get(role) for role in ROLES}
+        if specials is None:
+            for i, tok in enumerate(SPECIAL_TOKENS):
+                if hf.token_to_id(tok) != i:
+                    raise DataError(
+                        f"tokenizer special token {tok!r} is not at id {i}; this is not an ember tokenizer"
+                    )
+            self.kind = "bpe" if hf.pre_tokenizer is not None else "char"
+            self.bos_id, self.eos_id, self.pad_id, self.unk_id = range(4)
+            return
+        unknown = sorted(set(specials) - set(ROLES))
+        if unknown:
+            raise DataError(f"special token roles {unknown} are not known; use {', '.join(ROLES)}")
+        ids = {}
+        for role, tok in self.specials.items():
+            if tok is not None and (not isinstance(tok, str) or hf.token_to_id(tok) is None):
+                raise DataError(f"{role} token {tok!r} is not in the tokenizer's vocabulary")
+            ids[role] = None if tok is None else hf.token_to_id(tok)
+        if ids["eos"] is None:
+            raise DataError("the tokenizer has no eos token; ember needs one to end documents and generation")
+        self.kind = "bpe"  # BPE-family subwords; ember's config knows no other foreign kind
+        self.bos_id, self.eos_id, self.unk_id = ids["bos"], ids["eos"], ids["unk"]
+        self.pad_id = ids["pad"] if ids["pad"] is not None else ids["eos"]  # as transformers users do
 
     # ------------------------------------------------------------------ training
 
@@ -141,9 +206,33 @@ class Tokenizer:
         tokens and for ids up to ``vocab_size`` (a model's, rounded up) beyond the tokenizer's.
         Byte-level BPE tokens are strings over a 256-symbol alphabet, one symbol per byte, so
         their length is exact even for tokens that are only part of a multi-byte character."""
+        pad = [0] * ((vocab_size or self.vocab_size) - self.vocab_size)
+        if self.specials is not None:
+            return self._foreign_byte_lengths() + pad
         tokens = [self.hf.id_to_token(i) for i in range(len(SPECIAL_TOKENS), self.vocab_size)]
         lengths = [len(t if self.kind == "bpe" else t.encode()) for t in tokens]
-        return [0] * len(SPECIAL_TOKENS) + lengths + [0] * ((vocab_size or self.vocab_size) - self.vocab_size)
+        return [0] * len(SPECIAL_TOKENS) + lengths + pad
+
+    def _foreign_byte_lengths(self) -> list[int]:
+        spec = json.loads(self.to_str())
+        parts = _parts(spec.get("pre_tokenizer")) + _parts(spec.get("decoder"))
+        byte_level = any(p.get("type") == "ByteLevel" for p in parts)
+        byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        space = next((p["replacement"] for p in parts if p.get("type") == "Metaspace"), "\u2581")
+        to_byte = _byte_decoder()
+        added = set(self.hf.get_added_tokens_decoder())
+        lengths = []
+        for i in range(self.vocab_size):
+            tok = self.hf.id_to_token(i)
+            if i in added or tok is None:
+                lengths.append(0)
+            elif byte_level:  # one alphabet symbol per byte
+                lengths.append(sum(1 if c in to_byte else len(c.encode()) for c in tok))
+            elif byte_fallback and _BYTE_TOKEN.fullmatch(tok):
+                lengths.append(1)
+            else:
+                lengths.append(len(tok.replace(space, " ").encode()))
+        return lengths
 
     def id_to_token(self, i: int) -> str | None:
         return self.hf.id_to_token(i)
@@ -158,10 +247,18 @@ class Tokenizer:
         return hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write atomically (temp file then rename); returns the sha256 of the file written."""
+        """Write atomically (temp file then rename); returns the sha256 of the file written. A
+        foreign tokenizer also writes its ``specials.json`` beside ``path``."""
         text = self.to_str()
+        if self.specials is not None:
+            self.save_specials(Path(path).parent)
         write_text_atomic(path, text)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def save_specials(self, directory: str | os.PathLike) -> None:
+        """Write ``specials.json`` into ``directory`` (nothing for ember's own layout)."""
+        if self.specials is not None:
+            write_text_atomic(Path(directory) / SPECIALS_FILE, json.dumps(self.specials, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
@@ -174,9 +271,29 @@ class Tokenizer:
             raise DataError(
                 f"{path} is not a valid tokenizer.json ({e}); re-run `ember data prepare --force`"
             ) from None
-        return cls(hf)
+        specials_path = path.with_name(SPECIALS_FILE)
+        if not specials_path.is_file():
+            return cls(hf)
+        try:
+            specials = json.loads(specials_path.read_text(encoding="utf-8"))
+            if not isinstance(specials, dict):
+                raise ValueError("not a JSON object")
+            return cls(hf, specials)
+        except (OSError, ValueError, DataError) as e:  # ValueError: bad JSON or UTF-8
+            raise DataError(
+                f"{specials_path} is not valid ({e}); write its bos/eos/pad/unk tokens again "
+                "(`ember import hf` writes it)"
+            ) from None
+
+    def special_tokens(self) -> dict[str, str | None]:
+        """The special token strings by role (``bos``, ``eos``, ``pad``, ``unk``), pad resolved."""
+        ids = {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id, "unk": self.unk_id}
+        return {role: None if i is None else self.hf.id_to_token(i) for role, i in ids.items()}
 
     def describe(self) -> dict:
+        if self.specials is not None:
+            specials = {tok: self.hf.token_to_id(tok) for tok in self.special_tokens().values() if tok}
+            return {"kind": self.kind, "vocab_size": self.vocab_size, "special_tokens": specials}
         return {
             "kind": self.kind,
             "vocab_size": self.vocab_size,

@@ -18,8 +18,21 @@ Design choices:
   ``model_config.json``, ``tokenizer.json``), ``tokenizer.json`` and a ``config.yaml`` (the
   defaults with the imported model and ``train.seq_len = max_seq_len``) that ``ember eval
   --data`` and ``ember generate`` read. It has no checkpoints and no prepared data.
-- The tokenizer must be an ember one (special tokens at ids 0..15, as ember's exports
-  have); an HF directory without ``tokenizer.json`` is refused before anything is written.
+- The tokenizer is ember's own (special tokens at ids 0..15, as ember's exports have; a
+  folder naming ``<|eos|>`` is read that way, and re-imports byte for byte) or a foreign
+  fast tokenizer such as GPT-2's byte-level BPE (``<|endoftext|>`` as bos/eos, no pad) or a
+  Llama-style one (``<unk>``, ``<s>``, ``</s>``; Metaspace and byte fallback). A foreign
+  tokenizer's bos/eos/pad/unk tokens are read from the folder, first found wins:
+  ``tokenizer_config.json`` and ``special_tokens_map.json`` (``eos_token``: a string or
+  ``{"content": ...}``), then ``generation_config.json`` and ``config.json`` (``eos_token_id``;
+  the first of a list), then well-known names in the vocabulary (``<|endoftext|>``,
+  ``<s>``/``</s>``, ``<unk>``, ``<pad>``). They are stored as ``specials.json`` beside each
+  copy of ``tokenizer.json`` (ember/data/tokenizer.py), which is copied unchanged. No eos,
+  no ``tokenizer.json``, or a vocabulary larger than the embedding is refused before
+  anything is written. Imported text is encoded as transformers does with
+  ``add_special_tokens=False``, except that a special-token string inside the text stays
+  ordinary characters (see above). Exporting an imported run names its own special tokens
+  (pad = eos where it had none), so stock → ember → HF keeps the ids and the logits.
 - Both directions write into a staging folder beside the target and rename it into place
   at the end (ember/atomic.py): a failure leaves nothing half-written. A target that exists
   and is not empty is refused unless ``force``.
@@ -34,13 +47,22 @@ from pathlib import Path
 
 from ember.atomic import build_dir
 from ember.config import Config, config_to_yaml
-from ember.data.tokenizer import Tokenizer
+from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
 from ember.model.hf import from_hf, to_hf
 from ember.train.checkpoint import export_weights, load_run
 
 TARGETS = ("hf",)
 TOKENIZER = "tokenizer.json"
+# Where a foreign tokenizer's special tokens are named, in order: token strings, then ids.
+TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+ID_FILES = ("generation_config.json", "config.json")
+KNOWN_NAMES = {
+    "bos": ("<|endoftext|>", "<s>", "<|begin_of_text|>"),
+    "eos": ("<|endoftext|>", "</s>", "<|end_of_text|>"),
+    "pad": ("<pad>", "<|pad|>"),
+    "unk": ("<unk>",),
+}
 
 
 def _transformers():
@@ -74,12 +96,10 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
     for key, value in special.items():
         setattr(hf.config, key, value)
     hf.generation_config = transformers.GenerationConfig(**special)
+    tokens = {f"{role}_token": tok for role, tok in tokenizer.special_tokens().items() if tok is not None}
     hf_tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer.hf,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-        unk_token="<|unk|>",
+        **tokens,
         split_special_tokens=True,  # as ember encodes: "<|eos|>" in text is plain characters
         clean_up_tokenization_spaces=False,
         model_max_length=model.cfg.max_seq_len,
@@ -106,13 +126,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             "save the tokenizer there too (tokenizer.save_pretrained)"
         )
     _check_target(out, force)
-    try:
-        tokenizer = Tokenizer.load(hf_dir / TOKENIZER)
-    except EmberError as e:  # e.g. GPT-2's own tokenizer: its specials are not ember's
-        raise EmberError(
-            f"{hf_dir / TOKENIZER}: {e}; ember imports tokenizers with its special tokens at ids "
-            "0..15, as `ember export --to hf` writes them"
-        ) from None
+    tokenizer = _read_tokenizer(hf_dir)
     try:
         model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError) as e:  # ValueError: bad JSON or UTF-8
@@ -149,6 +163,81 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     def fill(tmp: Path) -> None:
         export_weights(model, tmp / "model", asdict(model.cfg), {TOKENIZER: hf_dir / TOKENIZER})
         shutil.copyfile(hf_dir / TOKENIZER, tmp / TOKENIZER)
+        tokenizer.save_specials(tmp / "model")  # nothing for an ember tokenizer
+        tokenizer.save_specials(tmp)
         (tmp / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
     return build_dir(out, fill)
+
+
+# ------------------------------------------------------------------ a foreign tokenizer's specials
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or UTF-8
+        raise EmberError(f"{path} cannot be read ({e}); save the folder again with save_pretrained") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _special_token(hf_dir: Path, hf_tok, role: str) -> str | None:
+    """The token string of ``role`` (bos, eos, pad, unk) that the folder names, or None."""
+    for name in TOKEN_FILES:
+        value = _json(hf_dir / name).get(f"{role}_token")
+        if isinstance(value, dict):  # an AddedToken as older transformers saved it
+            value = value.get("content")
+        if value is None:
+            continue
+        if not isinstance(value, str) or hf_tok.token_to_id(value) is None:
+            raise EmberError(
+                f"{hf_dir / name}: {role}_token={value!r} is not in {hf_dir / TOKENIZER}; "
+                "the tokenizer files do not belong together: save the tokenizer again"
+            )
+        return value
+    for name in ID_FILES:
+        value = _json(hf_dir / name).get(f"{role}_token_id")
+        if isinstance(value, list):  # several eos ids (e.g. end of text, end of turn): the first
+            value = value[0] if value else None
+        if value is None:
+            continue
+        token = hf_tok.id_to_token(value) if isinstance(value, int) and value >= 0 else None
+        if token is None:
+            raise EmberError(
+                f"{hf_dir / name}: {role}_token_id={value!r} is not an id of {hf_dir / TOKENIZER} "
+                f"({hf_tok.get_vocab_size()} tokens); fix the id or save the tokenizer again"
+            )
+        return token
+    return next((t for t in KNOWN_NAMES[role] if hf_tok.token_to_id(t) is not None), None)
+
+
+def _read_tokenizer(hf_dir: Path) -> Tokenizer:
+    """The folder's tokenizer: ember's own layout, or a foreign one with its specials."""
+    try:
+        return Tokenizer.load(hf_dir / TOKENIZER)  # ember's own layout loads as is
+    except EmberError as e:
+        ember_error = e
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        hf_tok = HFTokenizer.from_file(str(hf_dir / TOKENIZER))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise EmberError(f"{hf_dir / TOKENIZER} is not a valid tokenizer.json ({e})") from None
+    named = [_json(hf_dir / name).get("eos_token") for name in TOKEN_FILES]
+    eos = SPECIAL_TOKENS[1]
+    if any(hf_tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS[:4])) or (
+        eos in named and hf_tok.token_to_id(eos) is None
+    ):  # a damaged ember tokenizer (some specials where ember puts them, or <|eos|> named but absent)
+        raise EmberError(
+            f"{hf_dir / TOKENIZER}: {ember_error}; ember's own tokenizers have their special tokens "
+            "at ids 0..15, as `ember export --to hf` writes them"
+        )
+    specials = {role: _special_token(hf_dir, hf_tok, role) for role in ROLES}
+    try:
+        return Tokenizer(hf_tok, specials)
+    except EmberError as e:
+        raise EmberError(
+            f"{hf_dir / TOKENIZER}: {e}; name it as eos_token in {hf_dir / TOKEN_FILES[0]}"
+        ) from None

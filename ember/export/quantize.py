@@ -304,6 +304,7 @@ def weight_bytes(model: nn.Module) -> int:
 def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool = False) -> Path:
     """Write run directory ``out``: ``run``'s final weights quantized, its tokenizer and config."""
     from ember.atomic import build_dir
+    from ember.data.tokenizer import SPECIALS_FILE
     from ember.train.checkpoint import export_weights, load_run
 
     run, out = Path(run), Path(out)
@@ -322,6 +323,9 @@ def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool 
         export_weights(model, tmp / "model", asdict(model.cfg), {"tokenizer.json": tokenizer})
         (tmp / "model" / QUANT_FILE).write_text(json.dumps(asdict(spec)) + "\n", encoding="utf-8")
         shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+        if (tokenizer.parent / SPECIALS_FILE).is_file():  # an imported foreign tokenizer's specials
+            for folder in (tmp / "model", tmp):
+                shutil.copyfile(tokenizer.parent / SPECIALS_FILE, folder / SPECIALS_FILE)
         if (run / "config.yaml").is_file():
             shutil.copyfile(run / "config.yaml", tmp / "config.yaml")
 
