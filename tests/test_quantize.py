@@ -168,7 +168,8 @@ def test_a_quantized_run_is_an_ordinary_run(run, tmp_path, scheme, capsys):
     capsys.readouterr()
     assert main(["eval", str(out), "--split", "test"]) == 0
     assert json.loads((out / "eval.json").read_text())["results"]["test"]["bpb"] > 0
-    assert main(["generate", str(out), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    argv = ["generate", str(out), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]
+    assert main(argv) == 0
     assert capsys.readouterr().out.count("def ") >= 1
     with pytest.raises(EmberError, match="holds only `last`"):
         load_run(out, "best")
