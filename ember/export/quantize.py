@@ -16,19 +16,21 @@ is tied to it in most configs, stay fp32):
   (``zero = lo + 8 s``), the convention of PyTorch's int4 kernels; two values per byte on disk.
 
 Why written here and not with torchao (DESIGN names it for ``quant``): on this project's CPU
-(2-core AVX2, no bf16 units; torch 2.13) the library paths are not fast, measured on a
-(1, 384) × (1536, 384) product, 2 threads: fp32 ``linear`` 65–94 µs; ``torch._weight_int8pack_mm``
-(the kernel torchao's CPU int8 weight-only layout calls) 335–459 µs with fp32 activations; the
-same with ``torch.compile`` dequantizing inside the graph 550–630 µs (inductor does not vectorize
-the int8 → fp32 load here); ``torch._int_mm`` 327 µs. The ATen kernels *are* fast with bf16
-activations: int8 54–73 µs, int4 (group 32) 80–83 µs. So the decode path (at most
-``FAST_ROWS`` rows: a token per sequence) rounds the activations to bf16, calls those kernels
-and applies the int8 scale in fp32 after (relative error of the product 0.22% against the fp32
-product of the same quantized weights). Wider inputs (prefill, evaluation) dequantize to fp32
-and call ``linear``: at 2048 rows that is 20 ms against 45–54 ms in the kernels. The plain path
-is also what runs on other devices; ``tests/test_quantize.py`` holds the two paths together.
-``int8-dynamic`` has no fast CPU kernel (``_int_mm`` above); it is the scheme for GPUs with int8
-tensor cores, where ``torch._int_mm`` is used for more than 16 rows.
+(2-core AVX2, no bf16 units; torch 2.13) the library paths are not fast. Measured on a
+(1, 384) × (1536, 384) product, 2 threads: fp32 ``linear`` 65–94 µs. torchao 0.18's int8
+weight-only linear is ``mm(x, Q.to(fp32)) · s`` (read from its ``Int8Tensor``): 340 µs eager,
+550–630 µs under ``torch.compile`` (inductor does not vectorise the int8 → fp32 load here); its
+int8 dynamic path calls ``torch._int_mm``: 327 µs; ``torch._weight_int8pack_mm`` with fp32
+activations: 335–459 µs. The ATen kernels *are* fast with bf16 activations: int8 54–73 µs, int4
+(group 32, ``torch._weight_int4pack_mm_for_cpu``, the kernel torchao's CPU int4 layout calls) 80–83
+µs. So the decode path (at most ``FAST_ROWS`` rows: a token per sequence) rounds the activations
+to bf16, calls those kernels directly and applies the int8 scale in fp32 after (relative error
+of the product 0.22% against the fp32 product of the same quantized weights). Wider inputs
+(prefill, evaluation) dequantize to fp32 and call ``linear``: at 2048 rows that is 20 ms against
+45–54 ms in the kernels. The plain path is also what runs on other devices (the int8 form
+``linear(x, Q) · s`` is the one ``torch.compile`` fuses on GPUs); ``tests/test_quantize.py``
+holds the two paths together. ``int8-dynamic`` has no fast CPU kernel; it is the scheme for
+GPUs with int8 tensor cores, where ``torch._int_mm`` is used for more than 16 rows.
 
 A quantized run is an ordinary run directory: ``model/quant.json`` names the scheme, and
 ``load_run`` swaps the modules in before loading ``model.safetensors``.
