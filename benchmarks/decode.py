@@ -59,6 +59,15 @@ Design choices:
   the one-token decode step under ``torch.compile(fullgraph=True)`` (the prefill stays
   eager). Its first call, which compiles, is timed apart and printed; its greedy ids are
   compared with eager ember's.
+- Quantized batch-1 rows (``--quant``, default ``int8-weight`` and ``int4-weight`` group 32):
+  a copy of the same model through ``ember.export.quantize.quantize``, eager and compiled, same
+  prompt; its greedy ids are compared with fp32 ember's (quantization changes the numbers, so
+  they may part), and its bound counts the bytes it stores (int8/int4 values, scales, zeros,
+  the fp32 embedding and tied head). One table lists every batch-1 row: tokens/s, x HF, the
+  bound and the fraction of it reached, and the first (compiling) call.
+- ``--dtype bf16`` casts both models to bf16 (for a GPU: ``--device cuda --model gpt2-small
+  --dtype bf16`` prints batch-1 tokens/s and the fraction of HBM bandwidth for bf16, int8 and
+  int4; on CUDA the quantized layers take the dequantize path, which ``torch.compile`` fuses).
 - One warm-up call of each (every batch), then ``--reps`` timed calls in turns (ember,
   HF, ember, HF, ... per batch size) so that noise from the machine falls on both alike;
   the median is reported.
