@@ -90,7 +90,7 @@ from printing import cpu_model, print_table
 from ember.config import ModelConfig
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
-from ember.export.quantize import SCHEMES, QuantSpec, quantize, weight_bytes
+from ember.export.quantize import SCHEMES, QuantLinear, QuantSpec, quantize, weight_bytes
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
@@ -149,6 +149,27 @@ def bytes_per_token(cfg: ModelConfig, model: torch.nn.Module, context: float) ->
     itemsize = next(model.parameters()).element_size()
     kv = 2 * cfg.n_layer * kv_heads * (cfg.d_model // cfg.n_head) * context * itemsize
     return weight_bytes(model) + kv
+
+
+def linear_floor(model: torch.nn.Module, device: torch.device, reps: int = 50) -> float:
+    """Seconds per token spent in the linear layers alone at batch 1 (every block linear and the
+    head, each called on one row of its input width, best of ``reps`` per layer): the least a
+    decode step can take with these kernels, whatever runs around them."""
+    total = 0.0
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, QuantLinear))]
+    with torch.inference_mode():
+        for layer in layers:
+            x = torch.randn(1, layer.in_features, device=device, dtype=next(model.parameters()).dtype)
+            layer(x)
+            best = float("inf")
+            for _ in range(reps):
+                sync(device)
+                start = time.perf_counter()
+                layer(x)
+                sync(device)
+                best = min(best, time.perf_counter() - start)
+            total += best
+    return total
 
 
 def train_tokenizer() -> tuple[Tokenizer, list[str]]:
@@ -326,7 +347,7 @@ def run_model(
     context = PROMPT_TOKENS + args.new_tokens / 2  # mean context
     hf_tps = result["1"][1]
     fp32_ids = warmup["1", "ember"][0]
-    rows = []
+    rows, floors = [], {}
     for who, model in variants.items():
         per_token = bytes_per_token(cfg, model, context)
         bound = args.bandwidth / per_token
@@ -334,20 +355,36 @@ def run_model(
         result[f"1 {who}"] = (tps, hf_tps)
         first = f"{compile_seconds[who]:.1f} s" if who in compile_seconds else "-"
         agree = leading_agreement(warmup["1", who][0], fp32_ids)
+        if id(model) not in floors:
+            floors[id(model)] = 1 / linear_floor(model, device)
+        floor = floors[id(model)]
         rows.append(
             [who, f"{tps:,.0f}", f"{tps / hf_tps:.2f}x", f"{per_token / 2**20:.1f}", f"{bound:,.0f}",
-             f"{tps / bound:.0%}", f"{agree}/{args.new_tokens}", first]
+             f"{tps / bound:.0%}", f"{floor:,.0f} ({floor / hf_tps:.2f}x)", f"{agree}/{args.new_tokens}",
+             first]
         )  # fmt: skip
     print(f"batch 1, every ember variant against HF ({hf_tps:,.0f} tok/s), median of {args.reps} calls:")
     print_table(
-        ["ember", "tok/s", "x HF", "MiB/token", "bound tok/s", "of bound", "same ids as fp32", "first call"],
+        [
+            "ember",
+            "tok/s",
+            "x HF",
+            "MiB/token",
+            "bound tok/s",
+            "of bound",
+            "linear floor tok/s (x HF)",
+            "same ids as fp32",
+            "first call",
+        ],
         rows,
     )
     print(
         f"bound: bytes read per token (weights as stored + keys/values at the mean context {context:.0f}) "
         f"at the copy bandwidth {args.bandwidth / 1e9:.1f} GB/s; 'compiled': StaticKVCache and the decode "
         "step under torch.compile(fullgraph=True), 'first call' includes the compile; quantized rows "
-        "compare their greedy ids with fp32 ember's (leading ids that agree)"
+        "compare their greedy ids with fp32 ember's (leading ids that agree); 'linear floor': 1 / the summed "
+        "time of every linear layer (blocks and head) called alone on one row, best of 50 each: no decode "
+        "step with these kernels can be faster"
     )
     best = max((w for w in variants), key=lambda w: result[f"1 {w}"][0])
     best_tps = result[f"1 {best}"][0]
