@@ -58,7 +58,7 @@ from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
 from ember.data.tokenizer import file_sha256
 from ember.errors import ConfigError, DataError, EmberError
 from ember.model.gpt import GPT
-from ember.parallel.dist import all_reduce, destroy_distributed, init_distributed, print0
+from ember.parallel.dist import all_reduce, barrier, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
 from ember.train.checkpoint import (
     export_weights,
@@ -706,6 +706,8 @@ class Trainer:
 def train(cfg, run_dir: Path | None = None) -> dict:
     """Build a Trainer for ``cfg``, run it, and leave the process group."""
     try:
-        return Trainer(cfg, run_dir).run()
+        result = Trainer(cfg, run_dir).run()
+        barrier()  # every rank is past its last collective before any tears the process group down
+        return result
     finally:
         destroy_distributed()
