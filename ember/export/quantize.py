@@ -38,6 +38,7 @@ A quantized run is an ordinary run directory: ``model/quant.json`` names the sch
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from dataclasses import asdict, dataclass
@@ -85,13 +86,20 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+def _groups(in_features: int, group_size: int) -> int:
+    """Groups per row of ``in_features`` inputs, or an EmberError if they do not split evenly."""
+    if in_features % group_size:
+        raise EmberError(
+            f"int4-weight: {in_features} input features do not split into groups of {group_size}"
+        )
+    return in_features // group_size
+
+
 def quantize_int4(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Group-wise asymmetric 4-bit: (q uint8 in 0..15 (N, K), scale (N, K/g), zero (N, K/g)) with
     w ≈ (q - 8) * scale + zero within each group of ``group_size`` input features."""
     n, k = w.shape
-    if k % group_size:
-        raise EmberError(f"int4-weight: {k} input features do not split into groups of {group_size}")
-    wg = w.detach().float().reshape(n, k // group_size, group_size)
+    wg = w.detach().float().reshape(n, _groups(k, group_size), group_size)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
@@ -140,11 +148,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.spec = in_features, out_features, spec
         n, k = out_features, in_features
         if spec.scheme == "int4-weight":
-            if k % spec.group_size:
-                raise EmberError(
-                    f"int4-weight: {k} input features do not split into groups of {spec.group_size}"
-                )
-            g = k // spec.group_size
+            g = _groups(k, spec.group_size)
             self.register_buffer("weight_q", torch.zeros(n, k // 2, dtype=torch.uint8, device=device))
             self.register_buffer("weight_scale", torch.ones(n, g, device=device))
             self.register_buffer("weight_zero", torch.zeros(n, g, device=device))
@@ -307,7 +311,7 @@ def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool 
     """Write run directory ``out``: ``run``'s final weights quantized, its tokenizer and config."""
     from ember.atomic import build_dir
     from ember.data.tokenizer import SPECIALS_FILE
-    from ember.train.checkpoint import export_weights, load_run
+    from ember.train.checkpoint import export_weights, load_run, run_tokenizer
 
     run, out = Path(run), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
@@ -319,7 +323,7 @@ def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool 
         raise EmberError(f"{run} is already quantized ({done.label}); quantize the float run it came from")
     model, _ = load_run(run)
     quantize(model, spec)
-    tokenizer = next(p for p in (run / "model" / "tokenizer.json", run / "tokenizer.json") if p.is_file())
+    tokenizer = run_tokenizer(run)  # load_run above found it
 
     def fill(tmp: Path) -> None:
         export_weights(model, tmp / "model", asdict(model.cfg), {"tokenizer.json": tokenizer})
@@ -398,8 +402,7 @@ def report(
 
     rows = {"fp32": measure(base)}
     for spec in specs:
-        model, _ = load_run(run)
-        rows[spec.label] = measure(quantize(model, spec))
+        rows[spec.label] = measure(quantize(copy.deepcopy(base), spec))
     ref = rows["fp32"]
     for row in rows.values():
         rows_ids = zip(row["ids"], ref["ids"], strict=True)

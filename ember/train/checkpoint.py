@@ -244,6 +244,13 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
         )
 
 
+def run_tokenizer(run_dir: str | Path) -> Path | None:
+    """The tokenizer file of a run directory: ``model/tokenizer.json``, else ``tokenizer.json``."""
+    run_dir = Path(run_dir)
+    candidates = (run_dir / "model" / "tokenizer.json", run_dir / "tokenizer.json")
+    return next((p for p in candidates if p.is_file()), None)
+
+
 def load_run(
     run_dir: str | Path, ckpt: str = "last", device: str | torch.device = "cpu"
 ) -> tuple[GPT, Tokenizer]:
@@ -268,9 +275,7 @@ def load_run(
         cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError, EmberError) as e:  # ValueError: bad JSON or UTF-8
         raise EmberError(f"{config_path} is not a valid model config ({e}); re-export the weights") from None
-    tokenizer_path = next(
-        (p for p in (run_dir / "model" / "tokenizer.json", run_dir / "tokenizer.json") if p.is_file()), None
-    )
+    tokenizer_path = run_tokenizer(run_dir)
     if tokenizer_path is None:
         raise EmberError(
             f"no tokenizer.json in {run_dir / 'model'} or {run_dir}; "

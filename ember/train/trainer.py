@@ -65,6 +65,7 @@ from ember.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     load_weights,
+    run_tokenizer,
     save_checkpoint,
 )
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
@@ -270,7 +271,7 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
             f"train.init_from={run}: its model differs from this run's: {listing}; set those keys to the "
             f"source's values (or use {src / 'config.yaml'} as the config)"
         )
-    tokenizer = next((p for p in (folder / TOKENIZER, src / TOKENIZER) if p.is_file()), None)
+    tokenizer = run_tokenizer(src)
     if tokenizer is None or file_sha256(tokenizer) != tokenizer_sha:
         found = f"{tokenizer} differs from" if tokenizer else f"no {TOKENIZER} in {folder} or {src} to match"
         raise ConfigError(
