@@ -301,7 +301,7 @@ def cmd_quantize(args) -> int:
     if not args.report:
         if not args.out or not args.scheme or len(args.scheme) > 1:
             raise EmberError("give one --scheme and --out RUN2 (or --report to compare schemes)")
-        spec = QuantSpec(args.scheme[0], args.group_size or 32)
+        spec = QuantSpec(args.scheme[0], args.group_size or 32, head=not args.float_head)
         out = quantize_run(args.run, spec, args.out, force=args.force)
         print(
             f"written {out} ({spec.label}); "
@@ -313,7 +313,7 @@ def cmd_quantize(args) -> int:
     specs = []
     for scheme in args.scheme or ["int8-weight", "int8-dynamic", "int4-weight"]:
         groups = [args.group_size] if args.group_size else GROUP_SIZES if scheme == "int4-weight" else [32]
-        specs += [QuantSpec(scheme, g) for g in groups]
+        specs += [QuantSpec(scheme, g, head=not args.float_head) for g in groups]
     out = report(args.run, specs, args.max_windows)
     from rich.console import Console
     from rich.table import Table
@@ -596,9 +596,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = verbs.add_parser(
         "quantize",
         help="write a run with int8 or int4 weights, or compare the schemes (--report)",
-        description="Quantize the linear layers of RUN's blocks (the embedding and tied head stay fp32) "
-        "and write the run directory OUT, which `ember eval`, `ember generate` and `ember chat` read like "
-        "any run. Schemes: int8-weight (per-channel int8 weights), int8-dynamic (int8 weights and "
+        description="Quantize the linear layers of RUN's blocks and its output head (int8 per row in "
+        "every scheme; a tied embedding stays fp32 for its lookups) and write the run directory OUT, "
+        "which `ember eval`, `ember generate` and `ember chat` read like any run. Schemes: int8-weight "
+        "(per-channel int8 weights), int8-dynamic (int8 weights and "
         "per-row int8 activations, for GPUs with int8 tensor cores), int4-weight (group-wise 4-bit, "
         "--group-size 32, 64 or 128). --report instead measures fp32 and each scheme on RUN's test "
         "split: bytes of weights, bits/byte and its change, greedy-token agreement with fp32, and "
@@ -616,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", metavar="RUN2", help="the quantized run directory to write")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists and is not empty")
+    p.add_argument("--float-head", action="store_true", help="keep the output head fp32 (default: int8)")
     p.add_argument("--report", action="store_true", help="compare fp32 with the schemes; write no run")
     p.add_argument(
         "--max-windows", type=int, default=None, help="--report: score at most this many test windows"

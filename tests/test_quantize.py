@@ -23,6 +23,7 @@ from ember.export.quantize import (
     quantize,
     quantize_int4,
     quantize_int8,
+    read_spec,
     unpack_int4,
     weight_bytes,
 )
@@ -106,16 +107,23 @@ def _cfg(**kw):
     return ModelConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.label)
-def test_quantized_model_swaps_only_block_linears_and_stays_close(spec):
+@pytest.mark.parametrize("spec", SPECS + [QuantSpec("int4-weight", 32, head=False)], ids=lambda s: s.label)
+def test_quantized_model_swaps_the_block_linears_and_the_head_and_stays_close(spec):
     model = GPT.build(_cfg(mlp="swiglu"), seed=0).eval()
     idx = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     ref = model(idx)
+    embedding = model.tok_embeddings.weight.detach().clone()
     quantize(model, spec)
     swapped = [n for n, m in model.named_modules() if isinstance(m, QuantLinear)]
-    assert len(swapped) == 2 * 7  # wq wk wv wo w1 w2 w3 per block
-    assert isinstance(model.output, nn.Linear) and model.output.weight is model.tok_embeddings.weight
+    assert len(swapped) == 2 * 7 + spec.head  # wq wk wv wo w1 w2 w3 per block, and the head
     assert not any(isinstance(m, nn.Linear) for m in model.layers.modules())
+    assert torch.equal(model.tok_embeddings.weight, embedding)  # the lookup table stays fp32
+    if spec.head:  # its own int8 copy of the tied matrix, per row
+        assert model.output.spec.scheme == "int8-weight" and model.output.weight_q.shape == (512, 64)
+        step = embedding.abs().amax(dim=1, keepdim=True) / 127  # each row's int8 step
+        assert ((model.output.dequantize() - embedding).abs() <= step / 2 + 1e-7).all()
+    else:
+        assert isinstance(model.output, nn.Linear) and model.output.weight is model.tok_embeddings.weight
     out = model(idx)
     bound = 0.02 if spec.scheme.startswith("int8") else 0.12
     assert (out - ref).norm() / ref.norm() < bound
@@ -173,6 +181,19 @@ def test_a_quantized_run_is_an_ordinary_run(run, tmp_path, scheme, capsys):
     assert capsys.readouterr().out.count("def ") >= 1
     with pytest.raises(EmberError, match="holds only `last`"):
         load_run(out, "best")
+
+
+def test_float_head_and_records_from_before_the_int8_head(run, tmp_path):
+    out = tmp_path / "q"
+    assert main(["quantize", str(run), "--scheme", "int8-weight", "--float-head", "--out", str(out)]) == 0
+    assert json.loads((out / "model" / "quant.json").read_text())["head"] is False
+    model, _ = load_run(out)
+    assert isinstance(model.output, nn.Linear) and model.output.weight is model.tok_embeddings.weight
+    # a quant.json written before heads were quantized has no "head": it reads as an fp32 head
+    (out / "model" / "quant.json").write_text(json.dumps({"scheme": "int8-weight", "group_size": 32}))
+    assert read_spec(out / "model") == QuantSpec("int8-weight", head=False)
+    model, _ = load_run(out)
+    assert isinstance(model.output, nn.Linear)
 
 
 def test_report_measures_fp32_and_each_scheme(run, capsys):

@@ -5,8 +5,7 @@ fake quantization for quantization-aware training (QAT).
     quantize_run("runs/cpu-quick", QuantSpec("int8-weight"), "runs/cpu-quick-int8")
     apply_qat(model, QuantSpec("int4-weight"))                  # train.qat: fake-quantize in forward
 
-Schemes (every ``nn.Linear`` inside ``model.layers``; the embedding and the output head, which
-is tied to it in most configs, stay fp32):
+Schemes (every ``nn.Linear`` inside ``model.layers``):
 
 - ``int8-weight``: per-output-channel symmetric int8, ``w ≈ q · s`` with ``s = max|w_row| / 127``.
 - ``int8-dynamic``: the same int8 weights, and each activation row quantized the same way when it
@@ -32,6 +31,13 @@ of the product 0.22% against the fp32 product of the same quantized weights). Wi
 holds the two paths together. ``int8-dynamic`` has no fast CPU kernel; it is the scheme for
 GPUs with int8 tensor cores, where ``torch._int_mm`` is used for more than 16 rows.
 
+The output head is quantized too, int8 per row in every scheme (``QuantSpec(head=False)``, the
+CLI's ``--float-head``, keeps it fp32): it is the largest matrix a decode step reads (vocab ×
+d_model; 0.6–0.8 ms of a 4 ms gpt2-mini step in fp32), and int8 costs it little (docs/quantize.md
+has the table). llama.cpp's formats likewise keep the output matrix at more bits than the blocks.
+When the head is tied to the embedding, the embedding stays fp32 (its lookups read one row) and
+the head gets its own int8 copy. QAT fake-quantizes the head the same way.
+
 A quantized run is an ordinary run directory: ``model/quant.json`` names the scheme, and
 ``load_run`` swaps the modules in before loading ``model.safetensors``.
 """
@@ -52,16 +58,19 @@ from ember.errors import EmberError
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
 GROUP_SIZES = (32, 64, 128)
+HEAD_SCHEME = "int8-weight"  # the output head's scheme when QuantSpec.head
 FAST_ROWS = 8  # inputs with at most this many rows take the CPU kernels (decode); wider ones dequantize
 QUANT_FILE = "quant.json"
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """A scheme and, for int4, its group size (input features per scale and zero point)."""
+    """A scheme, for int4 its group size (input features per scale and zero point), and whether
+    the output head is quantized too (int8 per row, ``HEAD_SCHEME``, whatever the scheme)."""
 
     scheme: str
     group_size: int = 32
+    head: bool = True
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -73,6 +82,11 @@ class QuantSpec:
 
     @property
     def label(self) -> str:
+        return self.layer_label + ("" if self.head else ", fp32 head")
+
+    @property
+    def layer_label(self) -> str:
+        """The scheme of the block linears alone."""
         return f"{self.scheme} g{self.group_size}" if self.scheme == "int4-weight" else self.scheme
 
 
@@ -234,7 +248,7 @@ class QuantLinear(nn.Module):
         return (acc * x_scale * self.weight_scale).to(x2.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.label}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.layer_label}"
 
 
 class QATLinear(nn.Linear):
@@ -247,34 +261,39 @@ class QATLinear(nn.Linear):
         return F.linear(x, fake_quantize(self.weight, self.spec), self.bias)
 
 
-def _block_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """(parent, attribute, module) for every nn.Linear inside ``model.layers``."""
+def _targets(model: nn.Module, spec: QuantSpec) -> list[tuple[nn.Module, str, nn.Linear, QuantSpec]]:
+    """(parent, attribute, module, its spec) for every nn.Linear inside ``model.layers``, and
+    ``model.output`` at ``HEAD_SCHEME`` when ``spec.head``."""
     found = []
     for parent in model.layers.modules():
         for name, child in parent.named_children():
             if type(child) in (nn.Linear, QATLinear):
-                found.append((parent, name, child))
+                found.append((parent, name, child, spec))
+    if spec.head and type(model.output) in (nn.Linear, QATLinear):
+        found.append((model, "output", model.output, QuantSpec(HEAD_SCHEME, head=False)))
     return found
 
 
 def quantize(model: nn.Module, spec: QuantSpec, empty: bool = False) -> nn.Module:
-    """Swap every nn.Linear in the blocks for a ``QuantLinear`` holding its weight quantized
-    (``empty``: zeros, to be filled by loading a quantized ``model.safetensors``). In place."""
-    for parent, name, linear in _block_linears(model):
+    """Swap every nn.Linear in the blocks (and the head if ``spec.head``) for a ``QuantLinear``
+    holding its weight quantized (``empty``: zeros, to be filled by loading a quantized
+    ``model.safetensors``). In place."""
+    for parent, name, linear, layer_spec in _targets(model, spec):
         if empty:
             device = linear.weight.device
-            new = QuantLinear(linear.in_features, linear.out_features, linear.bias is not None, spec, device)
+            bias = linear.bias is not None
+            new = QuantLinear(linear.in_features, linear.out_features, bias, layer_spec, device)
         else:
-            new = QuantLinear.from_linear(linear, spec)
+            new = QuantLinear.from_linear(linear, layer_spec)
         setattr(parent, name, new)
     return model
 
 
 def apply_qat(model: nn.Module, spec: QuantSpec) -> nn.Module:
-    """Make every nn.Linear in the blocks a ``QATLinear`` (same parameters). In place."""
-    for _, _, linear in _block_linears(model):
+    """Make every linear ``quantize`` would swap a ``QATLinear`` (same parameters). In place."""
+    for _, _, linear, layer_spec in _targets(model, spec):
         linear.__class__ = QATLinear
-        linear.spec = spec
+        linear.spec = layer_spec
     return model
 
 
@@ -291,7 +310,8 @@ def read_spec(model_dir: Path) -> QuantSpec | None:
     if not path.is_file():
         return None
     try:
-        return QuantSpec(**json.loads(path.read_text(encoding="utf-8")))
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        return QuantSpec(**{"head": False, **fields})  # a record without "head" predates the int8 head
     except (OSError, ValueError, TypeError, EmberError) as e:
         raise EmberError(f"{path} is not a valid quantization record ({e}); quantize the run again") from None
 

@@ -54,7 +54,7 @@ Design choices:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,7 +134,9 @@ class StaticKVCache(KVCache):
     so every decode step has the same shapes and ``torch.compile(model, fullgraph=True)``
     traces it once (gpt-fast's static cache). The buffers are allocated by the first,
     eager forward (the prefill). Nothing checks for overflow: size it for the whole call.
-    Cost: each step attends over ``max_len`` keys, however few are held."""
+    Cost: each step attends over ``max_len`` keys, however few are held. (On the CPU an opaque
+    custom op running SDPA over the held slots only was measured too: no faster, the op's own
+    overhead eats the saving.)"""
 
     def __init__(self, max_len: int, pad: Sequence[int] | None = None, device: torch.device | None = None):
         super().__init__(max_len, pad, device)
@@ -283,6 +285,26 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------
 
 
+def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
+    """``model(idx, cache=cache)`` under ``torch.compile(fullgraph=True)``, without the guards on
+    the model. Dynamo checks ~1,600 of them per call (every module attribute and parameter):
+    0.3–0.5 ms of a 3 ms gpt2-mini int8 step on the 2-core CPU, against 0.07 ms for the guards
+    on the step's inputs (the token ids, the cache's buffers, pads and position), which stay.
+    Safe because the step is a function of its own, with a code object of its own (dynamo keeps
+    compiled graphs per code object), bound to this one model, whose structure, dtype and
+    device the engine does not change; weights updated in place are read at each call."""
+
+    def step(idx: Tensor, cache: KVCache) -> Tensor:
+        return model(idx, cache=cache)
+
+    step.__code__ = step.__code__.replace()  # a copy: no other engine's graphs live on it
+
+    def inputs_only(guards: list) -> list[bool]:
+        return [not (g.name == "model" or g.name.startswith(("model.", "model["))) for g in guards]
+
+    return torch.compile(step, fullgraph=True, options={"guard_filter_fn": inputs_only})
+
+
 class Engine:
     """Generate text from a ``GPT`` (or anything called as ``model(idx, cache=...)`` with a
     ``cfg.max_seq_len``) and its tokenizer. ``device`` None keeps the model where it is.
@@ -303,7 +325,7 @@ class Engine:
         vocab_size = model.cfg.vocab_size
         self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
         self.cache_type = StaticKVCache if compile else KVCache
-        self.decode = torch.compile(model, fullgraph=True) if compile else model
+        self.decode = _compiled_step(model) if compile else model
 
     @classmethod
     def from_run(cls, run_dir: str | Path, device: str | torch.device = "cpu", ckpt: str = "last") -> Engine:

@@ -400,7 +400,7 @@ class GPT(nn.Module):
         return model
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings:
+        if self.cfg.tie_embeddings and isinstance(self.output, nn.Linear):  # not a quantized head
             self.output.weight = self.tok_embeddings.weight
 
     def to_empty(self, *, device: str | torch.device | None, recurse: bool = True) -> GPT:
@@ -444,7 +444,7 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
         if non_embedding:
             tables = [m.weight for m in self.modules() if isinstance(m, nn.Embedding)]
-            n -= sum(t.numel() for t in tables if t is not self.output.weight)
+            n -= sum(t.numel() for t in tables if t is not getattr(self.output, "weight", None))
         return n
 
     def flops_per_token(self, seq_len: int) -> int:

@@ -14,8 +14,9 @@ learning rate (``group["peak_lr"]``) and the schedule scales each peak alike. Th
 
 Before the layout is applied, the model may start from a finished run's float weights
 (``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
-skipped on resume, where the checkpoint's weights win), and its block linears may fake-quantize
-their weights in every forward (``train.qat``: ``QATLinear``, same parameters and names), so
+skipped on resume, where the checkpoint's weights win), and its block linears (and the output
+head, at int8) may fake-quantize their weights in every forward (``train.qat``: ``QATLinear``,
+same parameters and names), so
 compile traces the rounding and DDP/FSDP, checkpoints and the exported float weights are those
 of a plain run; ``ember quantize`` with the same scheme then stores what training saw.
 
@@ -282,9 +283,10 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
 
 
 def _apply_qat(model, train_cfg) -> None:
-    """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass
-    (``QATLinear``: same parameters and names, so optimizer, checkpoints and the exported float
-    weights are unchanged, and ``ember quantize`` of the same scheme stores what training saw)."""
+    """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass,
+    and the output head at int8 as ``ember quantize`` stores it (``QATLinear``: same parameters
+    and names, so optimizer, checkpoints and the exported float weights are unchanged, and
+    ``ember quantize`` of the same scheme stores what training saw)."""
     from ember.export.quantize import QuantSpec, apply_qat
 
     spec = QuantSpec(train_cfg.qat, train_cfg.qat_group_size)
