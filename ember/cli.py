@@ -116,8 +116,23 @@ def cmd_eval(args) -> int:
     from rich.table import Column, Table
     from rich.text import Text
 
-    from ember.infer.evaluate import evaluate_run
+    from ember.infer.evaluate import evaluate_run, evaluate_task
 
+    if args.task:
+        if args.data or args.split:
+            raise EmberError("--task scores generated answers; give it without --split or --data")
+        r = evaluate_task(Path(args.run), args.task, args.n, args.ckpt)
+        lo, hi = r["accuracy_ci95"]
+        for ex in r["examples"]:
+            print(
+                f"  {ex['prompt']!r} -> {ex['output']!r} (want {ex['answer']!r}, reward {ex['reward']:.2f})"
+            )
+        print(
+            f"{args.task}: accuracy {r['accuracy']:.1%} (95% interval {lo:.1%} … {hi:.1%}), mean reward "
+            f"{r['mean_reward']:.3f}, over {r['problems']} problems of its test split, greedy, chat format; "
+            f"written {Path(args.run) / 'eval.json'}"
+        )
+        return 0
     results = evaluate_run(
         Path(args.run),
         args.data,
@@ -205,11 +220,20 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     from dataclasses import replace
 
+    import yaml
+
+    from ember.data.chat import render
     from ember.infer.engine import Engine
 
     sampling = _sampling(args)
     engine = Engine.from_run(args.run)
-    print(f"ember chat with {args.run} (a base model: it continues your text). Empty line or Ctrl-D to quit.")
+    config = Path(args.run) / "config.yaml"
+    chat = (
+        config.is_file() and (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("task") == "sft"
+    )
+    kind = "a chat model: turns in the chat format" if chat else "a base model: it continues your text"
+    print(f"ember chat with {args.run} ({kind}). Empty line or Ctrl-D to quit.")
+    messages: list[dict] = []
     for turn in itertools.count(1):
         try:
             prompt = input("> ")
@@ -217,9 +241,14 @@ def cmd_chat(args) -> int:
             break
         if not prompt.strip():
             break
-        for _, piece in engine.stream([prompt], replace(sampling, seed=sampling.seed + turn), truncate=True):
+        messages.append({"role": "user", "content": prompt})
+        text = render(engine.tokenizer, messages, add_generation_prompt=True)[0] if chat else prompt
+        reply = ""
+        for _, piece in engine.stream([text], replace(sampling, seed=sampling.seed + turn), truncate=True):
             print(piece, end="", flush=True)
+            reply += piece
         print(flush=True)
+        messages.append({"role": "assistant", "content": reply})
     return 0
 
 
@@ -430,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with --max-windows, compares the final model on seen and unseen text alike",
     )
     p.add_argument("--data", action="append", metavar="SOURCE", help="text to evaluate on (repeatable)")
+    p.add_argument(
+        "--task",
+        metavar="NAME",
+        help="instead: accuracy on an embedded task's test problems (add-2, sort, ...)",
+    )
+    p.add_argument("--n", type=int, default=200, help="--task: problems to answer (default 200)")
     p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
     p.add_argument(
         "--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len)"
@@ -467,9 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser(
         "chat",
-        help="an interactive loop: type text, the model continues it",
-        description="A small interactive loop over RUN's final weights. A base model has no chat "
-        "format, so each line you type is continued as plain text (long inputs keep their end).",
+        help="an interactive loop: a conversation with a fine-tuned run, or text a base model continues",
+        description="A small interactive loop over RUN's final weights. A run fine-tuned with "
+        "train.task=sft gets the conversation so far in the chat format (ember/data/chat.py) and replies "
+        "until <|end_turn|>; a base model has no chat format, so each line you type is continued as plain "
+        "text. Long inputs keep their end.",
     )
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
     _add_sampling_args(p, seed_help="sampling seed (each turn adds its number)")

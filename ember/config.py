@@ -332,6 +332,24 @@ class TrainConfig(_Section, key="train"):
     init_from: str = opt(
         "", "a run directory whose final float weights (RUN/model/) start this run (fine-tuning); '' = none"
     )
+    task: str = opt(
+        "lm",
+        "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*)",
+        choices=("lm", "sft"),
+    )
+
+
+@dataclass
+class SFTConfig(_Section, key="sft"):
+    """Supervised fine-tuning (``train.task=sft``): what the conversations are and how rows hold them."""
+
+    data: str = opt(
+        "",
+        "conversations: an embedded task's name (its train split, e.g. add-2) or a JSONL file of "
+        "{messages} or {prompt, completion} rows",
+    )
+    examples: int = opt(20000, "problems drawn from an embedded task's train split", ge=1)
+    packing: bool = opt(True, "pack several conversations per row (no attention between them)")
 
 
 @dataclass
@@ -349,6 +367,7 @@ class Config:
     data: DataConfig = opt(DataConfig, "corpus, tokenizer and shards")
     model: ModelConfig = opt(ModelConfig, "model architecture")
     train: TrainConfig = opt(TrainConfig, "training loop")
+    sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning data (train.task=sft)")
     parallel: ParallelConfig = opt(ParallelConfig, "parallel layout")
 
     def __post_init__(self) -> None:

@@ -3,21 +3,15 @@ determinism, stopping, prompt-length errors, streaming text, loading from a run.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-
 import pytest
 import torch
 from torch import nn
 
 from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
-from ember.errors import EmberError
-from ember.infer.engine import Engine, KVCache, StaticKVCache, filter_logits, sample_next
+from ember.infer.engine import Engine, KVCache, StaticKVCache
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
-from ember.train.checkpoint import export_weights
 
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
 LAYOUTS = {

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from ember.atomic import build_dir
 from ember.config import Config, config_to_yaml
+from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
 from ember.model.hf import from_hf, to_hf
@@ -97,6 +98,8 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
         setattr(hf.config, key, value)
     hf.generation_config = transformers.GenerationConfig(**special)
     tokens = {f"{role}_token": tok for role, tok in tokenizer.special_tokens().items() if tok is not None}
+    if tokenizer.hf.token_to_id(END_TURN) is not None:  # an ember tokenizer: the chat format's tokens
+        tokens["chat_template"] = HF_CHAT_TEMPLATE
     hf_tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer.hf,
         **tokens,

@@ -46,7 +46,8 @@ Design choices:
 - **Streaming text is the suffix of a full decode.** Each step decodes a row's whole
   id list and emits what is new, holding back a trailing U+FFFD (an incomplete UTF-8
   character from byte-level BPE) and any tail that could be the start of a stop string,
-  so emitted text is never taken back. ``<|eos|>`` and a stop string end a row; neither
+  so emitted text is never taken back. ``<|eos|>`` (or ``<|end_turn|>``, the end of a chat
+  reply, ember/data/chat.py) and a stop string end a row; neither
   appears in the text.
 - The prompt is encoded as given, with no ``<|bos|>``: the trainer's stream has no bos,
   and documents are only separated by ``<|eos|>``.
@@ -61,6 +62,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ember.data.chat import END_TURN
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
@@ -324,6 +326,7 @@ class Engine:
         self.device = next(model.parameters()).device
         vocab_size = model.cfg.vocab_size
         self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
+        self.end_turn_id = tokenizer.hf.token_to_id(END_TURN) if hasattr(tokenizer, "hf") else None
         self.cache_type = StaticKVCache if compile else KVCache
         self.decode = _compiled_step(model) if compile else model
 
@@ -351,7 +354,7 @@ class Engine:
         room = max_seq_len - max_new_tokens  # prompt tokens that fit
         encoded = []
         for i, prompt in enumerate(prompts):
-            ids = self.tokenizer.encode(prompt)
+            ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)  # text or ids
             if not ids:
                 raise EmberError(f"prompt {i + 1} is empty; give at least one character of text to continue")
             if len(ids) > room and not truncate:
@@ -398,12 +401,12 @@ class Engine:
         ignore_eos: bool,
     ) -> Iterator[tuple[int, str]]:
         """Step the stream; yield (row, text piece) whenever a row's text grows."""
-        eos_id = None if ignore_eos else self.tokenizer.eos_id
+        ends = set() if ignore_eos else {self.tokenizer.eos_id, self.end_turn_id} - {None}
         while not stream.done:
             for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
                 if row.finish_reason is not None:
                     continue
-                if token == eos_id:
+                if token in ends:
                     row.finish_reason = "eos"
                     full = self.tokenizer.decode(row.ids)
                 else:
@@ -429,12 +432,13 @@ class Engine:
         return self._start(prompts, sampling or Sampling(), truncate)[1]
 
     def generate(
-        self, prompts: Sequence[str], sampling: Sampling | None = None, truncate: bool = False
+        self, prompts: Sequence[str | list[int]], sampling: Sampling | None = None, truncate: bool = False
     ) -> list[Completion]:
-        """Continue each prompt as ``sampling`` says (default ``Sampling()``): up to
-        ``max_new_tokens`` tokens, ending early at ``<|eos|>`` or at a ``stop`` string (excluded
-        from the text); row i samples with seed + i. A prompt that does not fit with
-        ``max_new_tokens`` raises unless ``truncate``, which keeps its last tokens."""
+        """Continue each prompt (text, or token ids such as ``chat.render``'s) as ``sampling`` says
+        (default ``Sampling()``): up to ``max_new_tokens`` tokens, ending early at ``<|eos|>`` or
+        ``<|end_turn|>`` or at a ``stop`` string (excluded from the text); row i samples with
+        seed + i. A prompt that does not fit with ``max_new_tokens`` raises unless ``truncate``,
+        which keeps its last tokens."""
         rows, pieces = self._start(prompts, sampling or Sampling(), truncate)
         for _ in pieces:
             pass

@@ -255,3 +255,62 @@ def _record(path: Path, results: dict) -> None:
             pass  # a damaged record is replaced
     record["results"].update(results)
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- task accuracy
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (sound near 0 and 1, unlike p ± z·se)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def evaluate_task(
+    run_dir: Path, task_name: str, n: int = 200, ckpt: str = "last", max_new_tokens: int = 32, batch: int = 16
+) -> dict:
+    """Greedy answers of the run's model to ``n`` problems of ``task_name``'s **test** split, each
+    prompt in the chat format (ember/data/chat.py), scored by the task's verifier: the mean reward
+    (exact-match accuracy for the exact tasks), its 95% Wilson interval (over problems, taking
+    rewards of 1 as successes), and a few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``."""
+    from ember.data.chat import render
+    from ember.data.tasks import TASKS
+    from ember.infer.engine import Engine
+    from ember.infer.sampling import Sampling
+
+    if task_name not in TASKS:
+        raise EmberError(f"--task {task_name!r}: unknown task; choose one of {', '.join(TASKS)}")
+    task = TASKS[task_name]
+    run_dir = Path(run_dir)
+    model, tokenizer = load_run(run_dir, ckpt)
+    engine = Engine(model, tokenizer)
+    problems = task.generate("test", n)
+    greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0)
+    rewards, examples = [], []
+    for start in range(0, len(problems), batch):
+        chunk = problems[start : start + batch]
+        prompts = [render(tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in chunk]
+        for problem, completion in zip(chunk, engine.generate(prompts, greedy, truncate=True), strict=True):
+            reward = float(task.score(problem, completion.text))
+            rewards.append(reward)
+            if len(examples) < 5:
+                shown = {"prompt": problem.prompt, "answer": problem.answer, "output": completion.text}
+                examples.append({**shown, "reward": reward})
+    exact = sum(r == 1.0 for r in rewards)
+    lo, hi = wilson_interval(exact, len(rewards))
+    result = {
+        "task": task_name,
+        "problems": len(rewards),
+        "split": "test",
+        "mean_reward": sum(rewards) / len(rewards),
+        "accuracy": exact / len(rewards),
+        "accuracy_ci95": [lo, hi],
+        "ckpt": ckpt,
+        "examples": examples,
+    }
+    _record(run_dir / "eval.json", {f"task:{task_name}": result})
+    return result

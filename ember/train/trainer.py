@@ -71,6 +71,7 @@ from ember.train.checkpoint import (
 )
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
+from ember.train.sft import SFTLoader, SFTTask, encode_conversations, load_conversations
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -345,20 +346,35 @@ class Trainer:
             else contextlib.nullcontext()
         )
         token_bytes = torch.tensor(self.tokenizer.token_byte_lengths(self.model_cfg.vocab_size))
-        self.task = LMTask(t.z_loss, token_bytes.to(env.device))
-
-        train_set = TokenDataset(cfg.data.dir, "train")
-        self.loader = TrainLoader(
-            train_set,
-            t.seq_len,
-            self.global_rows,
-            cfg.run.seed,
-            env.rank,
-            env.world_size,
-            mode=cfg.data.sampling,
-            device=env.device,
-        )
-        self.val_loader = self._val_loader(manifest)
+        if t.task == "sft":
+            self.task = SFTTask(cfg.sft.packing)
+            examples = encode_conversations(self.tokenizer, load_conversations(cfg.sft), t.seq_len)
+            print0(f"sft: {len(examples):,} conversations from {cfg.sft.data}")
+            self.loader = SFTLoader(
+                examples,
+                t.seq_len,
+                self.global_rows,
+                cfg.run.seed,
+                cfg.sft.packing,
+                env.rank,
+                env.world_size,
+                env.device,
+            )
+            self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
+        else:
+            self.task = LMTask(t.z_loss, token_bytes.to(env.device))
+            train_set = TokenDataset(cfg.data.dir, "train")
+            self.loader = TrainLoader(
+                train_set,
+                t.seq_len,
+                self.global_rows,
+                cfg.run.seed,
+                env.rank,
+                env.world_size,
+                mode=cfg.data.sampling,
+                device=env.device,
+            )
+            self.val_loader = self._val_loader(manifest)
 
         self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
         self.best_val, self.best_step, self.skipped = math.inf, -1, 0
@@ -373,6 +389,8 @@ class Trainer:
             self.skipped = meta.get("skipped", 0)
             if meta.get("scaler"):
                 self.scaler.load_state_dict(meta["scaler"])
+            if meta.get("data_cursor"):  # SFT's epoch order (LM batches are a function of the step)
+                self.loader.load_state_dict(meta["data_cursor"])
             print0(f"resumed from {self.resume_from} (step {self.step}, {self.tokens:,} tokens)")
         # a finished run resumed again: nothing to train, and nothing in its directory changes
         self.done = self.progress(self.elapsed_before) >= 1.0 and (self.run_dir / "summary.json").is_file()
@@ -521,9 +539,9 @@ class Trainer:
                 lr = lr_at(self.step, progress_after, t)
                 for group in self.optimizer.param_groups:  # each group's own peak, one schedule
                     group["lr"] = lr_at(self.step, progress_after, t, peak=group["peak_lr"])
-                _, x, y = next(batches)
+                _, *batch = next(batches)  # (x, y), or (x, y, doc) for packed SFT
                 t1 = time.perf_counter()
-                loss, grad_norm, fwd_bwd_s = self.train_step(x, y)
+                loss, grad_norm, fwd_bwd_s = self.train_step(batch)
                 t3 = time.perf_counter()
                 self.step += 1
                 self.tokens += t.batch_tokens
@@ -542,8 +560,8 @@ class Trainer:
         self._finish(last)
         return last
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step on this rank's rows (x, y: (rows, seq_len)): micro-batches with the
+    def train_step(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step on this rank's rows (x, y, ...: (rows, seq_len)): micro-batches with the
         loss scaled by accumulation, backward, unscale + clip, the non-finite guard agreed across
         ranks, step. Returns the loss (mean over ranks), the gradient norm and the seconds spent
         in forward + backward."""
@@ -554,7 +572,7 @@ class Trainer:
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with self._sync_grads(micro == self.grad_accum - 1):
                 with self.autocast:
-                    loss, _ = self.task.loss(self.model, (x[rows], y[rows]))
+                    loss, _ = self.task.loss(self.model, tuple(b[rows] for b in batch))
                     loss = loss / self.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -568,7 +586,7 @@ class Trainer:
         if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
             bad |= ~torch.isfinite(grad_norm)
         if all_reduce(bad.float(), "max").item():
-            self._on_nonfinite(x[: t.micro_batch], y[: t.micro_batch])
+            self._on_nonfinite(tuple(b[: t.micro_batch] for b in batch))
         else:
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -624,7 +642,7 @@ class Trainer:
             self.model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def _on_nonfinite(self, x, y) -> None:
+    def _on_nonfinite(self, batch: tuple) -> None:
         """Skip the update (the step still counts: the data moves on), or stop naming the culprit."""
         if self.cfg.train.nonfinite == "skip":
             self.skipped += 1
@@ -633,7 +651,7 @@ class Trainer:
                 f"update skipped ({self.skipped} so far)"
             )
             return
-        module = _find_nonfinite_module(self.model, self.task, (x, y), self.autocast)
+        module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
         raise NonFiniteError(
             f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip"
@@ -663,6 +681,7 @@ class Trainer:
             "skipped": self.skipped,
             "world_size": self.env.world_size,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "data_cursor": self.loader.state_dict() if hasattr(self.loader, "state_dict") else None,
         }
         keep = (self.best_step,) if self.cfg.train.keep_best and self.best_step >= 0 else ()
         save_checkpoint(
