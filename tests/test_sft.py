@@ -1,15 +1,24 @@
 """Supervised fine-tuning: the chat format, packing without cross-attention, the epoch order
 and its exact resume."""
 
+import json
+import math
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
+from ember.cli import main
 from ember.config import ModelConfig
 from ember.data.chat import chat_ids, render
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
+from ember.train.checkpoint import load_run
+from ember.train.metrics import read_metrics
 from ember.train.sft import IGNORE, PackedDocuments, SFTLoader, SFTTask
+from ember.train.trainer import train
 
 TEXT = ["What is 12 + 30? 42. Sort 3 1 2: 1 2 3. def main():\n    return 1\n" * 40]
 LAYOUTS = {
@@ -111,3 +120,92 @@ def test_targets_are_the_trained_tokens_shifted_and_packing_fills_rows():
     model = _model("llama")
     loss, metrics = SFTTask(packing=True).loss(model, (x, y, doc))
     assert torch.isfinite(loss) and metrics["trained_tokens"] == int((y != IGNORE).sum()) > 0
+
+
+# ---------------------------------------------------------------- through the trainer
+
+SFT = [
+    "train.task=sft",
+    "sft.data=add-2",
+    "sft.examples=300",
+    "train.deterministic=true",
+    "model.dropout=0.1",
+]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_sft_resumes_bit_for_bit_with_its_epoch_cursor(tiny_cfg, packing):
+    args = [*SFT, f"sft.packing={packing}", "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3"]
+    args += ["sft.examples=40"]  # 8 steps of 8 rows cross an epoch of 40 conversations
+    cfg = tiny_cfg(*args)
+    train(cfg)
+    run = Path(cfg.run.out_dir) / cfg.run.name
+    full = _losses(run)
+    assert sorted(full) == list(range(1, 9)) and all(math.isfinite(v) for v in full.values())
+    shutil.rmtree(run / "checkpoints" / "step-000008")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 4))
+    train(tiny_cfg(*args, "train.resume=auto"))
+    assert _losses(run) == full  # bitwise equal floats: same batches, same RNG
+
+
+def test_sft_learns_and_eval_task_scores_it(tiny_cfg, capsys):
+    cfg = tiny_cfg(*SFT, "model.dropout=0.0", "train.max_steps=30", "train.lr=0.003")
+    train(cfg)
+    run = Path(cfg.run.out_dir) / cfg.run.name
+    losses = _losses(run)
+    assert losses[30] < 0.7 * losses[1]  # the completion-only loss falls
+    assert main(["eval", str(run), "--task", "add-2", "--n", "20"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy" in out and "95% interval" in out
+    record = json.loads((run / "eval.json").read_text())["results"]["task:add-2"]
+    assert record["problems"] == 20 and 0.0 <= record["accuracy"] <= 1.0
+    lo, hi = record["accuracy_ci95"]
+    assert lo <= record["accuracy"] <= hi
+    assert main(["eval", str(run), "--task", "add-7"]) == 2
+
+
+def test_sft_from_a_jsonl_file_and_bad_rows(tiny_cfg, tmp_path, capsys):
+    path = tmp_path / "chats.jsonl"
+    rows = [{"prompt": f"Say {w}", "completion": w} for w in ("yes", "no", "maybe", "def", "class")]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = tiny_cfg("train.task=sft", f"sft.data={path}", "train.max_steps=3", "train.eval_every=0")
+    assert math.isfinite(train(cfg)["loss"])
+    path.write_text(json.dumps(rows[0]) + "\n" + '{"prompt": "x"}\n')
+    argv = [
+        "train",
+        "tiny",
+        f"data.dir={cfg.data.dir}",
+        "data.val_fraction=0.1",
+        f"run.out_dir={tmp_path / 'bad'}",
+    ]
+    assert main([*argv, "train.task=sft", f"sft.data={path}", "train.max_steps=1"]) == 2
+    assert f"{path}:2" in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "tiny" / "model").exists()
+
+
+def test_the_exported_chat_template_gives_embers_ids(tiny_cfg, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_cfg(*SFT, "train.max_steps=1", "train.eval_every=0")
+    train(cfg)
+    run = Path(cfg.run.out_dir) / cfg.run.name
+    assert main(["export", str(run), "--to", "hf", str(tmp_path / "hf")]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    _, tokenizer = load_run(run)
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "What is 12 + 30? héllo wörld 😀"},
+        {"role": "assistant", "content": "42"},
+    ]
+    got = hf_tok.apply_chat_template(messages, tokenizer_kwargs={"split_special_tokens": False})
+    got = got["input_ids"] if hasattr(got, "keys") else got
+    assert got == render(tokenizer, messages)[0]
+    prompt = hf_tok.apply_chat_template(
+        messages[:-1], add_generation_prompt=True, tokenizer_kwargs={"split_special_tokens": False}
+    )
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    assert prompt == render(tokenizer, messages[:-1], add_generation_prompt=True)[0]

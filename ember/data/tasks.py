@@ -1,0 +1,227 @@
+"""Embedded verifiable tasks, offline and seeded, and users' own conversations from JSONL.
+
+    problems = TASKS["add-2"].generate("train", 10_000)          # Problem(prompt, answer, task)
+    TASKS["add-2"].score(problems[0], "132")                     # reward in [0, 1]
+    conversations = load_jsonl("data/chats.jsonl")               # [[{role, content}, ...], ...]
+
+**Splits.** Problem ``i`` of a split is drawn from its own generator, seeded by
+``sha256(f"{task}:{split}:{i}")``, so it does not depend on how many are asked for. A candidate
+belongs to the split its canonical text hashes into (``sha256`` of the prompt, one bucket in
+five for ``test``); candidates of the other split are skipped, so no test problem is ever a
+train problem, whatever the counts (tests/test_tasks.py checks thousands).
+
+**Verifiers.** The exact tasks (arithmetic, sort, reverse, count) compare the first line of the
+completion, stripped of surrounding whitespace, with the answer: reward 1 or 0. ``pydoc``
+asks what a Python statement or concept does (the topics of the documentation inside every
+CPython, ``pydoc_data.topics``) and answers with the topic's first paragraph; its reward is the
+token F1 of SQuAD (Rajpurkar et al. 2016): lowercase, punctuation removed, ``F1 = 2PR/(P+R)``
+over the multiset of words shared by completion and reference.
+
+**JSONL.** One conversation per line: ``{"messages": [{"role": ..., "content": ...}, ...]}``
+(OpenAI's chat format; roles system, user, assistant, at least one assistant turn) or
+``{"prompt": ..., "completion": ...}`` (a user turn and an assistant turn). A malformed line is
+an EmberError naming the file and the line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import string
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ember.data.chat import check_messages
+from ember.errors import EmberError
+
+SPLITS = ("train", "test")
+TEST_BUCKETS = 5  # one candidate in five (by hash) belongs to the test split
+MAX_STREAK = 3000  # candidates in a row that are taken or of the other split: no new ones are left
+
+
+@dataclass
+class Problem:
+    prompt: str  # the user's message
+    answer: str  # the reference reply
+    task: str
+    meta: dict = field(default_factory=dict)
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+
+
+def split_of(prompt: str) -> str:
+    return "test" if _digest(prompt) % TEST_BUCKETS == 0 else "train"
+
+
+def first_line(completion: str) -> str:
+    return completion.strip().split("\n", 1)[0].strip()
+
+
+class Task:
+    """A seeded problem generator with fixed train/test splits and a verifier."""
+
+    def __init__(self, name: str, make: Callable[[random.Random], tuple[str, str]], description: str):
+        self.name, self.make, self.description = name, make, description
+
+    def generate(self, split: str, n: int) -> list[Problem]:
+        """The first ``n`` distinct problems of ``split`` (the same problems for any ``n``; see
+        the module docstring). Fewer if the split has fewer (2-digit addition: ~1,600 in test)."""
+        if split not in SPLITS:
+            raise EmberError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
+        problems, seen, i, streak = [], set(), 0, 0
+        while len(problems) < n and streak < MAX_STREAK:  # a long run of misses: the split is used up
+            rng = random.Random(_digest(f"{self.name}:{split}:{i}"))
+            i += 1
+            prompt, answer = self.make(rng)
+            if split_of(prompt) != split or prompt in seen:
+                streak += 1
+                continue
+            seen.add(prompt)
+            streak = 0
+            problems.append(Problem(prompt, answer, self.name))
+        return problems
+
+    def score(self, problem: Problem, completion: str) -> float:
+        return float(first_line(completion) == problem.answer)
+
+
+def _add(k: int) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randrange(10 ** (k - 1), 10**k), rng.randrange(10 ** (k - 1), 10**k)
+        return f"What is {a} + {b}?", str(a + b)
+
+    return make
+
+
+def _mul(k: int) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randrange(10 ** (k - 1), 10**k), rng.randrange(10 ** (k - 1), 10**k)
+        return f"What is {a} * {b}?", str(a * b)
+
+    return make
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    values = [rng.randrange(100) for _ in range(rng.randint(3, 8))]
+    return f"Sort ascending: {' '.join(map(str, values))}", " ".join(map(str, sorted(values)))
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 12)))
+    return f"Reverse: {word}", word[::-1]
+
+
+def _count(rng: random.Random) -> tuple[str, str]:
+    letters = rng.sample(string.ascii_lowercase[:8], 3)
+    word = "".join(rng.choice(letters) for _ in range(rng.randint(5, 14)))
+    letter = rng.choice(letters)
+    return f"How many times does '{letter}' occur in {word}?", str(word.count(letter))
+
+
+# ---------------------------------------------------------------- pydoc: questions on the docs
+
+
+def _normalize(text: str) -> list[str]:
+    text = text.lower().translate(str.maketrans("", "", string.punctuation))
+    return text.split()
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD's token F1 between two texts (see the module docstring)."""
+    pred, ref = _normalize(prediction), _normalize(reference)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _topics() -> list[tuple[str, str]]:
+    """(topic key, its first paragraph of prose) for every documentation topic that has one."""
+    from pydoc_data.topics import topics
+
+    pairs = []
+    for key in sorted(topics):
+        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", topics[key]) if p.strip()]
+        prose = [p for p in paragraphs[1:] if not p.startswith(("*", " ", "-", "=")) and len(p) > 40]
+        if prose:
+            pairs.append((key, " ".join(prose[0].split())[:400]))
+    return pairs
+
+
+class PydocTask(Task):
+    """ "What does `with` do?" → the first paragraph of that documentation topic; F1-scored."""
+
+    def __init__(self) -> None:
+        super().__init__("pydoc", self._make, "questions on Python's documentation topics, token F1")
+        self._pairs: list[tuple[str, str]] | None = None
+
+    def _make(self, rng: random.Random) -> tuple[str, str]:
+        if self._pairs is None:
+            self._pairs = _topics()
+        key, paragraph = rng.choice(self._pairs)
+        return f"What does `{key}` do in Python?", paragraph
+
+    def score(self, problem: Problem, completion: str) -> float:
+        return token_f1(completion.strip(), problem.answer)
+
+
+TASKS: dict[str, Task] = {
+    "add-2": Task("add-2", _add(2), "2-digit addition, exact match"),
+    "add-3": Task("add-3", _add(3), "3-digit addition, exact match"),
+    "mul-2": Task("mul-2", _mul(2), "2-digit multiplication, exact match"),
+    "sort": Task("sort", _sort, "sort 3-8 integers below 100, exact match"),
+    "reverse": Task("reverse", _reverse, "reverse 3-12 lowercase letters, exact match"),
+    "count": Task("count", _count, "count a letter in a word, exact match"),
+    "pydoc": PydocTask(),
+}
+
+
+# ---------------------------------------------------------------- users' conversations
+
+
+def load_jsonl(path: str | Path) -> list[list[dict]]:
+    """Conversations from a JSONL file (see the module docstring); an EmberError names the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise EmberError(f"cannot read {path} ({e}); give a UTF-8 JSONL file of conversations") from None
+    conversations = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EmberError(f"{where}: not JSON ({e.msg}); each line must be one JSON object") from None
+        if isinstance(row, dict) and "messages" in row:
+            messages = row["messages"]
+            check_messages(messages, where)
+            if not any(m["role"] == "assistant" for m in messages):
+                raise EmberError(f"{where}: no assistant message, so nothing to learn; add the reply")
+        elif isinstance(row, dict) and "prompt" in row and "completion" in row:
+            if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
+                raise EmberError(f"{where}: 'prompt' and 'completion' must be strings")
+            messages = [
+                {"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": row["completion"]},
+            ]
+        else:
+            raise EmberError(
+                f'{where}: expected {{"messages": [...]}} or {{"prompt": ..., "completion": ...}}'
+            )
+        conversations.append([{"role": m["role"], "content": m["content"]} for m in messages])
+    if not conversations:
+        raise EmberError(f"{path} holds no conversations; write one JSON object per line")
+    return conversations
