@@ -1,0 +1,293 @@
+"""LoRA and QLoRA: low-rank adapters on frozen linears, the frozen base optionally in NF4.
+
+    apply_lora(model, rank=8, alpha=16)                 # swaps the targeted linears, freezes the rest
+    print(lora_summary(model))                          # "LoRA r=8: 73,728 trainable of ... (5.1%)"
+    with adapters_disabled(model): ref = model(idx)     # the base model, no second copy (DPO's reference)
+    merge_lora(model)                                   # fold B·A into the weights: plain nn.Linear again
+    save_peft(model, "adapter/")                        # adapter_config.json + adapter_model.safetensors
+
+**LoRA** (Hu et al. 2021) keeps a linear layer's weight W (out × in) frozen and learns a
+low-rank update: ``y = x Wᵀ + b + (α / r) · dropout(x) Aᵀ Bᵀ`` with A (r × in) and B (out × r).
+A starts as PEFT's (Kaiming-uniform, a = √5) and B at zero, so training starts from the base
+model exactly. Only A and B train: r·(in + out) numbers per layer instead of in·out.
+``merge_lora`` folds ``(α / r) B A`` into W, after which the model is a plain one (same logits
+within float rounding, tested to 1e-5).
+
+**QLoRA** (Dettmers et al. 2023) stores the frozen W in 4-bit NormalFloat (``NF4Linear``): W is
+cut into blocks of 64 consecutive values, each block scaled by its absolute maximum into
+[-1, 1] and every value replaced by the nearest of 16 levels, the NF4 code book: quantiles of
+a standard normal, so that normally distributed weights use each level about equally often.
+With double quantization the per-block maxima (fp32, 1/16 byte a weight) are themselves stored
+as int8 in blocks of 256 around their mean (≈ 1/64 byte a weight). The forward dequantizes W and
+runs an fp32 ``linear``; the adapters above are fp32.
+
+Written by hand, not with PEFT and bitsandbytes: adapters are what ember teaches (DESIGN), and
+bitsandbytes has no CPU kernels for this machine. ``save_peft`` writes PEFT's format for the
+Llama layout (one adapter per q/k/v/o/gate/up/down projection), so ``PeftModel.from_pretrained``
+on ember's exported base reproduces the adapted logits (tests/test_lora.py). GPT-2's layout
+fuses q, k and v into one ``c_attn``, which PEFT adapts as one matrix; ember adapts them apart,
+so its adapters for that layout are refused there (merge them, then export the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ember.errors import EmberError
+
+DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and MLP projections
+HF_NAMES = {  # ember linear -> its HF Llama module (ember/model/hf.py's mapping)
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "mlp.w1": "mlp.gate_proj",
+    "mlp.w3": "mlp.up_proj",
+    "mlp.w2": "mlp.down_proj",
+}
+
+# The NF4 code book as bitsandbytes and the QLoRA paper publish it (appendix E).
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)  # fmt: skip
+
+
+def nf4_code_book(offset: float = 0.9677083) -> Tensor:
+    """The code book built as the paper defines it: 8 positive levels at the normal quantiles of
+    ``linspace(offset, 0.5, 9)`` and 7 negative ones at those of ``linspace(offset, 0.5, 8)``,
+    an exact zero, all divided by the largest (``offset`` = (1 − 1/(2·15) + 1 − 1/(2·16)) / 2)."""
+    ndtri = torch.special.ndtri
+    positive = ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])
+    negative = -ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
+    values = torch.cat([positive, torch.zeros(1, dtype=torch.float64), negative]).sort().values
+    return (values / values.abs().max()).float()
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear layer whose weight is stored in NF4 (see the module docstring)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, block: int = 64, double_quant: bool = True):
+        super().__init__()
+        out_features, in_features = weight.shape
+        if weight.numel() % block or (weight.numel() // block) % 2:
+            raise EmberError(f"NF4: a {tuple(weight.shape)} weight does not split into blocks of {block}")
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        w = weight.detach().float().reshape(-1, block)
+        absmax = w.abs().amax(dim=1).clamp(min=1e-12)  # (blocks,)
+        code = torch.tensor(NF4_CODE, device=w.device)
+        bounds = (code[1:] + code[:-1]) / 2  # a value takes the level whose interval holds it
+        q = torch.bucketize(w / absmax[:, None], bounds).to(torch.uint8).reshape(-1)
+        self.register_buffer("codes", (q[0::2] | (q[1::2] << 4)).contiguous())  # two levels a byte
+        self.register_buffer("code", code)
+        self.double_quant = double_quant
+        if double_quant:  # the block maxima as int8 around their mean, one fp32 scale per 256 of them
+            mean = absmax.mean()
+            centred = absmax - mean
+            pad = (-centred.numel()) % 256
+            groups = F.pad(centred, (0, pad)).reshape(-1, 256)
+            scale = groups.abs().amax(dim=1).clamp(min=1e-12) / 127
+            self.register_buffer("absmax_q", torch.round(groups / scale[:, None]).to(torch.int8))
+            self.register_buffer("absmax_scale", scale)
+            self.register_buffer("absmax_mean", mean)
+        else:
+            self.register_buffer("absmax", absmax)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    def block_absmax(self) -> Tensor:
+        if not self.double_quant:
+            return self.absmax
+        n = self.out_features * self.in_features // self.block
+        return (self.absmax_q.float() * self.absmax_scale[:, None]).reshape(-1)[:n] + self.absmax_mean
+
+    def dequantize(self) -> Tensor:
+        """The fp32 weight (out, in) these codes stand for."""
+        q = torch.stack([self.codes & 15, self.codes >> 4], dim=-1).reshape(-1, self.block)
+        w = self.code[q.long()] * self.block_absmax()[:, None]
+        return w.reshape(self.out_features, self.in_features)
+
+    def storage_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for n, b in self.named_buffers() if n != "code")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(
+            x, self.dequantize().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)
+        )
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + (alpha / rank) · dropout(x) Aᵀ Bᵀ`` over a frozen ``base`` (nn.Linear or NF4Linear)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base, self.rank, self.alpha = base, rank, alpha
+        self.in_features, self.out_features = base.in_features, base.out_features
+        device = next(base.parameters(), None)
+        device = device.device if device is not None else next(base.buffers()).device
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's initialisation
+        self.scale = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.enabled = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        if not self.enabled:
+            return y
+        return y + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+
+    def merged_weight(self) -> Tensor:
+        base = (
+            self.base.dequantize() if isinstance(self.base, NF4Linear) else self.base.weight.detach().float()
+        )
+        return base + self.scale * (self.lora_B.detach().float() @ self.lora_A.detach().float())
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, base={type(self.base).__name__}"
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def apply_lora(
+    model: nn.Module,
+    rank: int = 8,
+    alpha: float = 16.0,
+    dropout: float = 0.0,
+    targets: Sequence[str] = DEFAULT_TARGETS,
+    nf4: bool = False,
+    nf4_block: int = 64,
+    double_quant: bool = True,
+) -> nn.Module:
+    """Freeze every parameter and swap each nn.Linear inside ``model.layers`` whose attribute
+    name is in ``targets`` for a ``LoRALinear`` (its base in NF4 when ``nf4``: QLoRA). In place."""
+    if rank < 1:
+        raise EmberError(f"LoRA rank {rank}: give a rank of at least 1")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    found, names = [], set()
+    for parent in model.layers.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear:
+                names.add(name)
+                if name in targets:
+                    found.append((parent, name, child))
+    missing = [] if tuple(targets) == DEFAULT_TARGETS else sorted(set(targets) - names)  # GPT-2 has no w3
+    if missing or not found:
+        raise EmberError(
+            f"LoRA targets {missing or list(targets)} match no linear layer; the blocks' linears are "
+            f"{', '.join(sorted(names))}"
+        )
+    for parent, name, linear in found:
+        base = NF4Linear(linear.weight, linear.bias, nf4_block, double_quant) if nf4 else linear
+        setattr(parent, name, LoRALinear(base, rank, alpha, dropout))
+    return model
+
+
+def lora_summary(model: nn.Module) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    total += sum(
+        m.base.out_features * m.base.in_features
+        for _, m in _lora_layers(model)
+        if isinstance(m.base, NF4Linear)
+    )
+    layers = list(_lora_layers(model))
+    rank = layers[0][1].rank if layers else 0
+    return f"LoRA r={rank}: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model for the duration: every adapter off (DPO's reference, no copy held)."""
+    layers = [m for _, m in _lora_layers(model)]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Replace every ``LoRALinear`` by a plain nn.Linear holding W + (α / r) B A. In place."""
+    for name, layer in list(_lora_layers(model)):
+        parent = model.get_submodule(name.rpartition(".")[0])
+        bias = layer.base.bias is not None
+        merged = nn.Linear(layer.in_features, layer.out_features, bias=bias, device=layer.lora_A.device)
+        merged.weight.copy_(layer.merged_weight())
+        if bias:
+            merged.bias.copy_(layer.base.bias)
+        setattr(parent, name.rpartition(".")[2], merged)
+    return model
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters alone: {"layers.0.attention.wq.lora_A": ..., ...}."""
+    return {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+
+
+def load_lora_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = sorted(set(lora_state_dict(model)) - set(state))
+    unknown = sorted(set(state) - set(params))
+    if missing or unknown:
+        raise EmberError(f"adapters do not fit this model: missing {missing[:3]}, unknown {unknown[:3]}")
+    with torch.no_grad():
+        for n, t in state.items():
+            params[n].copy_(t)
+
+
+def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str = "") -> Path:
+    """Write the adapters in PEFT's format (Llama layout; see the module docstring)."""
+    from safetensors.torch import save_file
+
+    if model.cfg.pos != "rope" or model.cfg.mlp != "swiglu":
+        raise EmberError(
+            "PEFT adapters are written for the Llama layout only (GPT-2's c_attn fuses q, k, v, which "
+            "ember adapts apart); merge_lora and export the merged model instead"
+        )
+    layers = list(_lora_layers(model))
+    if not layers:
+        raise EmberError("the model has no LoRA adapters to save")
+    tensors, targets = {}, set()
+    for name, layer in layers:
+        block, _, rest = name.partition(".")[2].partition(
+            "."
+        )  # "layers.3.attention.wq" -> "3", "attention.wq"
+        hf = f"base_model.model.model.layers.{block}.{HF_NAMES[rest]}"
+        tensors[f"{hf}.lora_A.weight"] = layer.lora_A.detach().float().contiguous()
+        tensors[f"{hf}.lora_B.weight"] = layer.lora_B.detach().float().contiguous()
+        targets.add(HF_NAMES[rest].rpartition(".")[2])
+    first = layers[0][1]
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": first.rank,
+        "lora_alpha": first.alpha,
+        "lora_dropout": first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    return out

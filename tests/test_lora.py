@@ -1,0 +1,133 @@
+"""LoRA and QLoRA: adapters on frozen linears, merging, PEFT's format, the NF4 code book."""
+
+import pytest
+import torch
+
+from ember.config import ModelConfig
+from ember.errors import EmberError
+from ember.model.gpt import GPT
+from ember.model.lora import (
+    NF4_CODE,
+    LoRALinear,
+    NF4Linear,
+    adapters_disabled,
+    apply_lora,
+    load_lora_state_dict,
+    lora_state_dict,
+    lora_summary,
+    merge_lora,
+    nf4_code_book,
+    save_peft,
+)
+
+LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2)
+GPT2 = dict(pos="learned", norm="layernorm", mlp="gelu", bias=True)
+
+
+def _model(**layout) -> GPT:
+    cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, max_seq_len=64, **(layout or LLAMA))
+    return GPT.build(cfg, seed=0).eval()
+
+
+def _randomize_b(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.05)
+
+
+IDX = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("layout", [LLAMA, GPT2], ids=["llama", "gpt2"])
+def test_lora_starts_at_the_base_trains_only_adapters_and_merges_exactly(layout):
+    model = _model(**layout)
+    with torch.no_grad():
+        base = model(IDX)
+    apply_lora(model, rank=4, alpha=8)
+    with torch.no_grad():
+        assert torch.equal(model(IDX), base)  # B = 0: the base model exactly
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    assert "trainable of" in lora_summary(model) and "r=4" in lora_summary(model)
+    _randomize_b(model)
+    with torch.no_grad():
+        adapted = model(IDX)
+        assert (adapted - base).abs().max() > 1e-3
+        with adapters_disabled(model):
+            torch.testing.assert_close(model(IDX), base, rtol=0, atol=0)
+        state = {k: v.clone() for k, v in lora_state_dict(model).items()}
+        merge_lora(model)
+        assert not any(isinstance(m, LoRALinear) for m in model.modules())
+        torch.testing.assert_close(model(IDX), adapted, rtol=0, atol=1e-5)
+    fresh = apply_lora(_model(**layout), rank=4, alpha=8)
+    load_lora_state_dict(fresh, state)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(IDX), adapted, rtol=0, atol=0)
+
+
+def test_gradients_reach_only_the_adapters():
+    model = apply_lora(_model(), rank=2, alpha=4, targets=("wq", "wv"))
+    _randomize_b(model)
+    model.train()
+    model(IDX).logsumexp(-1).mean().backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (".lora_" in name), name
+
+
+def test_targets_that_match_nothing_list_the_names():
+    with pytest.raises(EmberError, match=r"\['q_proj'\].*wk, wo, wq, wv") as e:
+        apply_lora(_model(), targets=("q_proj",))
+    assert "w1" in str(e.value)
+
+
+def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path):
+    peft = pytest.importorskip("peft")
+    from ember.model.hf import to_hf
+
+    model = _model()
+    hf = to_hf(model).eval()  # the base, exported before the adapters are applied
+    apply_lora(model, rank=4, alpha=8)
+    _randomize_b(model)
+    save_peft(model, tmp_path / "adapter")
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours, theirs = model(IDX), peft_model(IDX).logits
+    torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+    with pytest.raises(EmberError, match="Llama layout"):
+        save_peft(apply_lora(_model(**GPT2), rank=2, alpha=2), tmp_path / "gpt2")
+
+
+def test_the_nf4_code_book_is_the_published_one():
+    torch.testing.assert_close(nf4_code_book(), torch.tensor(NF4_CODE), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_nf4_round_trip_nearest_level_and_bytes(double_quant):
+    w = torch.randn(256, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    layer = NF4Linear(w, None, block=64, double_quant=double_quant)
+    deq = layer.dequantize()
+    absmax = w.reshape(-1, 64).abs().amax(1, keepdim=True)
+    code = torch.tensor(NF4_CODE)
+    nearest = code[(w.reshape(-1, 64) / absmax)[..., None].sub(code).abs().argmin(-1)] * absmax
+    tolerance = 0.0 if not double_quant else absmax.max().item() * 2e-3  # int8 block maxima
+    assert (deq.reshape(-1, 64) - nearest).abs().max() <= tolerance + 1e-7
+    assert (deq - w).abs().max() <= absmax.max() * (1 - NF4_CODE[-2]) / 2 + tolerance + 1e-7  # widest gap
+    ratio = layer.storage_bytes() / (w.numel() * 4)
+    print(f"NF4 bytes / fp32 bytes: {ratio:.3f} (double quantization {double_quant})")
+    assert ratio <= (0.135 if double_quant else 0.145) and ratio <= 0.3
+
+
+def test_qlora_forward_is_the_dequantized_linear_plus_the_adapter():
+    model = apply_lora(_model(), rank=4, alpha=8, nf4=True)
+    _randomize_b(model)
+    layer = model.layers["0"].attention.wq
+    assert isinstance(layer.base, NF4Linear)
+    x = torch.randn(3, 64)
+    want = x @ layer.base.dequantize().t() + (x @ layer.lora_A.t() @ layer.lora_B.t()) * layer.scale
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-6)
+        adapted = model(IDX)
+        merge_lora(model)
+        torch.testing.assert_close(model(IDX), adapted, rtol=0, atol=1e-5)
