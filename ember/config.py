@@ -332,6 +332,15 @@ class TrainConfig(_Section, key="train"):
     init_from: str = opt(
         "", "a run directory whose final float weights (RUN/model/) start this run (fine-tuning); '' = none"
     )
+    lora_rank: int = opt(
+        0, "LoRA: adapters of this rank on the block linears, the rest frozen (0 = off)", ge=0
+    )
+    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by lora_alpha / lora_rank", gt=0)
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", ge=0, lt=1)
+    lora_targets: list[str] = opt(
+        ["wq", "wk", "wv", "wo", "w1", "w2", "w3"], "LoRA: the block linears adapted (attention and MLP)"
+    )
+    qlora: bool = opt(False, "LoRA over a frozen base stored in NF4 (QLoRA)")
     task: str = opt(
         "lm",
         "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*)",

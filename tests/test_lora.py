@@ -131,3 +131,40 @@ def test_qlora_forward_is_the_dequantized_linear_plus_the_adapter():
         adapted = model(IDX)
         merge_lora(model)
         torch.testing.assert_close(model(IDX), adapted, rtol=0, atol=1e-5)
+
+
+def test_lora_sft_run_resumes_bitwise_saves_adapters_only_and_exports_merged(tiny_cfg, tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ember.train.checkpoint import load_run
+    from ember.train.metrics import read_metrics
+    from ember.train.trainer import train
+
+    base_cfg = tiny_cfg("run.name=base", "train.max_steps=3", "train.eval_every=0")
+    train(base_cfg)
+    base = Path(base_cfg.run.out_dir) / "base"
+    args = ["run.name=lora", "train.task=sft", "sft.data=add-2", "sft.examples=60", f"train.init_from={base}",
+            "train.lora_rank=4", "train.deterministic=true", "train.max_steps=6", "train.ckpt_every=3",
+            "train.keep_last=3", "train.lora_dropout=0.1"]  # fmt: skip
+    train(tiny_cfg(*args))
+    run = base.parent / "lora"
+    full = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+    saved = FileSystemReader(str(run / "checkpoints" / "step-000003")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_" in k for k in model_keys)  # the frozen base is not in it
+    shutil.rmtree(run / "checkpoints" / "step-000006")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 3))
+    train(tiny_cfg(*args, "train.resume=auto"))
+    assert {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r} == full
+    merged, _ = load_run(run)  # an ordinary run: the adapters merged into plain weights
+    assert not any(isinstance(m, LoRALinear) for m in merged.modules())
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    base_model, _ = load_run(base)
+    idx = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (merged(idx) - base_model(idx)).abs().max() > 0  # the adapters moved it

@@ -104,8 +104,10 @@ def save_checkpoint(
     meta: dict,
     keep_last: int = 2,
     keep_steps: tuple[int, ...] = (),
+    only: set[str] | None = None,
 ) -> Path:
-    """Save on every rank (collective); rank 0 commits and prunes. Returns the folder."""
+    """Save on every rank (collective); rank 0 commits and prunes. Returns the folder. ``only``:
+    the model entries to save (LoRA: the adapters; the frozen base comes from its own run)."""
     root = Path(root)
     folder = step_dir(root, step)
     rank = get_rank()
@@ -115,6 +117,8 @@ def save_checkpoint(
         folder.mkdir()
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if only is not None:
+        model_sd = {k: v for k, v in model_sd.items() if k in only}
     with _quiet_single_process():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder), no_dist=not _dist_on())
     torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
@@ -146,8 +150,14 @@ def _drop_unsaved_group_settings(optim_sd: dict, folder: Path) -> None:
             del group[key]
 
 
-def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Load model (+ optimizer) state and this rank's RNG; returns meta.json's content."""
+def load_checkpoint(
+    folder: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    only: set[str] | None = None,
+) -> dict:
+    """Load model (+ optimizer) state and this rank's RNG; returns meta.json's content. ``only``:
+    the model entries the checkpoint holds (as saved); the others stay as they are."""
     folder = Path(folder)
     if not (folder / MARKER).exists():
         raise EmberError(
@@ -163,12 +173,18 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim
                 set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
             else:
                 model_sd, optim_sd = get_state_dict(model, optimizer)
+                if only is not None:
+                    model_sd = {k: v for k, v in model_sd.items() if k in only}
                 built = [dict(group) for group in optimizer.param_groups]
                 _drop_unsaved_group_settings(optim_sd, folder)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
                 set_state_dict(
-                    model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                    model,
+                    optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optim"],
+                    options=StateDictOptions(strict=only is None),
                 )
                 for group, before in zip(optimizer.param_groups, built, strict=True):
                     for key, value in before.items():

@@ -187,9 +187,13 @@ class Muon(torch.optim.Optimizer):
 
 
 def param_role(name: str, p: torch.Tensor, embeddings: set[int]) -> str:
-    """'embed', 'hidden', 'head' or 'vector' for the parameter called ``name``."""
+    """'embed', 'hidden', 'head' or 'vector' for the parameter called ``name``. LoRA adapters
+    take the vector role: AdamW at train.lr without decay (PEFT's usual setting), never Muon,
+    whose orthogonalized update is made for full weight matrices."""
     if id(p) in embeddings:
         return "embed"
+    if ".lora_" in name:
+        return "vector"
     if p.ndim == 2 and "layers" in name.split("."):
         return "hidden"
     return "head" if p.ndim >= 2 else "vector"

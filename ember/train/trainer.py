@@ -37,6 +37,7 @@ Numbers you can trust:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import os
@@ -283,6 +284,28 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
     load_weights(model, folder)
 
 
+def _apply_lora(model, train_cfg, parallel_cfg, world_size: int) -> set[str]:
+    """``train.lora_rank``: adapters on the targeted block linears, everything else frozen (the
+    base in NF4 with ``train.qlora``); returns the adapters' state dict names, which are all a
+    checkpoint then holds."""
+    from ember.model.lora import apply_lora, lora_summary
+
+    if world_size > 1 and parallel_cfg.data == "fsdp":
+        raise ConfigError("LoRA runs on one device or under DDP (parallel.data=ddp), not FSDP yet")
+    if not train_cfg.init_from:
+        print0("ember: note: LoRA without train.init_from adapts a freshly initialised model")
+    apply_lora(
+        model,
+        train_cfg.lora_rank,
+        train_cfg.lora_alpha,
+        train_cfg.lora_dropout,
+        tuple(train_cfg.lora_targets),
+        nf4=train_cfg.qlora,
+    )
+    print0(lora_summary(model) + (" (base in NF4)" if train_cfg.qlora else ""))
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
 def _apply_qat(model, train_cfg) -> None:
     """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass,
     and the output head at int8 as ``ember quantize`` stores it (``QATLinear``: same parameters
@@ -327,10 +350,15 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
-        if t.init_from and self.resume_from is None:  # on resume the checkpoint's weights win
+        # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
+        # its frozen base is loaded again from init_from
+        if t.init_from and (self.resume_from is None or t.lora_rank):
             _init_from(model, t.init_from, self.model_cfg, manifest["tokenizer"]["sha256"])
         if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
             _apply_qat(model, t)
+        self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
+        if t.lora_rank:
+            self.adapters = _apply_lora(model, t, cfg.parallel, env.world_size)
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(env.device)
@@ -380,7 +408,7 @@ class Trainer:
         self.best_val, self.best_step, self.skipped = math.inf, -1, 0
         if self.resume_from is not None:
             peaks = [group["peak_lr"] for group in self.optimizer.param_groups]
-            meta = load_checkpoint(self.resume_from, self.model, self.optimizer)
+            meta = load_checkpoint(self.resume_from, self.model, self.optimizer, only=self.adapters)
             for group, peak in zip(self.optimizer.param_groups, peaks, strict=True):  # config's peaks win
                 group["peak_lr"] = peak
             self.step, self.tokens = meta["step"], meta["tokens"]
@@ -692,6 +720,7 @@ class Trainer:
             meta,
             keep_last=self.cfg.train.keep_last,
             keep_steps=keep,
+            only=self.adapters,
         )
 
     def _write_report(self) -> None:
@@ -703,8 +732,20 @@ class Trainer:
             print0(f"ember: note: no report written ({e})")
 
     def _export(self, name: str) -> None:
+        model = self.model
+        if self.adapters is not None:  # a plain model for every later verb: the adapters merged in
+            from ember.model.lora import merge_lora, save_peft
+
+            if (
+                name == "model"
+                and self.env.is_main
+                and self.model_cfg.pos == "rope"
+                and self.model_cfg.mlp == "swiglu"
+            ):
+                save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
+            model = merge_lora(copy.deepcopy(unwrap(self.model)))
         export_weights(
-            self.model,
+            model,
             self.run_dir / name,
             asdict(self.model_cfg),
             {TOKENIZER: Path(self.cfg.data.dir) / TOKENIZER},
