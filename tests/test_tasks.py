@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ember.data.tasks import TASKS, load_jsonl, token_f1
+from ember.data.tasks import TASKS, Problem, load_jsonl, split_of, token_f1
 from ember.errors import EmberError
 
 EXACT = [name for name in TASKS if name != "pydoc"]
@@ -14,9 +14,17 @@ EXACT = [name for name in TASKS if name != "pydoc"]
 def test_problems_are_seeded_and_splits_are_disjoint(name):
     task = TASKS[name]
     train, test = task.generate("train", 3000), task.generate("test", 600)
-    assert task.generate("test", 50) == test[:50]  # problem i does not depend on n
-    assert len(test) == len({p.prompt for p in test})  # distinct
+    assert len(train) == 3000 and len(test) == 600
+    assert task.generate("test", 600) == test  # seeded: the same problems again
+    assert task.generate("test", 50) == test[:50] and task.generate("train", 70) == train[:70]  # not on n
+    assert len(test) == len({p.prompt for p in test}) and len(train) == len({p.prompt for p in train})
     assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert {split_of(p.prompt) for p in train} == {"train"} and {split_of(p.prompt) for p in test} == {"test"}
+
+
+def test_an_unknown_split_is_refused():
+    with pytest.raises(EmberError, match="train, test"):
+        TASKS["add-2"].generate("val", 10)
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -25,7 +33,9 @@ def test_the_verifier_takes_the_answer_and_rejects_another(name):
     for p in task.generate("test", 50):
         assert task.score(p, p.answer) == 1.0
         assert task.score(p, f"  {p.answer}\n<junk after the line>") == 1.0  # first line, stripped
+        assert task.score(p, f"\n{p.answer} <|end_turn|>more") == 1.0  # the reply ends at end-of-turn
         assert task.score(p, p.answer + "0") == 0.0
+        assert task.score(p, f"The answer is {p.answer}") == 0.0  # exact, not contained
 
 
 def test_answers_are_right():
@@ -41,16 +51,31 @@ def test_answers_are_right():
     for p in TASKS["count"].generate("test", 100):
         letter, word = p.prompt.split("'")[1], p.prompt.split(" in ")[1].rstrip("?")
         assert p.answer == str(word.count(letter))
+    for p in TASKS["reverse"].generate("test", 100):
+        word = p.prompt.removeprefix("Reverse: ")
+        assert 3 <= len(word) <= 12 and word.isalpha() and p.answer == word[::-1]
+
+
+def test_a_problem_is_a_user_turn_and_the_reference_reply():
+    p = Problem("What is 47 + 85?", "132", "add-2")
+    assert p.messages() == [
+        {"role": "user", "content": "What is 47 + 85?"},
+        {"role": "assistant", "content": "132"},
+    ]
 
 
 def test_pydoc_questions_are_scored_by_token_f1():
     task = TASKS["pydoc"]
-    test = task.generate("test", 100)
-    assert 5 <= len(test) and not {p.prompt for p in test} & {p.prompt for p in task.generate("train", 500)}
-    p = test[0]
-    assert task.score(p, p.answer) == 1.0
-    assert 0 < task.score(p, " ".join(p.answer.split()[:4])) < 1.0
-    assert task.score(p, "bananas") == 0.0
+    test, train = task.generate("test", 1000), task.generate("train", 1000)
+    assert len(test) >= 30 and len(train) >= 4 * len(test) // 2  # the whole pool, split about 1 : 4
+    assert task.generate("test", 1000) == test and not {p.prompt for p in test} & {p.prompt for p in train}
+    assert any(p.prompt.startswith("What does `") for p in test)  # docstrings as well as topics
+    for p in test[:20]:
+        assert p.answer and task.score(p, p.answer) == 1.0
+        assert task.score(p, p.answer + "<|end_turn|>unrelated words after the turn") == 1.0
+        words = p.answer.split()
+        assert 0 < task.score(p, " ".join(words[: len(words) // 2])) < 1.0  # half the words: recall 1/2
+        assert task.score(p, "bananas zeppelin") == 0.0
     assert token_f1("The cat sat.", "the cat sat on the mat") == pytest.approx(2 * 1 * 0.5 / 1.5)
 
 
@@ -79,6 +104,8 @@ def test_jsonl_in_both_formats(tmp_path):
         ('{"messages": [{"role": "user", "content": 3}]}', "content"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant"),
         ('{"prompt": "hi", "completion": null}', "strings"),
+        ('{"messages": "hi"}', "non-empty list"),
+        ("[1, 2]", "expected"),
     ],
 )
 def test_a_malformed_line_names_its_number(tmp_path, line, message):

@@ -10,12 +10,17 @@ belongs to the split its canonical text hashes into (``sha256`` of the prompt, o
 five for ``test``); candidates of the other split are skipped, so no test problem is ever a
 train problem, whatever the counts (tests/test_tasks.py checks thousands).
 
-**Verifiers.** The exact tasks (arithmetic, sort, reverse, count) compare the first line of the
-completion, stripped of surrounding whitespace, with the answer: reward 1 or 0. ``pydoc``
-asks what a Python statement or concept does (the topics of the documentation inside every
-CPython, ``pydoc_data.topics``) and answers with the topic's first paragraph; its reward is the
-token F1 of SQuAD (Rajpurkar et al. 2016): lowercase, punctuation removed, ``F1 = 2PR/(P+R)``
-over the multiset of words shared by completion and reference.
+**Verifiers.** A completion is read up to its first ``<|end_turn|>`` (the engine may keep it).
+The exact tasks (arithmetic, sort, reverse, count) take the first line of that reply, stripped of
+surrounding whitespace, and compare it with the answer: reward 1.0 if equal, else 0.0, so a model
+may explain itself on later lines. ``pydoc`` asks what a documented piece of Python is or does and
+answers with the documentation's first paragraph: the topics inside every CPython
+(``pydoc_data.topics``, ember's ``embedded:python-docs`` corpus) and the docstrings of a fixed list
+of stdlib callables (``embedded:python-stdlib``). Its reward is SQuAD's token F1 (Rajpurkar et al.
+2016) over the whole reply: lowercase, punctuation removed, split on whitespace; with ``c`` the
+number of words the two share (as multisets), ``P = c/|reply|``, ``R = c/|reference|``,
+``F1 = 2PR/(P+R)`` (0 when ``c = 0``). The pydoc problems follow the running Python's
+documentation, so they differ between CPython versions; the split rule keeps them disjoint on each.
 
 **JSONL.** One conversation per line: ``{"messages": [{"role": ..., "content": ...}, ...]}``
 (OpenAI's chat format; roles system, user, assistant, at least one assistant turn) or
@@ -26,6 +31,8 @@ an EmberError naming the file and the line.
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import json
 import random
 import re
@@ -38,9 +45,12 @@ from pathlib import Path
 from ember.data.chat import check_messages
 from ember.errors import EmberError
 
+Conversation = list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
+
 SPLITS = ("train", "test")
 TEST_BUCKETS = 5  # one candidate in five (by hash) belongs to the test split
 MAX_STREAK = 3000  # candidates in a row that are taken or of the other split: no new ones are left
+END_TURN = "<|end_turn|>"  # ember/data/tokenizer.py's SPECIAL_TOKENS: where an assistant turn ends
 
 
 @dataclass
@@ -50,7 +60,9 @@ class Problem:
     task: str
     meta: dict = field(default_factory=dict)
 
-    def messages(self) -> list[dict]:
+    def messages(self) -> Conversation:
+        """The problem as a user turn and the reference reply, the shape load_jsonl returns, so
+        embedded tasks and users' files reach fine-tuning by one path."""
         return [{"role": "user", "content": self.prompt}, {"role": "assistant", "content": self.answer}]
 
 
@@ -59,11 +71,19 @@ def _digest(text: str) -> int:
 
 
 def split_of(prompt: str) -> str:
+    """The split a problem belongs to, by the hash of its prompt: a property of the problem, not of
+    the order it was drawn in, which is what makes the splits disjoint."""
     return "test" if _digest(prompt) % TEST_BUCKETS == 0 else "train"
 
 
+def reply_of(completion: str) -> str:
+    """The completion up to its first ``<|end_turn|>``: what the model said in its turn."""
+    return completion.split(END_TURN, 1)[0]
+
+
 def first_line(completion: str) -> str:
-    return completion.strip().split("\n", 1)[0].strip()
+    """The first non-blank line of the reply, stripped: what an exact task compares."""
+    return reply_of(completion).strip().split("\n", 1)[0].strip()
 
 
 class Task:
@@ -91,6 +111,7 @@ class Task:
         return problems
 
     def score(self, problem: Problem, completion: str) -> float:
+        """Exact match: 1.0 if ``first_line(completion) == problem.answer``, else 0.0."""
         return float(first_line(completion) == problem.answer)
 
 
@@ -145,34 +166,80 @@ def token_f1(prediction: str, reference: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _topics() -> list[tuple[str, str]]:
-    """(topic key, its first paragraph of prose) for every documentation topic that has one."""
+# Stdlib modules whose public callables' docstrings become questions: common, stable, and short
+# to document (a class's or function's first paragraph is one or two sentences).
+DOC_MODULES = (
+    "builtins", "bisect", "collections", "functools", "heapq", "itertools", "json", "math",
+    "os.path", "random", "re", "shutil", "statistics", "string", "textwrap",
+)  # fmt: skip
+MAX_ANSWER = 300  # characters of a reference paragraph; longer ones are cut at a word
+
+
+def _paragraph(text: str) -> str:
+    """``text`` on one line, cut to MAX_ANSWER characters at a word boundary."""
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_ANSWER else text[:MAX_ANSWER].rsplit(" ", 1)[0]
+
+
+def _is_prose(paragraph: str) -> bool:
+    """Not a heading underline, an indented grammar or code block, a bullet or a version note."""
+    lines = paragraph.splitlines()
+    if any(line.strip() and set(line.strip()) <= set("*=-~^") for line in lines):
+        return False
+    notes = ("*", "-", "New in version", "Changed in version", "Deprecated", "**Source code:**")
+    return not paragraph[:1].isspace() and not paragraph.startswith(notes) and len(paragraph) > 40
+
+
+def _topic_pairs() -> list[tuple[str, str]]:
+    """(question, first prose paragraph) for each documentation topic that has one; the topic's
+    title (its first line) names it in the question, since the keys are internal labels."""
     from pydoc_data.topics import topics
 
     pairs = []
     for key in sorted(topics):
-        paragraphs = [p.strip() for p in re.split(r"\n\s*\n", topics[key]) if p.strip()]
-        prose = [p for p in paragraphs[1:] if not p.startswith(("*", " ", "-", "=")) and len(p) > 40]
+        title, _, body = topics[key].strip().partition("\n")
+        prose = [p.strip("\n") for p in re.split(r"\n\s*\n", body) if _is_prose(p.strip("\n"))]
         if prose:
-            pairs.append((key, " ".join(prose[0].split())[:400]))
+            question = f"What does the Python documentation say about: {title.strip()}?"
+            pairs.append((question, _paragraph(prose[0])))
+    return pairs
+
+
+def _docstring_pairs() -> list[tuple[str, str]]:
+    """(question, first docstring paragraph) for the public callables defined in DOC_MODULES.
+    Re-exports are skipped (they belong to another module), and so are signature-style docstrings
+    ("int([x]) -> integer"), which say how to call a thing rather than what it does."""
+    pairs = []
+    for module_name in DOC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in sorted(vars(module)):
+            obj = getattr(module, name)
+            defined_here = getattr(obj, "__module__", None) == module.__name__
+            if name.startswith("_") or not callable(obj) or not defined_here:
+                continue
+            first = re.split(r"\n\s*\n", (inspect.getdoc(obj) or "").strip(), maxsplit=1)[0]
+            if len(first) < 20 or "->" in first or first.startswith((f"{name}(", "(")):
+                continue
+            qualified = name if module_name == "builtins" else f"{module_name}.{name}"
+            pairs.append((f"What does `{qualified}` do?", _paragraph(first)))
     return pairs
 
 
 class PydocTask(Task):
-    """ "What does `with` do?" → the first paragraph of that documentation topic; F1-scored."""
+    """Questions on Python's own documentation, scored by token F1 (see the module docstring)."""
 
     def __init__(self) -> None:
-        super().__init__("pydoc", self._make, "questions on Python's documentation topics, token F1")
+        super().__init__("pydoc", self._make, "questions on Python's documentation, token F1")
         self._pairs: list[tuple[str, str]] | None = None
 
     def _make(self, rng: random.Random) -> tuple[str, str]:
-        if self._pairs is None:
-            self._pairs = _topics()
-        key, paragraph = rng.choice(self._pairs)
-        return f"What does `{key}` do in Python?", paragraph
+        if self._pairs is None:  # built on first use: importing ember.data.tasks stays cheap
+            self._pairs = _topic_pairs() + _docstring_pairs()
+        return rng.choice(self._pairs)
 
     def score(self, problem: Problem, completion: str) -> float:
-        return token_f1(completion.strip(), problem.answer)
+        """Token F1 between the reply (up to ``<|end_turn|>``) and the reference paragraph."""
+        return token_f1(reply_of(completion), problem.answer)
 
 
 TASKS: dict[str, Task] = {
@@ -189,7 +256,7 @@ TASKS: dict[str, Task] = {
 # ---------------------------------------------------------------- users' conversations
 
 
-def load_jsonl(path: str | Path) -> list[list[dict]]:
+def load_jsonl(path: str | Path) -> list[Conversation]:
     """Conversations from a JSONL file (see the module docstring); an EmberError names the line."""
     path = Path(path)
     try:
