@@ -1,0 +1,165 @@
+"""LoRA fine-tuning speed and memory: ember's adapters against transformers + PEFT.
+
+    python benchmarks/lora.py                      # CPU, llama-mini, r=8 on q/k/v/o/gate/up/down
+    python benchmarks/lora.py --device cuda --model llama-small --batch 16
+
+The same base weights (ember's model, exported with ``ember.model.hf.to_hf``), the same
+batches of token ids, the same rank, alpha and targets, AdamW over the adapters only, fp32 on
+the CPU (bf16 autocast with ``--device cuda``). Each side runs in its own child process, so
+its peak memory is its own: the child's peak resident set (CPU) or
+``torch.cuda.max_memory_allocated`` (CUDA), minus what the process held before building the
+model. Tokens/s is the median over the timed steps, after warm-up steps. ember's step is
+``model(x)`` + cross-entropy; PEFT's is ``model(input_ids=x, labels=y)``, the way users call
+it. The first step's losses are printed: they agree (same weights, same batch), which is the
+check that both sides train the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+MODELS = {
+    "llama-mini": dict(n_layer=6, n_head=6, n_kv_head=2, d_model=384),
+    "llama-small": dict(n_layer=12, n_head=12, n_kv_head=4, d_model=768),
+}
+LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w3": "up_proj",
+           "w2": "down_proj"}  # fmt: skip
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def child(args) -> dict:
+    from ember.config import ModelConfig
+    from ember.model.gpt import GPT
+    from ember.model.lora import apply_lora
+
+    torch.manual_seed(0)
+    device = torch.device(args.device)
+    before = rss_mb()
+    cfg = ModelConfig(vocab_size=4096, max_seq_len=args.seq_len, dropout=0.0, **MODELS[args.model], **LLAMA)
+    base = GPT.build(cfg, seed=0)
+    if args.peer == "ember":
+        model = apply_lora(base, args.rank, 2 * args.rank, targets=tuple(TARGETS)).to(device)
+
+        def loss_of(x, y):
+            return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    else:
+        import peft
+
+        from ember.model.hf import to_hf
+
+        hf = to_hf(base)
+        config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                                 target_modules=list(TARGETS.values()))  # fmt: skip
+        model = peft.get_peft_model(hf, config).to(device)
+
+        def loss_of(x, y):
+            logits = model(input_ids=x).logits  # labels= would shift; our y is already the next token
+            return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainable = sum(p.numel() for p in params)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 4096, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
+    autocast = (
+        torch.autocast("cuda", torch.bfloat16)
+        if device.type == "cuda"
+        else torch.autocast("cpu", enabled=False)
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, first_loss = [], None
+    for step in range(args.warmup + args.steps):
+        batch = batches[step % len(batches)].to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        with autocast:
+            loss = loss_of(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if first_loss is None:
+            first_loss = loss.item()
+        if step >= args.warmup:
+            seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else rss_mb() - before
+    tokens = args.batch * args.seq_len
+    return {"tok_s": tokens / statistics.median(seconds), "peak_mb": peak, "first_loss": first_loss,
+            "trainable": trainable, "seconds": seconds}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default="llama-mini")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--peer", choices=["ember", "peft"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.peer:
+        print(json.dumps(child(args)))
+        return
+    import peft
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
+          f"{torch.get_num_threads()} threads, device {args.device}")  # fmt: skip
+    print(
+        f"{args.model}, LoRA r={args.rank} alpha={2 * args.rank} on {', '.join(TARGETS.values())}; batch "
+        f"{args.batch} x {args.seq_len} tokens, AdamW on the adapters; {args.steps} timed steps after "
+        f"{args.warmup}"
+    )
+    results = {}
+    for _ in range(2):  # each peer twice, in turns, so drift in the machine falls on both
+        for peer in ("ember", "peft"):
+            argv = [sys.executable, __file__, *sys.argv[1:], "--peer", peer]
+            out = (
+                subprocess.run(argv, capture_output=True, text=True, check=True)
+                .stdout.strip()
+                .splitlines()[-1]
+            )
+            results.setdefault(peer, []).append(json.loads(out))
+    rows = {}
+    for peer, runs in results.items():
+        rows[peer] = {
+            "tok_s": statistics.median([r["tok_s"] for r in runs]),
+            "peak_mb": max(r["peak_mb"] for r in runs),
+            "first_loss": runs[0]["first_loss"],
+            "trainable": runs[0]["trainable"],
+        }
+        r = rows[peer]
+        each = ", ".join(f"{x['tok_s']:,.0f}" for x in runs)
+        print(
+            f"{peer:6s} {r['tok_s']:9,.0f} tok/s  peak {r['peak_mb']:8,.0f} MiB  "
+            f"trainable {r['trainable']:,}  first loss {r['first_loss']:.6f}  (runs: {each})"
+        )
+    ratio = rows["ember"]["tok_s"] / rows["peft"]["tok_s"]
+    memory = rows["ember"]["peak_mb"] / rows["peft"]["peak_mb"]
+    print(
+        f"ember / PEFT: {ratio:.2f}x tokens/s, {memory:.2f}x peak memory "
+        f"(target >= 1.3x at <= 1.0x: {'met' if ratio >= 1.3 and memory <= 1.0 else 'not met'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
