@@ -341,6 +341,11 @@ class TrainConfig(_Section, key="train"):
         ["wq", "wk", "wv", "wo", "w1", "w2", "w3"], "LoRA: the block linears adapted (attention and MLP)"
     )
     qlora: bool = opt(False, "LoRA over a frozen base stored in NF4 (QLoRA)")
+    lora_chat_tokens: bool = opt(
+        True,
+        "LoRA with train.task=sft: the embedding rows of the chat tokens (<|system|>, <|user|>, "
+        "<|assistant|>, <|end_turn|>) train too, as a base model never saw them",
+    )
     task: str = opt(
         "lm",
         "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*)",

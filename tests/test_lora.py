@@ -149,7 +149,7 @@ def test_lora_sft_run_resumes_bitwise_saves_adapters_only_and_exports_merged(tin
     base = Path(base_cfg.run.out_dir) / "base"
     args = ["run.name=lora", "train.task=sft", "sft.data=add-2", "sft.examples=60", f"train.init_from={base}",
             "train.lora_rank=4", "train.deterministic=true", "train.max_steps=6", "train.ckpt_every=3",
-            "train.keep_last=3", "train.lora_dropout=0.1"]  # fmt: skip
+            "train.keep_last=3", "train.lora_dropout=0.1", "train.lora_chat_tokens=false"]  # fmt: skip
     train(tiny_cfg(*args))
     run = base.parent / "lora"
     full = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
@@ -168,3 +168,24 @@ def test_lora_sft_run_resumes_bitwise_saves_adapters_only_and_exports_merged(tin
     idx = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (merged(idx) - base_model(idx)).abs().max() > 0  # the adapters moved it
+
+
+def test_with_chat_tokens_only_their_embedding_rows_move(tiny_cfg):
+    from pathlib import Path
+
+    from ember.data.chat import chat_ids
+    from ember.train.checkpoint import load_run
+    from ember.train.trainer import train
+
+    base_cfg = tiny_cfg("run.name=base", "train.max_steps=2", "train.eval_every=0")
+    train(base_cfg)
+    base = Path(base_cfg.run.out_dir) / "base"
+    args = ["run.name=rows", "train.task=sft", "sft.data=add-2", "sft.examples=40", f"train.init_from={base}"]
+    train(tiny_cfg(*args, "train.lora_rank=2", "train.max_steps=4", "train.eval_every=0"))
+    before, tokenizer = load_run(base)
+    after, _ = load_run(base.parent / "rows")
+    moved = (
+        (after.tok_embeddings.weight != before.tok_embeddings.weight).any(dim=1).nonzero().flatten().tolist()
+    )
+    assert moved and set(moved) <= set(chat_ids(tokenizer).values())
+    assert not (base.parent / "rows" / "adapter").exists()  # PEFT's adapters alone would miss the rows

@@ -55,6 +55,7 @@ import yaml
 
 import ember
 from ember.config import config_to_yaml
+from ember.data.chat import chat_ids
 from ember.data.loader import TokenDataset, TrainLoader, ValLoader
 from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
 from ember.data.tokenizer import file_sha256
@@ -306,6 +307,20 @@ def _apply_lora(model, train_cfg, parallel_cfg, world_size: int) -> set[str]:
     return {name for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _train_rows(model, ids: list[int]) -> set[str]:
+    """Let only the embedding rows ``ids`` train (a tied head's too): the table's gradient is
+    masked to those rows, and with no weight decay on embeddings AdamW leaves the other rows
+    exactly as they were. The fine-tuning of new special tokens that PEFT offers as
+    ``trainable_token_indices``; returns the table's state dict name."""
+    weight = model.tok_embeddings.weight
+    mask = torch.zeros(weight.size(0), 1, dtype=weight.dtype, device=weight.device)
+    mask[ids] = 1
+    weight.requires_grad_(True)
+    weight.register_hook(lambda grad: grad * mask)
+    print0(f"and {len(ids)} embedding rows (the chat tokens): {len(ids) * weight.size(1):,} parameters")
+    return {"tok_embeddings.weight"}
+
+
 def _apply_qat(model, train_cfg) -> None:
     """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass,
     and the output head at int8 as ``ember quantize`` stores it (``QATLinear``: same parameters
@@ -359,6 +374,8 @@ class Trainer:
         self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
         if t.lora_rank:
             self.adapters = _apply_lora(model, t, cfg.parallel, env.world_size)
+            if t.task == "sft" and t.lora_chat_tokens:
+                self.adapters |= _train_rows(model, list(chat_ids(self.tokenizer).values()))
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(env.device)
@@ -736,12 +753,9 @@ class Trainer:
         if self.adapters is not None:  # a plain model for every later verb: the adapters merged in
             from ember.model.lora import merge_lora, save_peft
 
-            if (
-                name == "model"
-                and self.env.is_main
-                and self.model_cfg.pos == "rope"
-                and self.model_cfg.mlp == "swiglu"
-            ):
+            llama = self.model_cfg.pos == "rope" and self.model_cfg.mlp == "swiglu"
+            rows = "tok_embeddings.weight" in self.adapters  # trained rows: adapter/ alone would miss them
+            if name == "model" and self.env.is_main and llama and not rows:
                 save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
             model = merge_lora(copy.deepcopy(unwrap(self.model)))
         export_weights(
