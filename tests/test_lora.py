@@ -1,7 +1,10 @@
 """LoRA and QLoRA: adapters on frozen linears, merging, PEFT's format, the NF4 code book."""
 
+import json
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ember.config import ModelConfig
 from ember.errors import EmberError
@@ -13,6 +16,7 @@ from ember.model.lora import (
     adapters_disabled,
     apply_lora,
     load_lora_state_dict,
+    lora_counts,
     lora_state_dict,
     lora_summary,
     merge_lora,
@@ -38,6 +42,14 @@ def _randomize_b(model, seed=1):
 
 
 IDX = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+
+# QLoRA (Dettmers et al. 2023) appendix E, as bitsandbytes ships it (functional.py, NF4 lookup table).
+PUBLISHED_NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", [LLAMA, GPT2], ids=["llama", "gpt2"])
@@ -82,25 +94,70 @@ def test_targets_that_match_nothing_list_the_names():
     assert "w1" in str(e.value)
 
 
-def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path):
-    peft = pytest.importorskip("peft")
+@pytest.mark.parametrize(
+    "layout,targets",
+    [(LLAMA, None), (GPT2, None), (GPT2, ("wq", "wv", "w2"))],
+    ids=["llama", "gpt2", "gpt2-partial-qkv"],
+)
+def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path, layout, targets):
+    """The acceptance point: PEFT's own loader, on the base ember exports, gives ember's adapted
+    logits. GPT-2's partial case puts adapters on q and v only (zero k block of the fused c_attn)
+    and on mlp.c_proj but not attn.c_proj, which share a name."""
+    import peft
+
     from ember.model.hf import to_hf
 
-    model = _model()
+    model = _model(**layout)
     hf = to_hf(model).eval()  # the base, exported before the adapters are applied
-    apply_lora(model, rank=4, alpha=8)
+    apply_lora(model, rank=4, alpha=8, dropout=0.1, **({"targets": targets} if targets else {}))
     _randomize_b(model)
+    with torch.no_grad():
+        for m in model.modules():  # A as well, so that a transposed or misplaced block shows
+            if isinstance(m, LoRALinear):
+                m.lora_A.mul_(3.0)
+    model.eval()
     save_peft(model, tmp_path / "adapter")
-    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    assert config["fan_in_fan_out"] == (layout is GPT2)
+    if layout is LLAMA:
+        assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                   "up_proj", "down_proj"])  # fmt: skip
+    elif targets is None:
+        assert config["target_modules"] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+        assert config["rank_pattern"] == {"c_attn": 12} and config["alpha_pattern"] == {"c_attn": 24}
+    else:
+        assert config["target_modules"] == ["attn.c_attn", "mlp.c_proj"]
+        assert config["rank_pattern"] == {"c_attn": 8} and config["alpha_pattern"] == {"c_attn": 16}
+    with torch.no_grad():
+        base = hf(IDX).logits
+    peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()  # adapts hf in place
+    theirs_keys = set(peft.get_peft_model_state_dict(peft_model))
+    from safetensors.torch import load_file
+
+    assert set(load_file(tmp_path / "adapter" / "adapter_model.safetensors")) == theirs_keys
     with torch.no_grad():
         ours, theirs = model(IDX), peft_model(IDX).logits
+        assert (ours - base).abs().max() > 1e-3  # the adapters matter
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
-    with pytest.raises(EmberError, match="Llama layout"):
-        save_peft(apply_lora(_model(**GPT2), rank=2, alpha=2), tmp_path / "gpt2")
+
+
+def test_save_peft_refuses_a_model_without_adapters_or_hf_counterpart(tmp_path):
+    with pytest.raises(EmberError, match="no LoRA adapters"):
+        save_peft(_model(), tmp_path / "none")
+    save_peft(apply_lora(_model(), rank=2, alpha=2), tmp_path / "named", "runs/base/model")
+    config = json.loads((tmp_path / "named" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "runs/base/model"
+    relu2 = apply_lora(_model(**{**GPT2, "mlp": "relu2"}), rank=2, alpha=2)
+    with pytest.raises(EmberError, match="mlp=relu2"):
+        save_peft(relu2, tmp_path / "relu2")
 
 
 def test_the_nf4_code_book_is_the_published_one():
-    torch.testing.assert_close(nf4_code_book(), torch.tensor(NF4_CODE), rtol=0, atol=1e-6)
+    published = torch.tensor(PUBLISHED_NF4)
+    assert torch.equal(torch.tensor(NF4_CODE), published)  # the table the layers use
+    torch.testing.assert_close(nf4_code_book(), published, rtol=0, atol=1e-4)  # rebuilt from N(0,1) quantiles
+    assert nf4_code_book()[7] == 0 and (nf4_code_book() > 0).sum() == 8  # exact zero, 8 positive, 7 negative
 
 
 @pytest.mark.parametrize("double_quant", [True, False])
@@ -125,9 +182,12 @@ def test_qlora_forward_is_the_dequantized_linear_plus_the_adapter():
     layer = model.layers["0"].attention.wq
     assert isinstance(layer.base, NF4Linear)
     x = torch.randn(3, 64)
-    want = x @ layer.base.dequantize().t() + (x @ layer.lora_A.t() @ layer.lora_B.t()) * layer.scale
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-6)
+        want = (
+            F.linear(x, layer.base.dequantize())
+            + F.linear(F.linear(x, layer.lora_A), layer.lora_B) * layer.scale
+        )
+        assert torch.equal(layer(x), want)
         adapted = model(IDX)
         merge_lora(model)
         torch.testing.assert_close(model(IDX), adapted, rtol=0, atol=1e-5)
@@ -189,3 +249,48 @@ def test_with_chat_tokens_only_their_embedding_rows_move(tiny_cfg):
     )
     assert moved and set(moved) <= set(chat_ids(tokenizer).values())
     assert not (base.parent / "rows" / "adapter").exists()  # PEFT's adapters alone would miss the rows
+
+
+def test_counts_and_summary_are_the_adapter_sizes():
+    model = _model()  # Llama: d 64, k/v 32 wide (2 kv heads of 16), SwiGLU hidden 192
+    total = sum(p.numel() for p in model.parameters())
+    apply_lora(model, rank=4, alpha=8)
+    per_block = 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 192))
+    assert lora_counts(model) == (2 * per_block, total + 2 * per_block)
+    assert lora_summary(model) == (
+        f"LoRA r=4: {2 * per_block:,} trainable of {total + 2 * per_block:,} parameters "
+        f"({2 * per_block / (total + 2 * per_block):.2%})"
+    )
+    qlora = apply_lora(_model(), rank=4, alpha=8, nf4=True)  # NF4 weights count as what they stand for
+    assert lora_counts(qlora) == lora_counts(model)
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["lora", "qlora"])
+def test_a_meta_built_model_is_wrapped_then_materialised(nf4):
+    """DESIGN rule 1: build on meta, transform, ``to_empty`` + ``init_weights``."""
+    cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, max_seq_len=64, **LLAMA)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    apply_lora(model, rank=4, alpha=8, nf4=nf4)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    assert len(layers) == 14
+    for m in layers:
+        assert torch.equal(m.lora_B, torch.zeros_like(m.lora_B))
+        assert 0 < m.lora_A.abs().max() <= 1 / m.in_features**0.5  # Kaiming-uniform, a = sqrt(5)
+        w = m.base.dequantize() if nf4 else m.base.weight
+        assert w.isfinite().all() and 0.5 * cfg.init_std / 2 < w.std() < 1.5 * cfg.init_std
+    with torch.no_grad():
+        logits = model.eval()(IDX)
+        with adapters_disabled(model):
+            assert torch.equal(model(IDX), logits)  # B = 0
+
+
+def test_bad_rank_and_nf4_block_are_user_errors():
+    with pytest.raises(EmberError, match="rank 0"):
+        apply_lora(_model(), rank=0)
+    with pytest.raises(EmberError, match="blocks of 48"):
+        NF4Linear(torch.randn(64, 40), None, block=48)
+    with pytest.raises(EmberError, match="do not fit"):
+        load_lora_state_dict(apply_lora(_model(), rank=2), {"layers.0.attention.wq.lora_X": torch.zeros(1)})

@@ -2,6 +2,7 @@
 
     apply_lora(model, rank=8, alpha=16)                 # swaps the targeted linears, freezes the rest
     print(lora_summary(model))                          # "LoRA r=8: 73,728 trainable of ... (5.1%)"
+    trainable, total = lora_counts(model)               # the same, as numbers
     with adapters_disabled(model): ref = model(idx)     # the base model, no second copy (DPO's reference)
     merge_lora(model)                                   # fold B·A into the weights: plain nn.Linear again
     save_peft(model, "adapter/")                        # adapter_config.json + adapter_model.safetensors
@@ -22,11 +23,21 @@ as int8 in blocks of 256 around their mean (≈ 1/64 byte a weight). The forward
 runs an fp32 ``linear``; the adapters above are fp32.
 
 Written by hand, not with PEFT and bitsandbytes: adapters are what ember teaches (DESIGN), and
-bitsandbytes has no CPU kernels for this machine. ``save_peft`` writes PEFT's format for the
-Llama layout (one adapter per q/k/v/o/gate/up/down projection), so ``PeftModel.from_pretrained``
-on ember's exported base reproduces the adapted logits (tests/test_lora.py). GPT-2's layout
-fuses q, k and v into one ``c_attn``, which PEFT adapts as one matrix; ember adapts them apart,
-so its adapters for that layout are refused there (merge them, then export the model).
+bitsandbytes has no CPU kernels for this machine. ``save_peft`` writes PEFT's format for both
+layouts ``to_hf`` exports, so ``PeftModel.from_pretrained`` on ember's exported base reproduces
+the adapted logits within 1e-5 (tests/test_lora.py). Llama: one adapter per q/k/v/o/gate/up/down
+projection. GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q | k | v]) while ember
+adapts them apart; one adapter of rank 3r on ``c_attn`` is exactly the three of rank r: A is
+the three A's stacked (3r × in) and B is block-diagonal (3d × 3r), so each output block sees
+only its own rank-r update. The config says so with ``rank_pattern`` (3r) and ``alpha_pattern``
+(3α, keeping the scale α / r), and ``fan_in_fan_out`` is true for Conv1D. (PEFT draws one
+dropout mask for the fused input where ember draws three: equal at inference, where dropout
+is off.)
+
+Checkpoints: ``lora_state_dict`` holds only the adapters (``layers.0.attention.wq.lora_A``, ...);
+the frozen base reloads from where it came from. ``LoRALinear`` and ``NF4Linear`` define
+``init_weights(std, generator)``, so a model built on meta, wrapped, then ``to_empty`` +
+``init_weights`` comes out whole (DESIGN rule 1).
 """
 
 from __future__ import annotations
@@ -42,17 +53,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ember.errors import EmberError
+from ember.model.gpt import init_module
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and MLP projections
-HF_NAMES = {  # ember linear -> its HF Llama module (ember/model/hf.py's mapping)
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "mlp.w1": "mlp.gate_proj",
-    "mlp.w3": "mlp.up_proj",
-    "mlp.w2": "mlp.down_proj",
+HF_NAMES = {  # ember linear -> its HF module under the block, per layout (ember/model/hf.py's mapping)
+    "llama": {
+        "attention.wq": "self_attn.q_proj",
+        "attention.wk": "self_attn.k_proj",
+        "attention.wv": "self_attn.v_proj",
+        "attention.wo": "self_attn.o_proj",
+        "mlp.w1": "mlp.gate_proj",
+        "mlp.w3": "mlp.up_proj",
+        "mlp.w2": "mlp.down_proj",
+    },
+    "gpt2": {  # Conv1D layers; q, k, v share c_attn (fused in save_peft)
+        "attention.wq": "attn.c_attn",
+        "attention.wk": "attn.c_attn",
+        "attention.wv": "attn.c_attn",
+        "attention.wo": "attn.c_proj",
+        "mlp.w1": "mlp.c_fc",
+        "mlp.w2": "mlp.c_proj",
+    },
 }
+HF_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
 
 # The NF4 code book as bitsandbytes and the QLoRA paper publish it (appendix E).
 NF4_CODE = (
@@ -80,29 +103,44 @@ class NF4Linear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None, block: int = 64, double_quant: bool = True):
         super().__init__()
         out_features, in_features = weight.shape
-        if weight.numel() % block or (weight.numel() // block) % 2:
-            raise EmberError(f"NF4: a {tuple(weight.shape)} weight does not split into blocks of {block}")
+        if block % 2 or weight.numel() % block:
+            raise EmberError(
+                f"NF4: a {tuple(weight.shape)} weight does not split into blocks of {block}; "
+                "give an even nf4_block that divides in_features * out_features (64 for ember's shapes)"
+            )
         self.in_features, self.out_features, self.block = in_features, out_features, block
-        w = weight.detach().float().reshape(-1, block)
-        absmax = w.abs().amax(dim=1).clamp(min=1e-12)  # (blocks,)
-        code = torch.tensor(NF4_CODE, device=w.device)
-        bounds = (code[1:] + code[:-1]) / 2  # a value takes the level whose interval holds it
-        q = torch.bucketize(w / absmax[:, None], bounds).to(torch.uint8).reshape(-1)
-        self.register_buffer("codes", (q[0::2] | (q[1::2] << 4)).contiguous())  # two levels a byte
-        self.register_buffer("code", code)
         self.double_quant = double_quant
-        if double_quant:  # the block maxima as int8 around their mean, one fp32 scale per 256 of them
+        self.register_buffer("code", torch.tensor(NF4_CODE, device=weight.device))
+        self.quantize_(weight)
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @torch.no_grad()
+    def quantize_(self, weight: Tensor) -> None:
+        """Store ``weight`` (out, in) as NF4 codes and block maxima (replacing what was held)."""
+        w = weight.detach().float().reshape(-1, self.block)  # (blocks, block)
+        absmax = w.abs().amax(dim=1).clamp(min=1e-12)  # (blocks,)
+        bounds = (self.code[1:] + self.code[:-1]) / 2  # a value takes the level whose interval holds it
+        q = torch.bucketize(w / absmax[:, None], bounds).to(torch.uint8).reshape(-1)
+        self.register_buffer("codes", (q[0::2] | (q[1::2] << 4)).contiguous())  # two 4-bit levels a byte
+        if self.double_quant:  # QLoRA §3: the block maxima in 8 bits, blocks of 256, around their mean
             mean = absmax.mean()
-            centred = absmax - mean
-            pad = (-centred.numel()) % 256
-            groups = F.pad(centred, (0, pad)).reshape(-1, 256)
-            scale = groups.abs().amax(dim=1).clamp(min=1e-12) / 127
+            groups = F.pad(absmax - mean, (0, (-absmax.numel()) % 256)).reshape(-1, 256)
+            scale = groups.abs().amax(dim=1).clamp(min=1e-12) / 127  # (groups,), one fp32 a group
             self.register_buffer("absmax_q", torch.round(groups / scale[:, None]).to(torch.int8))
             self.register_buffer("absmax_scale", scale)
             self.register_buffer("absmax_mean", mean)
         else:
             self.register_buffer("absmax", absmax)
-        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        """A fresh N(0, std) weight, quantized (``init_module``'s contract: a meta-built QLoRA
+        model can be materialised with ``to_empty`` + ``init_weights``)."""
+        self.code.copy_(torch.tensor(NF4_CODE))  # to_empty() left it uninitialised too
+        weight = torch.empty(self.out_features, self.in_features, device=self.codes.device)
+        nn.init.normal_(weight, mean=0.0, std=std, generator=generator)
+        self.quantize_(weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def block_absmax(self) -> Tensor:
         if not self.double_quant:
@@ -136,10 +174,22 @@ class LoRALinear(nn.Module):
         device = device.device if device is not None else next(base.buffers()).device
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # PEFT's initialisation
         self.scale = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.enabled = True
+        self.enabled = True  # False: the base alone (``adapters_disabled``)
+        self.reset_adapters()
+
+    @torch.no_grad()
+    def reset_adapters(self, generator: torch.Generator | None = None) -> None:
+        """A as PEFT draws it (Kaiming-uniform, a = √5: U(±1/√in)), B = 0, so B A = 0 at the start."""
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+        nn.init.zeros_(self.lora_B)
+
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
+        """``init_module``'s contract: the base as the plain linear would be, then the adapters, so
+        that a model built on meta, LoRA-wrapped, then ``to_empty`` + ``init_weights`` works."""
+        init_module(self.base, std, generator)
+        self.reset_adapters(generator)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
@@ -196,14 +246,17 @@ def apply_lora(
     return model
 
 
-def lora_summary(model: nn.Module) -> str:
+def lora_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters; an NF4 weight counts as the in·out numbers it stands for."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    total += sum(
-        m.base.out_features * m.base.in_features
-        for _, m in _lora_layers(model)
-        if isinstance(m.base, NF4Linear)
-    )
+    total += sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, NF4Linear))
+    return trainable, total
+
+
+def lora_summary(model: nn.Module) -> str:
+    """One line for the log: ``"LoRA r=8: 73,728 trainable of 1,450,000 parameters (5.08%)"``."""
+    trainable, total = lora_counts(model)
     layers = list(_lora_layers(model))
     rank = layers[0][1].rank if layers else 0
     return f"LoRA r={rank}: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
@@ -252,28 +305,56 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
             params[n].copy_(t)
 
 
+def _peft_tensors(model: nn.Module, layout: str) -> dict[str, tuple[Tensor, Tensor]]:
+    """{HF module path: (A, B)} for PEFT: one pair per adapter, except GPT-2's q, k, v, which
+    become one pair on c_attn: A stacked (k·r × in), B block-diagonal (3d × k·r), for the k of
+    q, k, v that have adapters; an output block without one gets zero rows of B."""
+    pairs: dict[str, tuple[Tensor, Tensor]] = {}
+    fused: dict[str, list[tuple[int, LoRALinear]]] = {}
+    for name, layer in _lora_layers(model):
+        block, _, rest = name.removeprefix("layers.").partition(".")  # "3", "attention.wq"
+        if rest not in HF_NAMES[layout]:
+            raise EmberError(f"PEFT has no {layout} module for the adapter on {name}")
+        hf = f"{HF_BLOCKS[layout]}.{block}.{HF_NAMES[layout][rest]}"
+        if hf.endswith("c_attn"):
+            qkv = ("attention.wq", "attention.wk", "attention.wv").index(rest)
+            fused.setdefault(hf, []).append((qkv, layer))
+            continue
+        pairs[hf] = (layer.lora_A.detach().float(), layer.lora_B.detach().float())
+    for hf, parts in fused.items():
+        parts.sort(key=lambda part: part[0])
+        d, r = parts[0][1].out_features, parts[0][1].rank  # GPT-2: q, k, v all d × d
+        A = torch.cat([layer.lora_A.detach().float() for _, layer in parts])  # (k·r, in)
+        B = A.new_zeros(3 * d, len(parts) * r)  # (3d, k·r), rows [q | k | v] as in c_attn
+        for j, (i, layer) in enumerate(parts):
+            B[i * d : (i + 1) * d, j * r : (j + 1) * r] = layer.lora_B.detach().float()
+        pairs[hf] = (A, B)
+    return pairs
+
+
 def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str = "") -> Path:
-    """Write the adapters in PEFT's format (Llama layout; see the module docstring)."""
+    """Write the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) for
+    the HF layout ``to_hf`` exports the model as (see the module docstring for GPT-2's c_attn).
+    ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
     from safetensors.torch import save_file
 
-    if model.cfg.pos != "rope" or model.cfg.mlp != "swiglu":
-        raise EmberError(
-            "PEFT adapters are written for the Llama layout only (GPT-2's c_attn fuses q, k, v, which "
-            "ember adapts apart); merge_lora and export the merged model instead"
-        )
-    layers = list(_lora_layers(model))
+    from ember.model.hf import _layout
+
+    layout = _layout(model.cfg)  # a ConfigError for what HF cannot represent
+    layers = [layer for _, layer in _lora_layers(model)]
     if not layers:
-        raise EmberError("the model has no LoRA adapters to save")
-    tensors, targets = {}, set()
-    for name, layer in layers:
-        block, _, rest = name.partition(".")[2].partition(
-            "."
-        )  # "layers.3.attention.wq" -> "3", "attention.wq"
-        hf = f"base_model.model.model.layers.{block}.{HF_NAMES[rest]}"
-        tensors[f"{hf}.lora_A.weight"] = layer.lora_A.detach().float().contiguous()
-        tensors[f"{hf}.lora_B.weight"] = layer.lora_B.detach().float().contiguous()
-        targets.add(HF_NAMES[rest].rpartition(".")[2])
-    first = layers[0][1]
+        raise EmberError("the model has no LoRA adapters to save; apply_lora first")
+    first = layers[0]
+    if any((layer.rank, layer.alpha) != (first.rank, first.alpha) for layer in layers):
+        raise EmberError("save_peft writes one rank and alpha for every adapter; these adapters differ")
+    pairs = _peft_tensors(model, layout)
+    tensors = {}
+    for hf, (A, B) in pairs.items():
+        tensors[f"base_model.model.{hf}.lora_A.weight"] = A.contiguous()
+        tensors[f"base_model.model.{hf}.lora_B.weight"] = B.contiguous()
+    # Suffixes PEFT matches module names against; GPT-2 needs the parent to tell attn.c_proj from mlp's.
+    keep = 1 if layout == "llama" else 2
+    targets = sorted({".".join(hf.split(".")[-keep:]) for hf in pairs})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -281,11 +362,17 @@ def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: st
         "r": first.rank,
         "lora_alpha": first.alpha,
         "lora_dropout": first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0,
-        "target_modules": sorted(targets),
+        "target_modules": targets,
+        "rank_pattern": {},
+        "alpha_pattern": {},
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": layout == "gpt2",  # Conv1D stores its weight (in, out)
         "inference_mode": True,
     }
+    fused = [A.size(0) for hf, (A, _) in pairs.items() if hf.endswith("c_attn")]
+    if fused:  # rank k·r and alpha k·α: PEFT's scale alpha / r stays α / r
+        config["rank_pattern"] = {"c_attn": fused[0]}
+        config["alpha_pattern"] = {"c_attn": first.alpha * fused[0] / first.rank}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
