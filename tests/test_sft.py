@@ -167,6 +167,27 @@ def test_sft_learns_and_eval_task_scores_it(tiny_cfg, capsys):
     lo, hi = record["accuracy_ci95"]
     assert lo <= record["accuracy"] <= hi
     assert main(["eval", str(run), "--task", "add-7"]) == 2
+    assert main(["eval", str(run), "--task", "add-2-choice", "--n", "10"]) == 0
+    choice = json.loads((run / "eval.json").read_text())["results"]["task:add-2-choice"]
+    assert choice["problems"] == 10 and all(ex["output"].isdigit() for ex in choice["examples"])
+
+
+def test_choose_picks_the_option_of_highest_likelihood():
+    from ember.data.tasks import Problem
+    from ember.infer.evaluate import choose
+
+    tok = Tokenizer.train_bpe(TEXT, 300)
+    model = _model("llama")
+    problem = Problem("What is 12 + 30?", "42", "t", {"options": ["42", "43", "52", "24"]})
+    prompt = render(tok, problem.messages()[:-1], add_generation_prompt=True)[0]
+    end = chat_ids(tok)["end"]
+    scores = []
+    with torch.no_grad():
+        for option in problem.meta["options"]:
+            ids = prompt + tok.encode(option) + [end]
+            logp = model(torch.tensor([ids[:-1]]))[0].log_softmax(-1)
+            scores.append(sum(logp[t - 1, ids[t]].item() for t in range(len(prompt), len(ids))))
+        assert choose(model, tok, problem) == problem.meta["options"][scores.index(max(scores))]
 
 
 def test_sft_from_a_jsonl_file_and_bad_rows(tiny_cfg, tmp_path, capsys):

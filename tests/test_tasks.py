@@ -120,3 +120,15 @@ def test_an_empty_file_is_refused(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n")
     with pytest.raises(EmberError, match="no conversations"):
         load_jsonl(tmp_path / "e.jsonl")
+
+
+def test_choice_problems_hold_the_answer_among_four_distinct_options():
+    from ember.data.tasks import split_of
+
+    problems = TASKS["add-2-choice"].generate("test", 200)
+    for p in problems:
+        options = p.meta["options"]
+        assert len(options) == len(set(options)) == 4 and p.answer in options
+        assert split_of(p.prompt) == "test"  # the same partition as add-2: SFT on add-2 never saw these
+    positions = {p.meta["options"].index(p.answer) for p in problems}
+    assert positions == {0, 1, 2, 3}  # the answer is not always in one place

@@ -242,6 +242,38 @@ class PydocTask(Task):
         return token_f1(reply_of(completion), problem.answer)
 
 
+class ChoiceTask(Task):
+    """A multiple-choice version of an exact task: each problem carries ``meta["options"]``, the
+    answer and three near misses in a seeded order. ``ember eval --task`` scores it by
+    log-likelihood, not generation: the option whose tokens the model finds likeliest after the
+    prompt (summed log-probabilities, lm-evaluation-harness's ``acc``) is its choice."""
+
+    def __init__(self, name: str, base: Task, distractors: Callable[[str, random.Random], list[str]]):
+        super().__init__(name, base.make, f"{base.description}, as a 4-way choice by log-likelihood")
+        self.distractors = distractors
+
+    def generate(self, split: str, n: int) -> list[Problem]:
+        problems = super().generate(split, n)
+        for problem in problems:
+            rng = random.Random(_digest(f"{self.name}:options:{problem.prompt}"))
+            options = [problem.answer, *self.distractors(problem.answer, rng)]
+            rng.shuffle(options)
+            problem.meta["options"] = options
+        return problems
+
+
+def _near_sums(answer: str, rng: random.Random) -> list[str]:
+    """Three other numbers a careless adder writes: off by one, by ten, by a hundred or digits swapped."""
+    value = int(answer)
+    candidates = [value + d for d in (-100, -10, -1, 1, 10, 100) if value + d > 0]
+    candidates.append(int(answer[::-1]) if answer[::-1] != answer else value + 2)
+    picked = []
+    for c in rng.sample(candidates, len(candidates)):
+        if str(c) != answer and str(c) not in picked:
+            picked.append(str(c))
+    return picked[:3]
+
+
 TASKS: dict[str, Task] = {
     "add-2": Task("add-2", _add(2), "2-digit addition, exact match"),
     "add-3": Task("add-3", _add(3), "3-digit addition, exact match"),
@@ -250,6 +282,9 @@ TASKS: dict[str, Task] = {
     "reverse": Task("reverse", _reverse, "reverse 3-12 lowercase letters, exact match"),
     "count": Task("count", _count, "count a letter in a word, exact match"),
     "pydoc": PydocTask(),
+}
+TASKS |= {
+    "add-2-choice": ChoiceTask("add-2-choice", TASKS["add-2"], _near_sums),
 }
 
 

@@ -270,12 +270,31 @@ def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[floa
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def choose(model, tokenizer, problem) -> str:
+    """The option of ``problem.meta["options"]`` the model finds likeliest as the reply: the sum of
+    log-probabilities of its tokens and the closing ``<|end_turn|>`` (so "13" does not win as a
+    prefix of "132") after the chat-format prompt."""
+    from ember.data.chat import chat_ids, render
+
+    prompt = render(tokenizer, problem.messages()[:-1], add_generation_prompt=True)[0]
+    end = chat_ids(tokenizer)["end"]
+    best, best_score = None, -math.inf
+    for option in problem.meta["options"]:
+        reply = [*tokenizer.encode(option), end]
+        logits = model(torch.tensor([prompt + reply[:-1]]))[0, len(prompt) - 1 :]  # predicts each reply token
+        score = logits.float().log_softmax(-1).gather(1, torch.tensor(reply)[:, None]).sum().item()
+        if score > best_score:
+            best, best_score = option, score
+    return best
+
+
 def evaluate_task(
     run_dir: Path, task_name: str, n: int = 200, ckpt: str = "last", max_new_tokens: int = 32, batch: int = 16
 ) -> dict:
     """Greedy answers of the run's model to ``n`` problems of ``task_name``'s **test** split, each
     prompt in the chat format (ember/data/chat.py), scored by the task's verifier: the mean reward
-    (exact-match accuracy for the exact tasks), its 95% Wilson interval (over problems, taking
+    (exact-match accuracy for the exact tasks; multiple-choice tasks are scored by ``choose``,
+    no generation), its 95% Wilson interval (over problems, taking
     rewards of 1 as successes), and a few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``."""
     from ember.data.chat import render
     from ember.data.tasks import TASKS
@@ -290,16 +309,24 @@ def evaluate_task(
     engine = Engine(model, tokenizer)
     problems = task.generate("test", n)
     greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0)
-    rewards, examples = [], []
-    for start in range(0, len(problems), batch):
-        chunk = problems[start : start + batch]
-        prompts = [render(tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in chunk]
-        for problem, completion in zip(chunk, engine.generate(prompts, greedy, truncate=True), strict=True):
-            reward = float(task.score(problem, completion.text))
-            rewards.append(reward)
-            if len(examples) < 5:
-                shown = {"prompt": problem.prompt, "answer": problem.answer, "output": completion.text}
-                examples.append({**shown, "reward": reward})
+    outputs = []  # (problem, the model's answer, its reward)
+    if problems and "options" in problems[0].meta:  # multiple choice: by log-likelihood
+        with torch.no_grad():
+            for problem in problems:
+                choice = choose(model, tokenizer, problem)
+                outputs.append((problem, choice, float(choice == problem.answer)))
+    else:
+        for start in range(0, len(problems), batch):
+            chunk = problems[start : start + batch]
+            prompts = [render(tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in chunk]
+            completions = engine.generate(prompts, greedy, truncate=True)
+            for problem, completion in zip(chunk, completions, strict=True):
+                outputs.append((problem, completion.text, float(task.score(problem, completion.text))))
+    rewards = [reward for _, _, reward in outputs]
+    examples = [
+        {"prompt": p.prompt, "answer": p.answer, "output": text, "reward": reward}
+        for p, text, reward in outputs[:5]
+    ]
     exact = sum(r == 1.0 for r in rewards)
     lo, hi = wilson_interval(exact, len(rewards))
     result = {

@@ -753,9 +753,9 @@ class Trainer:
         if self.adapters is not None:  # a plain model for every later verb: the adapters merged in
             from ember.model.lora import merge_lora, save_peft
 
-            llama = self.model_cfg.pos == "rope" and self.model_cfg.mlp == "swiglu"
             rows = "tok_embeddings.weight" in self.adapters  # trained rows: adapter/ alone would miss them
-            if name == "model" and self.env.is_main and llama and not rows:
+            hf_layout = self.model_cfg.mlp in ("swiglu", "gelu")  # what ember/model/hf.py exports
+            if name == "model" and self.env.is_main and hf_layout and not rows:
                 save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
             model = merge_lora(copy.deepcopy(unwrap(self.model)))
         export_weights(
