@@ -364,6 +364,9 @@ class SFTConfig(_Section, key="sft"):
     )
     examples: int = opt(20000, "problems drawn from an embedded task's train split", ge=1)
     packing: bool = opt(True, "pack several conversations per row (no attention between them)")
+    eval_problems: int = opt(
+        100, "with an embedded task: test problems answered (greedy) at each evaluation; 0 = none", ge=0
+    )
 
 
 @dataclass

@@ -159,6 +159,9 @@ def test_sft_learns_and_eval_task_scores_it(tiny_cfg, capsys):
     run = Path(cfg.run.out_dir) / cfg.run.name
     losses = _losses(run)
     assert losses[30] < 0.7 * losses[1]  # the completion-only loss falls
+    accuracy = {r["step"]: r["task_accuracy"] for r in read_metrics(run) if "task_accuracy" in r}
+    assert sorted(accuracy) == [10, 20, 30] and all(0 <= a <= 1 for a in accuracy.values())
+    assert (run / "plots" / "task_accuracy.png").is_file()  # accuracy against step in the report
     assert main(["eval", str(run), "--task", "add-2", "--n", "20"]) == 0
     out = capsys.readouterr().out
     assert "accuracy" in out and "95% interval" in out

@@ -288,6 +288,30 @@ def choose(model, tokenizer, problem) -> str:
     return best
 
 
+def answer_problems(engine, task, problems: list, max_new_tokens: int = 32, batch: int = 16) -> list[tuple]:
+    """(problem, the model's answer, its reward) for each problem: greedy replies in the chat
+    format scored by the task's verifier, or for multiple-choice problems the likeliest option."""
+    from ember.data.chat import render
+    from ember.infer.sampling import Sampling
+
+    model, tokenizer = engine.model, engine.tokenizer
+    outputs = []
+    if problems and "options" in problems[0].meta:  # multiple choice: by log-likelihood
+        with torch.no_grad():
+            for problem in problems:
+                choice = choose(model, tokenizer, problem)
+                outputs.append((problem, choice, float(choice == problem.answer)))
+        return outputs
+    greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0)
+    for start in range(0, len(problems), batch):
+        chunk = problems[start : start + batch]
+        prompts = [render(tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in chunk]
+        completions = engine.generate(prompts, greedy, truncate=True)
+        for problem, completion in zip(chunk, completions, strict=True):
+            outputs.append((problem, completion.text, float(task.score(problem, completion.text))))
+    return outputs
+
+
 def evaluate_task(
     run_dir: Path, task_name: str, n: int = 200, ckpt: str = "last", max_new_tokens: int = 32, batch: int = 16
 ) -> dict:
@@ -296,10 +320,8 @@ def evaluate_task(
     (exact-match accuracy for the exact tasks; multiple-choice tasks are scored by ``choose``,
     no generation), its 95% Wilson interval (over problems, taking
     rewards of 1 as successes), and a few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``."""
-    from ember.data.chat import render
     from ember.data.tasks import TASKS
     from ember.infer.engine import Engine
-    from ember.infer.sampling import Sampling
 
     if task_name not in TASKS:
         raise EmberError(f"--task {task_name!r}: unknown task; choose one of {', '.join(TASKS)}")
@@ -308,20 +330,7 @@ def evaluate_task(
     model, tokenizer = load_run(run_dir, ckpt)
     engine = Engine(model, tokenizer)
     problems = task.generate("test", n)
-    greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0)
-    outputs = []  # (problem, the model's answer, its reward)
-    if problems and "options" in problems[0].meta:  # multiple choice: by log-likelihood
-        with torch.no_grad():
-            for problem in problems:
-                choice = choose(model, tokenizer, problem)
-                outputs.append((problem, choice, float(choice == problem.answer)))
-    else:
-        for start in range(0, len(problems), batch):
-            chunk = problems[start : start + batch]
-            prompts = [render(tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in chunk]
-            completions = engine.generate(prompts, greedy, truncate=True)
-            for problem, completion in zip(chunk, completions, strict=True):
-                outputs.append((problem, completion.text, float(task.score(problem, completion.text))))
+    outputs = answer_problems(engine, task, problems, max_new_tokens, batch)
     rewards = [reward for _, _, reward in outputs]
     examples = [
         {"prompt": p.prompt, "answer": p.answer, "output": text, "reward": reward}

@@ -57,6 +57,7 @@ class Run:
     train: list[dict]  # records with a training "loss"
     evals: list[dict]  # records with "val_loss"
     bad_lines: int
+    tasks: list[dict]  # records with "task_accuracy" (SFT runs evaluated on a task)
     eval: dict | None
     samples: str | None
 
@@ -104,6 +105,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
             records.append(record)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
+    tasks = [r for r in records if "task_accuracy" in r]
     if not train and not evals:
         raise EmberError(f"{metrics} holds no training records yet; run `ember train CONFIG` first")
     try:
@@ -120,6 +122,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
         train=train,
         evals=evals,
         bad_lines=bad,
+        tasks=tasks,
         eval=_read_json(path / "eval.json"),
         samples=samples.read_text(encoding="utf-8", errors="replace") if samples.is_file() else None,
     )
@@ -213,6 +216,11 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
         loss.append((f"{prefix}val", *_xy(run.evals, "tokens", "val_loss"), val_style))
     if _plot(plots_dir / "loss.png", loss, "Loss", "tokens", "loss (nats/token)"):
         drawn.append(("Train and validation loss", "loss.png"))
+    accuracy = [(run.label, *_xy(run.tasks, "step", "task_accuracy"), {"color": f"C{i}", "marker": "o"})
+                for i, run in enumerate(runs)]  # fmt: skip
+    if _plot(plots_dir / "task_accuracy.png", accuracy, "Task accuracy (held-out test problems)", "step",
+             "exact match"):  # fmt: skip
+        drawn.append(("Task accuracy on held-out test problems", "task_accuracy.png"))
     for stem, key, title, ylabel in STEP_PLOTS:
         series = [(run.label, *_xy(run.train, "step", key), {"color": f"C{i}"}) for i, run in enumerate(runs)]
         if _plot(plots_dir / f"{stem}.png", series, title, "step", ylabel):

@@ -176,10 +176,29 @@ class SFTLoader:
 
 
 class SFTTask:
-    """Cross-entropy on the trained tokens of packed (or padded) conversations."""
+    """Cross-entropy on the trained tokens of packed (or padded) conversations; evaluated, when
+    the data is an embedded task, by accuracy on ``eval_problems`` of its held-out test problems."""
 
-    def __init__(self, packing: bool = True):
-        self.packing = packing
+    def __init__(self, packing: bool = True, tokenizer=None, task: str = "", eval_problems: int = 0):
+        self.packing, self.tokenizer = packing, tokenizer
+        self.problems: list = []
+        if task and not task.endswith(".jsonl") and eval_problems:
+            from ember.data.tasks import TASKS
+
+            self.task = TASKS[task]
+            self.problems = self.task.generate("test", eval_problems)
+
+    def accuracy(self, model) -> dict:
+        """{"task_accuracy": the share of the test problems answered exactly}, or {} without any."""
+        if not self.problems:
+            return {}
+        from ember.infer.engine import Engine
+        from ember.infer.evaluate import answer_problems
+
+        was_training = model.training
+        outputs = answer_problems(Engine(model, self.tokenizer), self.task, self.problems)
+        model.train(was_training)
+        return {"task_accuracy": sum(reward == 1.0 for _, _, reward in outputs) / len(outputs)}
 
     def loss(self, model, batch) -> tuple[Tensor, dict]:
         x, y, doc = batch

@@ -392,7 +392,7 @@ class Trainer:
         )
         token_bytes = torch.tensor(self.tokenizer.token_byte_lengths(self.model_cfg.vocab_size))
         if t.task == "sft":
-            self.task = SFTTask(cfg.sft.packing)
+            self.task = SFTTask(cfg.sft.packing, self.tokenizer, cfg.sft.data, cfg.sft.eval_problems)
             examples = encode_conversations(self.tokenizer, load_conversations(cfg.sft), t.seq_len)
             print0(f"sft: {len(examples):,} conversations from {cfg.sft.data}")
             self.loader = SFTLoader(
@@ -703,6 +703,16 @@ class Trainer:
         )
 
     def _evaluate(self) -> dict:
+        if isinstance(self.task, SFTTask):
+            result = self.task.accuracy(unwrap(self.model))
+            if result:
+                n = len(self.task.problems)
+                print0(
+                    f"step {self.step:6d} | {self.task.task.name} accuracy {result['task_accuracy']:.1%} "
+                    f"on {n} test problems"
+                )
+                self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
+            return result
         if self.val_loader is None:
             return {}
         result = self.task.evaluate(self.model, self.val_loader, self.autocast)
