@@ -1,6 +1,7 @@
 """LoRA fine-tuning speed and memory: ember's adapters against transformers + PEFT.
 
     python benchmarks/lora.py                      # CPU, llama-mini, r=8 on q/k/v/o/gate/up/down
+    python benchmarks/lora.py --compile            # ember's blocks compiled, as train.compile=true
     python benchmarks/lora.py --device cuda --model llama-small --batch 16
 
 The same base weights (ember's model, exported with ``ember.model.hf.to_hf``), the same
@@ -52,6 +53,10 @@ def child(args) -> dict:
     base = GPT.build(cfg, seed=0)
     if args.peer == "ember":
         model = apply_lora(base, args.rank, 2 * args.rank, targets=tuple(TARGETS)).to(device)
+        if args.compile:  # what train.compile=true does: each block under torch.compile
+            from ember.parallel.parallelize import apply_compile
+
+            apply_compile(model)
 
         def loss_of(x, y):
             return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -114,6 +119,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="ember's blocks under torch.compile, as train.compile=true runs them",
+    )
     parser.add_argument("--peer", choices=["ember", "peft"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
@@ -125,7 +135,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, "
           f"{torch.get_num_threads()} threads, device {args.device}")  # fmt: skip
     print(
-        f"{args.model}, LoRA r={args.rank} alpha={2 * args.rank} on {', '.join(TARGETS.values())}; batch "
+        f"{args.model}{' (ember compiled: train.compile=true)' if args.compile else ''}, LoRA r={args.rank} "
+        f"alpha={2 * args.rank} on {', '.join(TARGETS.values())}; batch "
         f"{args.batch} x {args.seq_len} tokens, AdamW on the adapters; {args.steps} timed steps after "
         f"{args.warmup}"
     )
