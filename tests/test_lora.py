@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from ember.config import ModelConfig
 from ember.errors import EmberError
+from ember.export.peft import save_peft
 from ember.model.gpt import GPT
 from ember.model.lora import (
     NF4_CODE,
@@ -21,7 +22,6 @@ from ember.model.lora import (
     lora_summary,
     merge_lora,
     nf4_code_book,
-    save_peft,
 )
 
 LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2)

@@ -5,7 +5,7 @@
     trainable, total = lora_counts(model)               # the same, as numbers
     with adapters_disabled(model): ref = model(idx)     # the base model, no second copy (DPO's reference)
     merge_lora(model)                                   # fold B·A into the weights: plain nn.Linear again
-    save_peft(model, "adapter/")                        # adapter_config.json + adapter_model.safetensors
+    ember.export.peft.save_peft(model, "adapter/")      # PEFT's format (file I/O lives in export/)
 
 **LoRA** (Hu et al. 2021) keeps a linear layer's weight W (out × in) frozen and learns a
 low-rank update: ``y = x Wᵀ + b + (α / r) · dropout(x) Aᵀ Bᵀ`` with A (r × in) and B (out × r).
@@ -23,10 +23,10 @@ as int8 in blocks of 256 around their mean (≈ 1/64 byte a weight). The forward
 runs an fp32 ``linear``; the adapters above are fp32.
 
 Written by hand, not with PEFT and bitsandbytes: adapters are what ember teaches (DESIGN), and
-bitsandbytes has no CPU kernels for this machine. ``save_peft`` writes PEFT's format for both
-layouts ``to_hf`` exports, so ``PeftModel.from_pretrained`` on ember's exported base reproduces
-the adapted logits within 1e-5 (tests/test_lora.py). Llama: one adapter per q/k/v/o/gate/up/down
-projection. GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q | k | v]) while ember
+bitsandbytes has no CPU kernels for this machine. ``ember.export.peft.save_peft`` writes PEFT's
+format for both layouts ``to_hf`` exports, so ``PeftModel.from_pretrained`` on ember's exported
+base reproduces the adapted logits within 1e-5 (tests/test_lora.py). Llama: one adapter per
+q/k/v/o/gate/up/down projection. GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q | k | v]) while ember
 adapts them apart; one adapter of rank 3r on ``c_attn`` is exactly the three of rank r: A is
 the three A's stacked (3r × in) and B is block-diagonal (3d × 3r), so each output block sees
 only its own rank-r update. The config says so with ``rank_pattern`` (3r) and ``alpha_pattern``
@@ -43,10 +43,8 @@ the frozen base reloads from where it came from. ``LoRALinear`` and ``NF4Linear`
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -56,27 +54,6 @@ from ember.errors import EmberError
 from ember.model.gpt import init_module
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and MLP projections
-HF_NAMES = {  # ember linear -> its HF module under the block, per layout (ember/model/hf.py's mapping)
-    "llama": {
-        "attention.wq": "self_attn.q_proj",
-        "attention.wk": "self_attn.k_proj",
-        "attention.wv": "self_attn.v_proj",
-        "attention.wo": "self_attn.o_proj",
-        "mlp.w1": "mlp.gate_proj",
-        "mlp.w3": "mlp.up_proj",
-        "mlp.w2": "mlp.down_proj",
-    },
-    "gpt2": {  # Conv1D layers; q, k, v share c_attn (fused in save_peft)
-        "attention.wq": "attn.c_attn",
-        "attention.wk": "attn.c_attn",
-        "attention.wv": "attn.c_attn",
-        "attention.wo": "attn.c_proj",
-        "mlp.w1": "mlp.c_fc",
-        "mlp.w2": "mlp.c_proj",
-    },
-}
-HF_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
-
 # The NF4 code book as bitsandbytes and the QLoRA paper publish it (appendix E).
 NF4_CODE = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -207,7 +184,7 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha}, base={type(self.base).__name__}"
 
 
-def _lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     return ((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
 
 
@@ -257,7 +234,7 @@ def lora_counts(model: nn.Module) -> tuple[int, int]:
 def lora_summary(model: nn.Module) -> str:
     """One line for the log: ``"LoRA r=8: 73,728 trainable of 1,450,000 parameters (5.08%)"``."""
     trainable, total = lora_counts(model)
-    layers = list(_lora_layers(model))
+    layers = list(lora_layers(model))
     rank = layers[0][1].rank if layers else 0
     return f"LoRA r={rank}: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
 
@@ -265,7 +242,7 @@ def lora_summary(model: nn.Module) -> str:
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module):
     """The base model for the duration: every adapter off (DPO's reference, no copy held)."""
-    layers = [m for _, m in _lora_layers(model)]
+    layers = [m for _, m in lora_layers(model)]
     for m in layers:
         m.enabled = False
     try:
@@ -278,7 +255,7 @@ def adapters_disabled(model: nn.Module):
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
     """Replace every ``LoRALinear`` by a plain nn.Linear holding W + (α / r) B A. In place."""
-    for name, layer in list(_lora_layers(model)):
+    for name, layer in list(lora_layers(model)):
         parent = model.get_submodule(name.rpartition(".")[0])
         bias = layer.base.bias is not None
         merged = nn.Linear(layer.in_features, layer.out_features, bias=bias, device=layer.lora_A.device)
@@ -303,78 +280,3 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
     with torch.no_grad():
         for n, t in state.items():
             params[n].copy_(t)
-
-
-def _peft_tensors(model: nn.Module, layout: str) -> dict[str, tuple[Tensor, Tensor]]:
-    """{HF module path: (A, B)} for PEFT: one pair per adapter, except GPT-2's q, k, v, which
-    become one pair on c_attn: A stacked (k·r × in), B block-diagonal (3d × k·r), for the k of
-    q, k, v that have adapters; an output block without one gets zero rows of B."""
-    pairs: dict[str, tuple[Tensor, Tensor]] = {}
-    fused: dict[str, list[tuple[int, LoRALinear]]] = {}
-    for name, layer in _lora_layers(model):
-        block, _, rest = name.removeprefix("layers.").partition(".")  # "3", "attention.wq"
-        if rest not in HF_NAMES[layout]:
-            raise EmberError(f"PEFT has no {layout} module for the adapter on {name}")
-        hf = f"{HF_BLOCKS[layout]}.{block}.{HF_NAMES[layout][rest]}"
-        if hf.endswith("c_attn"):
-            qkv = ("attention.wq", "attention.wk", "attention.wv").index(rest)
-            fused.setdefault(hf, []).append((qkv, layer))
-            continue
-        pairs[hf] = (layer.lora_A.detach().float(), layer.lora_B.detach().float())
-    for hf, parts in fused.items():
-        parts.sort(key=lambda part: part[0])
-        d, r = parts[0][1].out_features, parts[0][1].rank  # GPT-2: q, k, v all d × d
-        A = torch.cat([layer.lora_A.detach().float() for _, layer in parts])  # (k·r, in)
-        B = A.new_zeros(3 * d, len(parts) * r)  # (3d, k·r), rows [q | k | v] as in c_attn
-        for j, (i, layer) in enumerate(parts):
-            B[i * d : (i + 1) * d, j * r : (j + 1) * r] = layer.lora_B.detach().float()
-        pairs[hf] = (A, B)
-    return pairs
-
-
-def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str = "") -> Path:
-    """Write the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) for
-    the HF layout ``to_hf`` exports the model as (see the module docstring for GPT-2's c_attn).
-    ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
-    from safetensors.torch import save_file
-
-    from ember.model.hf import _layout
-
-    layout = _layout(model.cfg)  # a ConfigError for what HF cannot represent
-    layers = [layer for _, layer in _lora_layers(model)]
-    if not layers:
-        raise EmberError("the model has no LoRA adapters to save; apply_lora first")
-    first = layers[0]
-    if any((layer.rank, layer.alpha) != (first.rank, first.alpha) for layer in layers):
-        raise EmberError("save_peft writes one rank and alpha for every adapter; these adapters differ")
-    pairs = _peft_tensors(model, layout)
-    tensors = {}
-    for hf, (A, B) in pairs.items():
-        tensors[f"base_model.model.{hf}.lora_A.weight"] = A.contiguous()
-        tensors[f"base_model.model.{hf}.lora_B.weight"] = B.contiguous()
-    # Suffixes PEFT matches module names against; GPT-2 needs the parent to tell attn.c_proj from mlp's.
-    keep = 1 if layout == "llama" else 2
-    targets = sorted({".".join(hf.split(".")[-keep:]) for hf in pairs})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": first.rank,
-        "lora_alpha": first.alpha,
-        "lora_dropout": first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0,
-        "target_modules": targets,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-        "bias": "none",
-        "fan_in_fan_out": layout == "gpt2",  # Conv1D stores its weight (in, out)
-        "inference_mode": True,
-    }
-    fused = [A.size(0) for hf, (A, _) in pairs.items() if hf.endswith("c_attn")]
-    if fused:  # rank k·r and alpha k·α: PEFT's scale alpha / r stays α / r
-        config["rank_pattern"] = {"c_attn": fused[0]}
-        config["alpha_pattern"] = {"c_attn": first.alpha * fused[0] / first.rank}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    return out

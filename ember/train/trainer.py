@@ -761,7 +761,8 @@ class Trainer:
     def _export(self, name: str) -> None:
         model = self.model
         if self.adapters is not None:  # a plain model for every later verb: the adapters merged in
-            from ember.model.lora import merge_lora, save_peft
+            from ember.export.peft import save_peft
+            from ember.model.lora import merge_lora
 
             rows = "tok_embeddings.weight" in self.adapters  # trained rows: adapter/ alone would miss them
             hf_layout = self.model_cfg.mlp in ("swiglu", "gelu")  # what ember/model/hf.py exports
