@@ -26,13 +26,13 @@ Written by hand, not with PEFT and bitsandbytes: adapters are what ember teaches
 bitsandbytes has no CPU kernels for this machine. ``ember.export.peft.save_peft`` writes PEFT's
 format for both layouts ``to_hf`` exports, so ``PeftModel.from_pretrained`` on ember's exported
 base reproduces the adapted logits within 1e-5 (tests/test_lora.py). Llama: one adapter per
-q/k/v/o/gate/up/down projection. GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q | k | v]) while ember
-adapts them apart; one adapter of rank 3r on ``c_attn`` is exactly the three of rank r: A is
-the three A's stacked (3r × in) and B is block-diagonal (3d × 3r), so each output block sees
-only its own rank-r update. The config says so with ``rank_pattern`` (3r) and ``alpha_pattern``
-(3α, keeping the scale α / r), and ``fan_in_fan_out`` is true for Conv1D. (PEFT draws one
-dropout mask for the fused input where ember draws three: equal at inference, where dropout
-is off.)
+q/k/v/o/gate/up/down projection. GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q
+| k | v]) while ember adapts them apart; one adapter of rank 3r on ``c_attn`` is exactly the
+three of rank r: A is the three A's stacked (3r × in) and B is block-diagonal (3d × 3r), so each
+output block sees only its own rank-r update. The config says so with ``rank_pattern`` (3r) and
+``alpha_pattern`` (3α, keeping the scale α / r), and ``fan_in_fan_out`` is true for Conv1D.
+(PEFT draws one dropout mask for the fused input where ember draws three: equal at inference,
+where dropout is off.)
 
 Checkpoints: ``lora_state_dict`` holds only the adapters (``layers.0.attention.wq.lora_A``, ...);
 the frozen base reloads from where it came from. ``LoRALinear`` and ``NF4Linear`` define
