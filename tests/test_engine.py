@@ -3,15 +3,21 @@ determinism, stopping, prompt-length errors, streaming text, loading from a run.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
-from ember.infer.engine import Engine, KVCache, StaticKVCache
+from ember.errors import EmberError
+from ember.infer.engine import Engine, KVCache, StaticKVCache, filter_logits, sample_next
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
+from ember.train.checkpoint import export_weights
 
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
 LAYOUTS = {
@@ -256,3 +262,298 @@ def test_compiled_engines_of_two_models_keep_their_own_graphs(tok):
     compiled = [Engine(m, tok, compile=True) for m in (a, b)]
     for _ in range(2):  # and again, each engine's graph is found again
         assert [e.generate(["The quick"], sampled) for e in compiled] == want
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_engine_parity_for_a_batch_of_mixed_length_prompts(tok, layout):
+    recorder = Recorder(tiny_model(vocab_size=320, **LAYOUTS[layout]))
+    engine = Engine(recorder, tok)
+    prompts = ["The quick", "The lazy", "def main():\n", "The dog", "Héllo wörld 😀", "fox jumps"]
+    lengths = {len(tok.encode(p)) for p in prompts}
+    assert len(lengths) < len(prompts) and len(lengths) > 1  # shared and distinct lengths
+    out = engine.generate(prompts, Sampling(max_new_tokens=20, temperature=1.0, seed=3))
+    assert recorder.calls > 1 and recorder.padded_calls == recorder.calls  # one ragged stream
+    assert recorder.max_logit > 1 and recorder.max_diff <= 1e-5, f"max |diff| {recorder.max_diff:.2e}"
+    assert all(len(c.token_ids) >= 1 for c in out)
+
+
+def greedy_without_cache(model: GPT, ids: list[int], n: int, tok: Tokenizer) -> list[int]:
+    """The plain path: a full forward per token, greedy over the tokenizer's ids, ending where the
+    engine ends a row (``<|eos|>`` or ``<|end_turn|>``)."""
+    ends, n_valid = {tok.eos_id, tok.hf.token_to_id("<|end_turn|>")}, tok.vocab_size
+    seq = torch.tensor([ids])
+    out = []
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(seq)[0, -1, :n_valid]
+            nxt = int(logits.argmax())
+            if nxt in ends:
+                break
+            out.append(nxt)
+            seq = torch.cat([seq, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def test_batched_greedy_equals_each_prompt_alone_and_the_uncached_loop(tok):
+    model = tiny_model(vocab_size=320, **LLAMA)
+    engine = Engine(model, tok)
+    prompts = ["The quick", "def main():\n", "fox", "The lazy", "café 😀"]
+    batch = engine.generate(prompts, Sampling(max_new_tokens=16, temperature=0))
+    for prompt, got in zip(prompts, batch, strict=True):
+        [alone] = engine.generate([prompt], Sampling(max_new_tokens=16, temperature=0))
+        assert got == alone
+        ref = greedy_without_cache(model, tok.encode(prompt), 16, tok)
+        assert got.token_ids == ref
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.5, -0.5]])
+
+
+def draws(n: int = 4000, **kwargs) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([sample_next(LOGITS.expand(n, -1), generator=g, **kwargs)])
+
+
+def test_greedy_is_argmax():
+    assert sample_next(LOGITS, temperature=0).tolist() == [3]
+    assert sample_next(LOGITS, temperature=0, top_k=1, top_p=0.1).tolist() == [3]
+
+
+def test_top_k_samples_exactly_the_k_largest_with_renormalised_probabilities():
+    got = draws(top_k=3)
+    assert set(got.tolist()) == {3, 0, 6}  # logits 3.0, 2.0, 1.5
+    kept = LOGITS[0, [3, 0, 6]]
+    expected = (kept.exp() / kept.exp().sum()).tolist()
+    freq = [(got == i).float().mean().item() for i in (3, 0, 6)]
+    for f, p in zip(freq, expected, strict=True):
+        assert abs(f - p) < 0.03
+    probs = filter_logits(LOGITS, top_k=3).softmax(-1)
+    assert torch.allclose(
+        probs[0, [3, 0, 6]], torch.tensor(expected)
+    ) and probs.sum().item() == pytest.approx(1)
+
+
+def test_top_p_samples_exactly_the_nucleus():
+    probs = LOGITS[0].softmax(-1)
+    order = probs.argsort(descending=True).tolist()  # [3, 0, 6, 1, 2, 5, 7, 4]
+    cum = probs[order].cumsum(0).tolist()
+    top_p = (cum[2] + cum[3]) / 2  # needs the 4th token to reach it, clear of the boundaries
+    nucleus = set(order[:4])
+    got = draws(top_p=top_p)
+    assert set(got.tolist()) == nucleus
+    kept = filter_logits(LOGITS, top_p=top_p)
+    assert set(torch.isfinite(kept[0]).nonzero().flatten().tolist()) == nucleus
+    # top-k first, then top-p on the renormalised top-k distribution: the top 2 of
+    # softmax([3, 2, 1.5]) = [.63, .23, .14] reach 0.8, so token 6 is dropped
+    assert set(draws(top_k=3, top_p=0.8).tolist()) == {3, 0}
+    # a tiny top_p keeps the most likely token
+    assert set(draws(n=200, top_p=1e-6).tolist()) == {3}
+
+
+def test_temperature_flattens_and_sharpens():
+    cold = (draws(temperature=0.2) == 3).float().mean().item()
+    hot = (draws(temperature=5.0) == 3).float().mean().item()
+    assert cold > 0.9 and hot < 0.35
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"temperature": math.nan},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"max_new_tokens": 0},
+        {"stop": ["ok", ""]},
+    ],
+)
+def test_bad_sampling_arguments_raise(kwargs):
+    with pytest.raises(EmberError):
+        Sampling(**kwargs)
+
+
+def test_greedy_is_deterministic_and_seeds_reproduce(tok):
+    engine = Engine(tiny_model(vocab_size=320), tok)
+    prompts = ["The quick", "def"]
+    a = engine.generate(prompts, Sampling(24, temperature=0))
+    assert a == engine.generate(prompts, Sampling(24, temperature=0, seed=123))
+    s1 = engine.generate(prompts, Sampling(24, temperature=1.0, seed=1))
+    assert s1 == engine.generate(prompts, Sampling(24, temperature=1.0, seed=1))
+    s2 = engine.generate(prompts, Sampling(24, temperature=1.0, seed=2))
+    assert [c.token_ids for c in s1] != [c.token_ids for c in s2]
+    # a row samples with seed + row, whatever else is in the batch
+    [alone] = engine.generate(["def"], Sampling(24, temperature=1.0, seed=2))
+    assert alone == s1[1]
+
+
+def test_seeds_beyond_the_generator_range_raise(tok):
+    engine = Engine(tiny_model(vocab_size=320), tok)
+    top = 2**64 - 1
+    assert len(engine.generate(["a", "b"], Sampling(2, seed=top - 1))) == 2  # rows take top - 1 and top
+    for seed, prompts in ((top, ["a", "b"]), (2**64, ["a"]), (-(2**63) - 1, ["a"])):
+        with pytest.raises(EmberError, match="out of range"):
+            engine.generate(prompts, Sampling(2, seed=seed))
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled(tok):
+    model = tiny_model(vocab_size=320)
+    with torch.no_grad():  # make the 20 padding ids of the vocab by far the most likely
+        model.output.weight[300:] = model.output.weight[300:] * 0 + model.tok_embeddings.weight.mean(0) * 1e3
+    out = Engine(model, tok).generate(["The"], Sampling(16, temperature=2.0))
+    assert all(i < 300 for i in out[0].token_ids)
+
+
+# ---------------------------------------------------------------------------
+# Stopping and streaming
+# ---------------------------------------------------------------------------
+
+
+def scripted_engine(tok: Tokenizer, text: str, then: list[int] | None = None) -> Engine:
+    script = tok.encode(text) + (then if then is not None else [tok.encode(".")[0]] * 64)
+    return Engine(Scripted(tiny_model(vocab_size=320), script), tok)
+
+
+def test_stops_on_eos(tok):
+    engine = scripted_engine(tok, "the lazy dog", then=[tok.eos_id] + [5] * 64)
+    [c] = engine.generate(["The"], Sampling(30))
+    assert c.text == "the lazy dog" and c.finish_reason == "eos"
+    assert c.token_ids == tok.encode("the lazy dog")
+
+
+def test_stops_on_a_stop_string_across_tokens_and_excludes_it(tok):
+    engine = scripted_engine(tok, "return x\n\ndef main")
+    [c, d] = engine.generate(["def", "The quick"], Sampling(30, stop=["\n\n", "zzz"]))
+    assert c.text == d.text == "return x" and c.finish_reason == "stop"
+    [e] = engine.generate(["def"], Sampling(30, stop="main"))  # a single string works too
+    assert e.text == "return x\n\ndef " and e.finish_reason == "stop"
+    [f] = engine.generate(["def"], Sampling(5, stop=["never"]))
+    assert f.finish_reason == "length" and len(f.token_ids) == 5
+
+
+def test_stream_pieces_join_to_the_text_and_never_split_characters(tok):
+    text = "Héllo wörld 😀 café\n\nrest"
+    engine = scripted_engine(tok, text)
+    prompts = ["The", "def main", "fox"]
+    pieces: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for row, piece in engine.stream(prompts, Sampling(40, stop=["\n\n"])):
+        assert piece and "\ufffd" not in piece and "\n" not in piece  # held back, then cut
+        pieces[row].append(piece)
+    completions = engine.generate(prompts, Sampling(40, stop=["\n\n"]))
+    for row, c in enumerate(completions):
+        assert "".join(pieces[row]) == c.text == "Héllo wörld 😀 café"
+        assert len(pieces[row]) > 3  # incremental, not one piece at the end
+    # the emoji is several byte tokens; it was never emitted half-done
+    assert len(tok.encode("😀")) > 1
+
+
+def test_stream_checks_arguments_before_the_first_step(tok):
+    engine = Engine(tiny_model(vocab_size=320), tok)
+    with pytest.raises(EmberError, match="empty"):
+        engine.stream([""], Sampling(4))
+    with pytest.raises(EmberError, match="stop string"):
+        engine.stream(["a"], Sampling(4, stop=[""]))
+
+
+# ---------------------------------------------------------------------------
+# Prompt length
+# ---------------------------------------------------------------------------
+
+
+def test_prompt_too_long_raises_and_truncate_keeps_the_tail(tok):
+    model = tiny_model(vocab_size=320)  # max_seq_len 64
+    engine = Engine(model, tok)
+    prompt = TEXT[1]
+    ids = tok.encode(prompt)
+    assert len(ids) > 64
+    with pytest.raises(EmberError, match=f"prompt 1 is {len(ids)} tokens.*max_seq_len=64.*--truncate"):
+        engine.generate([prompt], Sampling(10))
+    [c] = engine.generate([prompt], Sampling(10, temperature=0), truncate=True)
+    assert c.prompt_tokens == 54 and c.dropped_tokens == len(ids) - 54
+    ref = greedy_without_cache(model, ids[-54:], 10, tok)
+    assert c.token_ids == ref
+    # a prompt that fits alone but not with the new tokens: 40 + 30 > 64
+    short = tok.decode(ids[:40])
+    assert len(tok.encode(short)) == 40
+    with pytest.raises(EmberError, match=r"40 tokens.*that is 70.*max_seq_len=64.*--max-new-tokens to 24"):
+        engine.generate(["ok", short], Sampling(30))
+    [_, d] = engine.generate(["ok", short], Sampling(30, temperature=0), truncate=True)
+    assert d.prompt_tokens == 34 and d.dropped_tokens == 6
+    with pytest.raises(EmberError, match="max-new-tokens"):
+        engine.generate(["a"], Sampling(64), truncate=True)
+    with pytest.raises(EmberError, match="max-new-tokens"):
+        engine.generate(["a"], Sampling(0))
+
+
+def test_empty_prompt_raises(tok):
+    engine = Engine(tiny_model(vocab_size=320), tok)
+    with pytest.raises(EmberError, match="prompt 2 is empty"):
+        engine.generate(["fine", ""], Sampling(4))
+    with pytest.raises(EmberError):
+        engine.generate([], Sampling(4))
+    with pytest.raises(EmberError, match="list"):
+        engine.generate("a string, not a list", Sampling(4))
+
+
+def test_engine_leaves_a_training_model_in_training_mode(tok):
+    model = tiny_model(vocab_size=320).train()
+    Engine(model, tok).generate(["The"], Sampling(3))
+    assert model.training
+
+
+# ---------------------------------------------------------------------------
+# Loading from a run directory
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_dir(tmp_path, tok):
+    cfg = tiny_cfg(vocab_size=320, **LLAMA)
+    model = GPT.build(cfg, seed=0)
+    tok_path = tmp_path / "tokenizer.json"
+    tok.save(tok_path)
+    export_weights(model, tmp_path / "run" / "model", dataclasses.asdict(cfg), {"tokenizer.json": tok_path})
+    return tmp_path / "run", model
+
+
+def test_from_run_generates_what_the_model_in_memory_does(run_dir, tok):
+    path, model = run_dir
+    loaded = Engine.from_run(path)
+    got = loaded.generate(["The quick", "def"], Sampling(12, temperature=0))
+    assert got == Engine(model.eval(), tok).generate(["The quick", "def"], Sampling(12, temperature=0))
+    assert all(c.token_ids for c in got)
+    sampled = loaded.generate(["The quick"], Sampling(12, temperature=0.8, top_k=20, top_p=0.9, seed=5))
+    assert sampled == loaded.generate(
+        ["The quick"], Sampling(12, temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    )
+
+
+def test_from_run_errors(run_dir, tmp_path):
+    path, _ = run_dir
+    with pytest.raises(EmberError, match="does not exist"):
+        Engine.from_run(tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(EmberError, match="model_config.json not found"):
+        Engine.from_run(empty)
+    # a tokenizer bigger than the weights' vocabulary
+    config_path = path / "model" / "model_config.json"
+    cfg = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**cfg, "vocab_size": 256}))
+    with pytest.raises(EmberError, match="tokenizer does not match the weights"):
+        Engine.from_run(path)
+    config_path.write_text(json.dumps({**cfg, "not_a_key": 1}))
+    with pytest.raises(EmberError, match="not a valid model config"):
+        Engine.from_run(path)
+    config_path.write_text(json.dumps(cfg))
+    (path / "model" / "tokenizer.json").unlink()
+    with pytest.raises(EmberError, match="no tokenizer.json"):
+        Engine.from_run(path)
+    (path / "model" / "model.safetensors").unlink()
+    (path / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text())
+    with pytest.raises(EmberError, match="model.safetensors not found"):
+        Engine.from_run(path)
