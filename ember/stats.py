@@ -199,3 +199,13 @@ def permutation_test(
         "relabelings": resamples,
         "p_min": 1 / (resamples + 1),
     }
+
+
+def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (sound near 0 and 1, unlike p ± z·se)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ember.errors import EmberError
+from ember.model.gpt import block_linears
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
 GROUP_SIZES = (32, 64, 128)
@@ -264,11 +265,9 @@ class QATLinear(nn.Linear):
 def _targets(model: nn.Module, spec: QuantSpec) -> list[tuple[nn.Module, str, nn.Linear, QuantSpec]]:
     """(parent, attribute, module, its spec) for every nn.Linear inside ``model.layers``, and
     ``model.output`` at ``HEAD_SCHEME`` when ``spec.head``."""
-    found = []
-    for parent in model.layers.modules():
-        for name, child in parent.named_children():
-            if type(child) in (nn.Linear, QATLinear):
-                found.append((parent, name, child, spec))
+    found = [
+        (parent, name, child, spec) for parent, name, child in block_linears(model, (nn.Linear, QATLinear))
+    ]
     if spec.head and type(model.output) in (nn.Linear, QATLinear):
         found.append((model, "output", model.output, QuantSpec(HEAD_SCHEME, head=False)))
     return found

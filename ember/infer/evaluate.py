@@ -45,6 +45,7 @@ from ember.data.manifest import read_manifest
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
+from ember.stats import wilson_interval
 from ember.train.checkpoint import load_run
 
 SPLITS = ("train", "val", "test")  # train: to compare like with like (use --max-windows)
@@ -258,16 +259,6 @@ def _record(path: Path, results: dict) -> None:
 
 
 # ---------------------------------------------------------------- task accuracy
-
-
-def wilson_interval(successes: float, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """The 95% Wilson score interval of a proportion (sound near 0 and 1, unlike p ± z·se)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def choose(model, tokenizer, problem) -> str:

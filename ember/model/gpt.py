@@ -86,6 +86,19 @@ def mlp_hidden_size(cfg: ModelConfig) -> int:
 
 
 @torch.no_grad()
+def block_linears(
+    model: nn.Module, types: tuple[type, ...] = (nn.Linear,)
+) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, attribute, module) for every linear inside ``model.layers`` whose exact type is in
+    ``types``: what the transformations applied from outside (quantize, QAT, LoRA) swap."""
+    return [
+        (parent, name, child)
+        for parent in model.layers.modules()
+        for name, child in parent.named_children()
+        if type(child) in types
+    ]
+
+
 def init_module(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
     """Initialise ``module`` and what it holds (the contract is in the module docstring)."""
     if hasattr(module, "init_weights"):

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ember.errors import EmberError
-from ember.model.gpt import init_module
+from ember.model.gpt import block_linears, init_module
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # attention and MLP projections
 # The NF4 code book as bitsandbytes and the QLoRA paper publish it (appendix E).
@@ -204,13 +204,9 @@ def apply_lora(
         raise EmberError(f"LoRA rank {rank}: give a rank of at least 1")
     for p in model.parameters():
         p.requires_grad_(False)
-    found, names = [], set()
-    for parent in model.layers.modules():
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                names.add(name)
-                if name in targets:
-                    found.append((parent, name, child))
+    linears = block_linears(model)
+    names = {name for _, name, _ in linears}
+    found = [(parent, name, child) for parent, name, child in linears if name in targets]
     missing = [] if tuple(targets) == DEFAULT_TARGETS else sorted(set(targets) - names)  # GPT-2 has no w3
     if missing or not found:
         raise EmberError(

@@ -61,21 +61,30 @@ class PackedDocuments:
         return sdpa_attention(q, k, v, self.dropout, self.mask)
 
 
-def load_conversations(sft_cfg) -> list[list[dict]]:
-    """``sft.data``'s conversations: a JSONL file's rows, or ``sft.examples`` problems of an
-    embedded task's train split (ember/data/tasks.py), each as [user, assistant] messages."""
-    from ember.data.tasks import TASKS, load_jsonl
+def data_task(spec: str):
+    """The embedded task ``sft.data`` names, or None for a JSONL file; an EmberError otherwise."""
+    from ember.data.tasks import TASKS
 
-    spec = sft_cfg.data
     if not spec:
         raise EmberError("train.task=sft needs sft.data: an embedded task name or a JSONL file")
     if spec.endswith(".jsonl"):
-        return load_jsonl(spec)
+        return None
     if spec not in TASKS:
         raise EmberError(
             f"sft.data={spec!r} is neither a .jsonl file nor an embedded task; tasks: {', '.join(TASKS)}"
         )
-    return [problem.messages() for problem in TASKS[spec].generate("train", sft_cfg.examples)]
+    return TASKS[spec]
+
+
+def load_conversations(sft_cfg) -> list[list[dict]]:
+    """``sft.data``'s conversations: a JSONL file's rows, or ``sft.examples`` problems of an
+    embedded task's train split (ember/data/tasks.py), each as [user, assistant] messages."""
+    from ember.data.tasks import load_jsonl
+
+    task = data_task(sft_cfg.data)
+    if task is None:
+        return load_jsonl(sft_cfg.data)
+    return [problem.messages() for problem in task.generate("train", sft_cfg.examples)]
 
 
 def encode_conversations(tokenizer, conversations: list[list[dict]], seq_len: int) -> list[Example]:
@@ -182,10 +191,8 @@ class SFTTask:
     def __init__(self, packing: bool = True, tokenizer=None, task: str = "", eval_problems: int = 0):
         self.packing, self.tokenizer = packing, tokenizer
         self.problems: list = []
-        if task and not task.endswith(".jsonl") and eval_problems:
-            from ember.data.tasks import TASKS
-
-            self.task = TASKS[task]
+        self.task = data_task(task) if task else None
+        if self.task is not None and eval_problems:
             self.problems = self.task.generate("test", eval_problems)
 
     def accuracy(self, model) -> dict:

@@ -765,9 +765,11 @@ class Trainer:
             from ember.model.lora import merge_lora
 
             rows = "tok_embeddings.weight" in self.adapters  # trained rows: adapter/ alone would miss them
-            hf_layout = self.model_cfg.mlp in ("swiglu", "gelu")  # what ember/model/hf.py exports
-            if name == "model" and self.env.is_main and hf_layout and not rows:
-                save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
+            if name == "model" and self.env.is_main and not rows:
+                try:
+                    save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
+                except EmberError as e:  # a layout transformers has no class for
+                    print0(f"ember: note: no PEFT adapter/ written ({e})")
             model = merge_lora(copy.deepcopy(unwrap(self.model)))
         export_weights(
             model,
