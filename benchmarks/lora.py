@@ -2,6 +2,7 @@
 
     python benchmarks/lora.py                      # CPU, llama-mini, r=8 on q/k/v/o/gate/up/down
     python benchmarks/lora.py --compile            # ember's blocks compiled, as train.compile=true
+    python benchmarks/lora.py --data add-2          # SFT rows: packed add-2 conversations
     python benchmarks/lora.py --device cuda --model llama-small --batch 16
 
 The same base weights (ember's model, exported with ``ember.model.hf.to_hf``), the same
@@ -10,9 +11,18 @@ the CPU (bf16 autocast with ``--device cuda``). Each side runs in its own child 
 its peak memory is its own: the child's peak resident set (CPU) or
 ``torch.cuda.max_memory_allocated`` (CUDA), minus what the process held before building the
 model. Tokens/s is the median over the timed steps, after warm-up steps. ember's step is
-``model(x)`` + cross-entropy; PEFT's is ``model(input_ids=x, labels=y)``, the way users call
-it. The first step's losses are printed: they agree (same weights, same batch), which is the
-check that both sides train the same thing.
+``model(x)`` + cross-entropy; PEFT's is ``model(input_ids=x).logits`` + cross-entropy, what
+``labels=y`` computes inside transformers. The first step's losses are printed: they agree
+(same weights, same batch), which is the check that both sides train the same thing.
+
+``--data random`` (default): uniform random ids, every position trained (pretraining-style).
+``--data add-2``: what SFT trains on: rows of add-2 conversations packed back to back (ember's
+``SFTLoader``; a BPE of 512 fitted to them), the loss on the assistant tokens only (about a
+fifth of the positions), the prompts' labels -100 for transformers. Attention is plainly causal
+on both sides here (same numbers to compare). ember's loss asks the model for the trained
+positions' logits only (``GPT.forward(keep=...)``, as ``train.task=sft`` does); transformers
+computes every position's, as TRL's SFTTrainer does (its ``logits_to_keep`` takes positions
+shared by every row, which packed rows do not have).
 """
 
 from __future__ import annotations
@@ -41,6 +51,23 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four (inputs, targets) batches, the same in both children (see the module docstring)."""
+    if args.data == "random":
+        g = torch.Generator().manual_seed(1)
+        rows = [torch.randint(0, 4096, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
+        return [(r[:, :-1], r[:, 1:]) for r in rows]
+    from ember.data.tasks import TASKS
+    from ember.data.tokenizer import Tokenizer
+    from ember.train.sft import SFTLoader, encode_conversations
+
+    conversations = [p.messages() for p in TASKS[args.data].generate("train", 4000)]
+    tokenizer = Tokenizer.train_bpe([m["content"] for c in conversations for m in c], 512)
+    examples = encode_conversations(tokenizer, conversations, args.seq_len)
+    loader = SFTLoader(examples, args.seq_len, args.batch, seed=0)
+    return [loader.next_batch()[:2] for _ in range(4)]  # (x, y): y is -100 off the answers
+
+
 def child(args) -> dict:
     from ember.config import ModelConfig
     from ember.model.gpt import GPT
@@ -59,7 +86,10 @@ def child(args) -> dict:
             apply_compile(model)
 
         def loss_of(x, y):
-            return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            if args.data == "random":
+                return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            keep = y != -100
+            return F.cross_entropy(model(x, keep=keep), y[keep])
     else:
         import peft
 
@@ -72,14 +102,13 @@ def child(args) -> dict:
 
         def loss_of(x, y):
             logits = model(input_ids=x).logits  # labels= would shift; our y is already the next token
-            return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
 
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     trainable = sum(p.numel() for p in params)
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 4096, (args.batch, args.seq_len + 1), generator=g) for _ in range(4)]
+    batches = make_batches(args)
     autocast = (
         torch.autocast("cuda", torch.bfloat16)
         if device.type == "cuda"
@@ -89,12 +118,12 @@ def child(args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     seconds, first_loss = [], None
     for step in range(args.warmup + args.steps):
-        batch = batches[step % len(batches)].to(device)
+        x, y = (t.to(device) for t in batches[step % len(batches)])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         with autocast:
-            loss = loss_of(batch[:, :-1], batch[:, 1:])
+            loss = loss_of(x, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -117,6 +146,10 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--data", choices=["random", "add-2"], default="random",
+        help="random: every position trained; add-2: packed SFT conversations, answers trained",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
@@ -136,7 +169,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, device {args.device}")  # fmt: skip
     print(
         f"{args.model}{' (ember compiled: train.compile=true)' if args.compile else ''}, LoRA r={args.rank} "
-        f"alpha={2 * args.rank} on {', '.join(TARGETS.values())}; batch "
+        f"alpha={2 * args.rank} on {', '.join(TARGETS.values())}; {args.data} data, batch "
         f"{args.batch} x {args.seq_len} tokens, AdamW on the adapters; {args.steps} timed steps after "
         f"{args.warmup}"
     )

@@ -340,6 +340,9 @@ class TrainConfig(_Section, key="train"):
     lora_targets: list[str] = opt(
         ["wq", "wk", "wv", "wo", "w1", "w2", "w3"], "LoRA: the block linears adapted (attention and MLP)"
     )
+    lora_plus: float = opt(
+        1.0, "LoRA+: the adapters' B matrices train at train.lr times this (Hayou et al. 2024: 16)", gt=0
+    )
     qlora: bool = opt(False, "LoRA over a frozen base stored in NF4 (QLoRA)")
     lora_chat_tokens: bool = opt(
         True,

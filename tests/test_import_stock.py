@@ -310,3 +310,52 @@ def test_a_stock_tokenizer_may_name_its_eos_like_embers(tmp_path):
     assert tokenizer.eos_id == tokenizer.pad_id == tokenizer.vocab_size - 1 > 1
     assert tokenizer.bos_id == tokenizer.vocab_size - 2  # <|endoftext|>, a well-known name
     assert tokenizer.token_byte_lengths()[-2:] == [0, 0]
+
+
+def test_sft_from_an_imported_run_adds_the_chat_tokens(stock, tmp_path, capsys):
+    """A stock tokenizer has no chat tokens: SFT appends them, grows the embedding (and an untied
+    head) with rows that start as the mean of the old ones, keeps every old logit, trains LoRA
+    adapters with the new rows, and the result loads, chats and exports with the template."""
+    from ember.config import load_config
+    from ember.data.chat import CHAT_TOKENS, render
+    from ember.train.trainer import Trainer
+
+    style, _, hf_model, hf_tok, run = stock
+    known = len(hf_tok)
+    overrides = [
+        "train.task=sft", f"train.init_from={run}", "sft.data=add-2", "sft.examples=64",
+        f"run.out_dir={tmp_path}", "run.name=sft", "train.device=cpu", "train.max_steps=3",
+        "train.seq_len=32", "train.batch_tokens=256", "train.micro_batch=8", "train.eval_every=0",
+        "train.lora_rank=2", "train.lr=1e-2", "model.dropout=0.0",
+    ]  # fmt: skip
+    trainer = Trainer(load_config(str(run / "config.yaml"), overrides))
+    out = capsys.readouterr().out
+    assert "lacks the chat tokens" in out and f"grow from {known} to" in out
+    tokenizer, model = trainer.tokenizer, trainer.model
+    assert [tokenizer.hf.token_to_id(t) for t in CHAT_TOKENS] == list(range(known, known + 4))
+    assert model.cfg.vocab_size >= known + 4 and model.cfg.vocab_size % 64 == 0
+    tables = [model.tok_embeddings.weight, model.output.weight]
+    hf_tables = [hf_model.get_input_embeddings().weight, hf_model.get_output_embeddings().weight]
+    assert (tables[0] is tables[1]) == (style == "gpt2")  # GPT-2 ties its head, this Llama does not
+    for ours, theirs in zip(tables, hf_tables, strict=True):
+        mean = theirs.mean(0).expand_as(ours[known:])
+        assert torch.equal(ours[:known], theirs) and torch.allclose(ours[known:], mean)
+    x = torch.tensor([hf_tok(PROMPTS[1], add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        assert torch.allclose(model(x)[..., :known], hf_model(x).logits, atol=TOL)
+
+    start = tables[0].detach().clone()
+    trainer.run()
+    sft = tmp_path / "sft"
+    after, tokenizer = load_run(sft)
+    assert tokenizer.eos_id == hf_tok.eos_token_id and tokenizer.hf.token_to_id("<|end_turn|>") == known + 3
+    assert json.loads((sft / "model" / SPECIALS_FILE).read_text())["eos"] == hf_tok.eos_token
+    ids = [known + i for i in range(4)]
+    assert not torch.equal(after.tok_embeddings.weight[ids], start[ids])  # the chat rows trained
+    assert torch.equal(after.tok_embeddings.weight[:known], hf_tables[0])  # no other row moved
+    assert not (sft / "adapter").exists()  # a PEFT adapter on the source run would miss the new rows
+    assert main(["export", str(sft), "--to", "hf", str(tmp_path / "hf")]) == 0
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42"}]
+    got = exported.apply_chat_template(messages, tokenizer_kwargs={"split_special_tokens": False})
+    assert (got["input_ids"] if hasattr(got, "keys") else got) == render(tokenizer, messages)[0]

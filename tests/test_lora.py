@@ -88,6 +88,22 @@ def test_gradients_reach_only_the_adapters():
         assert (p.grad is not None) == (".lora_" in name), name
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_lora_plus_gives_the_b_matrices_their_own_rate(optimizer):
+    from ember.config import TrainConfig
+    from ember.train.optim import param_groups
+
+    model = apply_lora(_model(), rank=2, alpha=4, targets=("wq", "wv"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    for ratio, roles in ((1.0, {"vector+lora_b": 5e-3}), (16.0, {"vector": 5e-3, "lora_b": 8e-2})):
+        groups = param_groups(model, TrainConfig(lr=5e-3, lora_plus=ratio, optimizer=optimizer))
+        assert {g["role"].removeprefix("embed+"): g["peak_lr"] for g in groups} == pytest.approx(roles)
+        for g in groups:  # B matrices (zero at the start) in lora_b, A matrices in vector; no decay
+            assert g["weight_decay"] == 0 and not g.get("use_muon")
+            assert {".lora_B" in names[id(p)] for p in g["params"]} == ({True} if g["role"] == "lora_b" else
+                    {True, False} if "lora_b" in g["role"] else {False})  # fmt: skip
+
+
 def test_targets_that_match_nothing_list_the_names():
     with pytest.raises(EmberError, match=r"\['q_proj'\].*wk, wo, wq, wv") as e:
         apply_lora(_model(), targets=("q_proj",))

@@ -74,6 +74,28 @@ def test_packed_conversations_get_the_logits_they_get_alone(layout):
     assert (crossed - model(docs[1][None])[0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_loss_reads_the_trained_positions_only_and_equals_the_full_one(packing):
+    """SFTTask.loss runs the head on the trained positions alone (``keep``); loss and gradients
+    equal the masked cross-entropy over every position's logits."""
+    model = _model("llama")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(8, 320, (3, 24), generator=g)
+    y = torch.randint(8, 320, (3, 24), generator=g)
+    y[torch.rand(3, 24, generator=g) < 0.7] = IGNORE
+    doc = torch.arange(24).repeat(3, 1) // 9  # three conversations a row
+    loss, info = SFTTask(packing).loss(model, (x, y, doc))
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(x, cache=PackedDocuments(doc)) if packing else model(x)
+    full = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+    full.backward()
+    assert info["trained_tokens"] == int((y != IGNORE).sum()) and torch.allclose(loss, full, atol=1e-6)
+    for ours, theirs in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+
+
 def _examples(n: int, seed: int = 0) -> list:
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -11,9 +11,14 @@ A conversation is a list of messages ``{"role": "system" | "user" | "assistant",
 
 The role and end-of-turn tokens are special tokens that ``ember data prepare`` reserves in every
 ember tokenizer (ids 4..7, ember/data/tokenizer.py), so text that merely contains
-``<|user|>`` never becomes one. The content is encoded piece by piece, exactly as the
-tokenizer encodes that text alone. No ``<|bos|>`` is prepended (the pretraining stream has
-none), and generation ends at ``<|end_turn|>``, which the engine treats as an end of sequence.
+``<|user|>`` never becomes one. The content is encoded piece by piece, as the tokenizer
+encodes that text after a special token (``encode_after_special``: the text alone, but a
+Llama-style tokenizer adds no ``▁`` there, as transformers does not). No ``<|bos|>`` is
+prepended (the pretraining stream has none), and generation ends at ``<|end_turn|>``, which
+the engine treats as an end of sequence.
+A foreign tokenizer (imported with ``ember import hf``) lacks these tokens; ``add_chat_tokens``
+appends them after its last id, and supervised fine-tuning from such a run grows the embedding
+and head to match (``train.init_from``, ember/train/trainer.py).
 
 ``train[i]`` says whether token ``i`` is one the model learns to produce: the content and the
 closing ``<|end_turn|>`` of every assistant turn, not its role token (which the prompt
@@ -32,6 +37,7 @@ from ember.errors import EmberError
 
 ROLES = ("system", "user", "assistant")
 END_TURN = "<|end_turn|>"
+CHAT_TOKENS = (*(f"<|{r}|>" for r in ROLES), END_TURN)
 
 HF_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -45,17 +51,23 @@ Message = dict[str, str]
 
 def chat_ids(tokenizer) -> dict[str, int]:
     """{role: id of its token, "end": id of <|end_turn|>}; an EmberError if the tokenizer has
-    none (an imported foreign tokenizer)."""
+    none (an imported foreign tokenizer that was not fine-tuned)."""
     ids = {}
-    for name, token in [*((r, f"<|{r}|>") for r in ROLES), ("end", END_TURN)]:
+    for name, token in zip((*ROLES, "end"), CHAT_TOKENS, strict=True):
         i = tokenizer.hf.token_to_id(token)
         if i is None:
             raise EmberError(
-                f"the tokenizer has no {token} token, so it cannot hold a chat; fine-tune from a run "
-                "whose data was prepared by `ember data prepare` (its tokenizer reserves the chat tokens)"
+                f"the tokenizer has no {token} token, so it cannot hold a chat; fine-tune the run "
+                "first (`ember train CONFIG train.task=sft train.init_from=RUN` adds the chat tokens)"
             )
         ids[name] = i
     return ids
+
+
+def add_chat_tokens(tokenizer) -> list[str]:
+    """Append the chat tokens ``tokenizer`` lacks as special tokens (ids ``vocab_size``, ...,
+    never split out of plain text, like ember's own); returns those added, in id order."""
+    return tokenizer.add_special_tokens(CHAT_TOKENS)
 
 
 def check_messages(messages: Sequence[Message], where: str = "conversation") -> None:
@@ -82,7 +94,7 @@ def render(
     ids: list[int] = []
     train: list[bool] = []
     for m in messages:
-        content = tokenizer.encode(m["content"])
+        content = tokenizer.encode_after_special(m["content"])
         learned = m["role"] == "assistant"
         ids += [special[m["role"]], *content, special["end"]]
         train += [False] + [learned] * (len(content) + 1)

@@ -46,8 +46,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from ember.atomic import write_text_atomic
 from ember.config import TOKENIZER_KINDS as KINDS
@@ -121,6 +121,7 @@ class Tokenizer:
         strings or None), as ``specials.json`` stores them."""
         hf.encode_special_tokens = True  # not stored in tokenizer.json; see module docstring
         self.hf = hf
+        self._inner: HFTokenizer | None = None  # encode_after_special's tokenizer, made on first use
         self.vocab_size = hf.get_vocab_size()
         self.specials = None if specials is None else {role: specials.get(role) for role in ROLES}
         if specials is None:
@@ -193,6 +194,28 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_after_special(self, text: str) -> list[int]:
+        """The ids of ``text`` where it follows a special token in a longer text (a chat turn's
+        content), as transformers tokenizes a rendered chat template. That is ``encode(text)``
+        except for a Metaspace tokenizer that prepends ``▁`` only at the start of a text
+        (Llama's ``prepend_scheme="first"``), which prepends nothing there."""
+        if self._inner is None:
+            spec = json.loads(self.to_str())
+            firsts = [p for p in _parts(spec.get("pre_tokenizer")) if p.get("prepend_scheme") == "first"]
+            for part in firsts:
+                part["prepend_scheme"] = "never"
+            self._inner = HFTokenizer.from_str(json.dumps(spec)) if firsts else self.hf
+            self._inner.encode_special_tokens = True
+        return self._inner.encode(text, add_special_tokens=False).ids
+
+    def add_special_tokens(self, tokens: Sequence[str]) -> list[str]:
+        """Append those of ``tokens`` the vocabulary lacks as special tokens (matched only when
+        code adds their ids, never in text); returns them, in id order."""
+        missing = [t for t in tokens if self.hf.token_to_id(t) is None]
+        self.hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        self.vocab_size, self._inner = self.hf.get_vocab_size(), None
+        return missing
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Encode many texts in parallel (Rust threads, all cores)."""

@@ -99,6 +99,19 @@ def block_linears(
     ]
 
 
+def grow_vocab(state: dict[str, Tensor], vocab_size: int, known: int) -> dict[str, Tensor]:
+    """``state`` with its embedding and head at ``vocab_size`` rows: rows below ``known`` (the
+    old tokenizer's ids) kept, every row from ``known`` on the mean of those (the tokens a
+    fine-tune adds, and padding rows, which never trained). Hewitt (2021) argues for the mean:
+    a new token then starts with the average logit, not a random one that could dominate."""
+    out = dict(state)
+    for name in ("tok_embeddings.weight", "output.weight"):
+        if name in state:
+            w = state[name][:known]
+            out[name] = torch.cat([w, w.mean(0, keepdim=True).expand(vocab_size - known, -1)])
+    return out
+
+
 def init_module(module: nn.Module, std: float, generator: torch.Generator | None = None) -> None:
     """Initialise ``module`` and what it holds (the contract is in the module docstring)."""
     if hasattr(module, "init_weights"):
@@ -384,10 +397,13 @@ class GPT(nn.Module):
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
         self.tie_weights()
 
-    def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+    def forward(self, idx: Tensor, cache: KVCache | None = None, keep: Tensor | None = None) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
         continues the sequences it holds, at the positions it gives (a cache is sized to at
-        most max_seq_len tokens by whoever builds it: the engine checks prompts)."""
+        most max_seq_len tokens by whoever builds it: the engine checks prompts). ``keep``, a
+        (B, T) bool mask: only those positions' logits, (N, vocab_size), as a loss that reads
+        a few positions needs (SFT's trained tokens; the head is much of a small model's cost,
+        as with transformers' ``logits_to_keep``)."""
         T = idx.size(1)
         if T > self.cfg.max_seq_len:
             raise ConfigError(
@@ -399,7 +415,9 @@ class GPT(nn.Module):
         x = self.dropout(x)
         for layer in self.layers.values():
             x = layer(x, rope, cache)
-        return self.softcap(self.output(self.norm(x)).float())  # (B, T, vocab_size)
+        if keep is not None:
+            x = x[keep]  # (N, C)
+        return self.softcap(self.output(self.norm(x)).float())  # (B, T, vocab_size) or (N, vocab_size)
 
     # -- building ---------------------------------------------------------
 

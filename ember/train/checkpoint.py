@@ -233,8 +233,9 @@ def export_weights(
     publish_dir(tmp, out)
 
 
-def load_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load ``model.safetensors`` into ``model`` (tied weights are re-shared by the model)."""
+def load_weights(model: torch.nn.Module, folder: Path, adapt=None) -> None:
+    """Load ``model.safetensors`` into ``model`` (tied weights are re-shared by the model),
+    through ``adapt(state) -> state`` if given (a grown vocabulary)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -242,7 +243,8 @@ def load_weights(model: torch.nn.Module, folder: Path) -> None:
     if not path.is_file():
         raise EmberError(f"{path} not found; train the run first (`ember train CONFIG`)")
     try:
-        missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+        state = load_file(str(path))
+        missing, unexpected = model.load_state_dict(adapt(state) if adapt else state, strict=False)
     except (OSError, SafetensorError, RuntimeError) as e:  # RuntimeError: a shape that does not fit
         raise EmberError(
             f"cannot load {path} ({str(e).strip().splitlines()[0]}): the file is truncated, damaged or "

@@ -4,14 +4,16 @@ learning-rate schedule.
     optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: 'adamw' | 'muon'
     lr = lr_at(step, progress, cfg.train, peak=group["peak_lr"])   # progress in [0, 1]
 
-Parameters fall into four roles, each with its own settings:
+Parameters fall into five roles, each with its own settings:
 
 - ``hidden``: the 2-D matrices inside the transformer blocks (wq, wk, wv, wo, w1, w2, w3):
   AdamW with weight decay, or Muon with ``train.muon_lr``;
 - ``head``: the output head when it is not tied: AdamW with decay, lr ``train.head_lr``;
 - ``embed``: token (and learned position) embeddings, and the head when tied to the token
   embedding: AdamW without decay, lr ``train.embed_lr``;
-- ``vector``: norms and biases: AdamW without decay, lr ``train.lr``.
+- ``vector``: norms and biases: AdamW without decay, lr ``train.lr``; LoRA's A matrices too;
+- ``lora_b``: LoRA's B matrices: as ``vector``, at ``train.lr × train.lora_plus`` (LoRA+,
+  Hayou et al. 2024: B, which starts at zero, learns faster with a larger rate).
 
 A zero ``embed_lr``/``head_lr`` means ``train.lr``. Roles whose settings coincide share one
 group, so the default AdamW run has the two groups (decay, no decay) it always had, in the
@@ -47,7 +49,7 @@ import torch
 # at 0, so 5 steps lift small singular values near 1 (to roughly 0.7..1.2, not exactly 1).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
-ROLES = ("hidden", "head", "embed", "vector")  # the order of the groups
+ROLES = ("hidden", "head", "embed", "vector", "lora_b")  # the order of the groups
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -189,11 +191,12 @@ class Muon(torch.optim.Optimizer):
 def param_role(name: str, p: torch.Tensor, embeddings: set[int]) -> str:
     """'embed', 'hidden', 'head' or 'vector' for the parameter called ``name``. LoRA adapters
     take the vector role: AdamW at train.lr without decay (PEFT's usual setting), never Muon,
-    whose orthogonalized update is made for full weight matrices."""
-    if id(p) in embeddings:
+    whose orthogonalized update is made for full weight matrices. A table that trains only some
+    rows (``row_mask``: LoRA's chat tokens) takes the embedding role: no decay moves the rest."""
+    if id(p) in embeddings or hasattr(p, "row_mask"):  # an embedding, or a head training rows
         return "embed"
     if ".lora_" in name:
-        return "vector"
+        return "lora_b" if ".lora_B" in name else "vector"
     if p.ndim == 2 and "layers" in name.split("."):
         return "hidden"
     return "head" if p.ndim >= 2 else "vector"
@@ -212,6 +215,7 @@ def param_groups(model: torch.nn.Module, train_cfg) -> list[dict]:
         "head": {"peak_lr": t.head_lr or t.lr, "weight_decay": t.weight_decay},
         "embed": {"peak_lr": t.embed_lr or t.lr, "weight_decay": 0.0},
         "vector": {"peak_lr": t.lr, "weight_decay": 0.0},
+        "lora_b": {"peak_lr": t.lr * t.lora_plus, "weight_decay": 0.0},
     }
     for role, s in settings.items():
         if muon:
@@ -223,13 +227,15 @@ def param_groups(model: torch.nn.Module, train_cfg) -> list[dict]:
         group["roles"].append(role)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     by_role = {role: groups[tuple(sorted(settings[role].items()))] for role in ROLES}
+    used = set()
     for name, p in model.named_parameters():
         if p.requires_grad:
-            by_role[param_role(name, p, embeddings)]["params"].append(p)
+            used.add(role := param_role(name, p, embeddings))
+            by_role[role]["params"].append(p)
     out = []
     for group in groups.values():
         if group["params"]:
-            roles = group.pop("roles")
+            roles = [r for r in group.pop("roles") if r != "lora_b" or r in used]  # names as before LoRA+
             out.append({**group, "role": "+".join(roles), "lr": group["peak_lr"]})
     return out
 

@@ -209,6 +209,7 @@ class SFTTask:
 
     def loss(self, model, batch) -> tuple[Tensor, dict]:
         x, y, doc = batch
-        logits = model(x, cache=PackedDocuments(doc)).float() if self.packing else model(x).float()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
-        return loss, {"trained_tokens": int((y != IGNORE).sum())}
+        trained = y != IGNORE  # the head runs on these positions only
+        cache = PackedDocuments(doc) if self.packing else None
+        loss = F.cross_entropy(model(x, cache=cache, keep=trained).float(), y[trained])
+        return loss, {"trained_tokens": int(trained.sum())}

@@ -14,7 +14,10 @@ learning rate (``group["peak_lr"]``) and the schedule scales each peak alike. Th
 
 Before the layout is applied, the model may start from a finished run's float weights
 (``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
-skipped on resume, where the checkpoint's weights win), and its block linears (and the output
+skipped on resume, where the checkpoint's weights win). Supervised fine-tuning reads no
+shards, so its tokenizer is the source run's; one without the chat tokens (an imported GPT-2 or
+Llama tokenizer) gets them appended, and the embedding and head grow to match, each new row the
+mean of the old ones (``_sft_tokenizer``, ``grow_vocab``). Its block linears (and the output
 head, at int8) may fake-quantize their weights in every forward (``train.qat``: ``QATLinear``,
 same parameters and names), so
 compile traces the rounding and DDP/FSDP, checkpoints and the exported float weights are those
@@ -55,12 +58,12 @@ import yaml
 
 import ember
 from ember.config import config_to_yaml
-from ember.data.chat import chat_ids
+from ember.data.chat import add_chat_tokens, chat_ids
 from ember.data.loader import TokenDataset, TrainLoader, ValLoader
 from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
-from ember.data.tokenizer import file_sha256
+from ember.data.tokenizer import SPECIALS_FILE, Tokenizer, file_sha256
 from ember.errors import ConfigError, DataError, EmberError
-from ember.model.gpt import GPT
+from ember.model.gpt import GPT, grow_vocab
 from ember.parallel.dist import all_reduce, barrier, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
 from ember.train.checkpoint import (
@@ -244,10 +247,34 @@ def _find_nonfinite_module(model, task, batch, autocast) -> str:
     return found[0] if found else "none in the forward pass (the backward pass or the loss)"
 
 
-def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
+def _sft_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
+    """The tokenizer of supervised fine-tuning from ``run``: the source run's (SFT reads no
+    shards, so the data dir has no say), with the chat tokens appended if it lacks them (an
+    imported foreign tokenizer). Returns it, the file to copy into the run (None when it grew:
+    it is saved from memory) and, when it grew, its size before."""
+    path = run_tokenizer(run)
+    if path is None:
+        raise ConfigError(
+            f"train.init_from={run}: no {TOKENIZER} in {Path(run) / 'model'} or {run}; give a run "
+            "directory that `ember train` or `ember import` wrote"
+        )
+    tokenizer = Tokenizer.load(path)
+    known = tokenizer.vocab_size
+    added = add_chat_tokens(tokenizer)
+    if not added:
+        return tokenizer, path, None
+    ids = f"{known}..{tokenizer.vocab_size - 1}"
+    print0(f"ember: {path} lacks the chat tokens: added {', '.join(added)} as ids {ids}")
+    return tokenizer, None, known
+
+
+def _init_from(model, run: str, model_cfg, tokenizer_sha: str | None, known: int | None = None) -> None:
     """Load run directory ``run``'s final float weights (``model/``) into ``model`` (fine-tuning);
     an EmberError, before anything is written, if they cannot stand for this run's model: another
-    model config, another tokenizer, or quantized weights (their rounding is not trainable)."""
+    model config, another tokenizer, or quantized weights (their rounding is not trainable).
+    ``tokenizer_sha`` None: the tokenizer is the source's own (SFT), nothing to compare. ``known``:
+    the source tokenizer's size when chat tokens were appended to it; the embedding and head then
+    grow to this run's vocabulary, rows from ``known`` on the mean of the rows before."""
     from ember.export.quantize import read_spec
 
     src = Path(run)
@@ -269,6 +296,8 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
         raise ConfigError(f"train.init_from={run}: cannot read {folder}/model_config.json ({e})") from None
     ours = asdict(model_cfg)
     differ = [k for k in ours if k in theirs and theirs[k] != ours[k]] + [k for k in theirs if k not in ours]
+    free = {"dropout"} | ({"vocab_size"} if known is not None else set())  # weights' shapes unchanged
+    differ = [k for k in differ if k not in free]  # (vocab_size: it grew with the tokenizer)
     if differ:
         listing = ", ".join(f"model.{k}={theirs.get(k)!r} there but {ours.get(k)!r} here" for k in differ)
         raise ConfigError(
@@ -276,13 +305,20 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str) -> None:
             f"source's values (or use {src / 'config.yaml'} as the config)"
         )
     tokenizer = run_tokenizer(src)
-    if tokenizer is None or file_sha256(tokenizer) != tokenizer_sha:
+    if tokenizer_sha is not None and (tokenizer is None or file_sha256(tokenizer) != tokenizer_sha):
         found = f"{tokenizer} differs from" if tokenizer else f"no {TOKENIZER} in {folder} or {src} to match"
         raise ConfigError(
             f"train.init_from={run}: {found} the data dir's tokenizer; prepare the data with the "
             "source run's tokenizer, or fine-tune on the data dir it was trained on"
         )
-    load_weights(model, folder)
+    if known is None:
+        load_weights(model, folder)
+        return
+    print0(
+        f"ember: the embedding and head grow from {theirs['vocab_size']} to {model_cfg.vocab_size} rows; "
+        f"rows {known}.. start as the mean of rows 0..{known - 1}"
+    )
+    load_weights(model, folder, adapt=lambda state: grow_vocab(state, model_cfg.vocab_size, known))
 
 
 def _apply_lora(model, train_cfg, parallel_cfg, world_size: int) -> set[str]:
@@ -308,17 +344,25 @@ def _apply_lora(model, train_cfg, parallel_cfg, world_size: int) -> set[str]:
 
 
 def _train_rows(model, ids: list[int]) -> set[str]:
-    """Let only the embedding rows ``ids`` train (a tied head's too): the table's gradient is
-    masked to those rows, and with no weight decay on embeddings AdamW leaves the other rows
-    exactly as they were. The fine-tuning of new special tokens that PEFT offers as
-    ``trainable_token_indices``; returns the table's state dict name."""
-    weight = model.tok_embeddings.weight
-    mask = torch.zeros(weight.size(0), 1, dtype=weight.dtype, device=weight.device)
-    mask[ids] = 1
-    weight.requires_grad_(True)
-    weight.register_hook(lambda grad: grad * mask)
-    print0(f"and {len(ids)} embedding rows (the chat tokens): {len(ids) * weight.size(1):,} parameters")
-    return {"tok_embeddings.weight"}
+    """Let only the rows ``ids`` of the embedding and of an untied head train: each table's
+    gradient is masked to those rows, and as such tables take the embedding role (no weight
+    decay, ``param_role``) AdamW leaves the other rows exactly as they were. The fine-tuning of
+    new special tokens that PEFT offers as ``trainable_token_indices``; returns the tables'
+    state dict names."""
+    names = {"tok_embeddings.weight"}
+    if model.output.weight is not model.tok_embeddings.weight:
+        names.add("output.weight")
+    for name in names:
+        weight = model.get_parameter(name)
+        mask = torch.zeros(weight.size(0), 1, dtype=weight.dtype, device=weight.device)
+        mask[ids] = 1
+        weight.requires_grad_(True)
+        weight.register_hook(lambda grad, mask=mask: grad * mask.to(grad.device, grad.dtype))  # after .to()
+        weight.row_mask = mask  # read by param_role
+    count = len(ids) * model.tok_embeddings.weight.size(1) * len(names)
+    tables = " and ".join(sorted(names))
+    print0(f"and {len(ids)} rows of the {tables} (the chat tokens): {count:,} parameters")
+    return names
 
 
 def _apply_qat(model, train_cfg) -> None:
@@ -354,21 +398,33 @@ class Trainer:
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
 
-        manifest = read_manifest(cfg.data.dir)
-        self.tokenizer = load_tokenizer(cfg.data.dir, manifest)
-        self.model_cfg = resolve_model_config(cfg.model, self.tokenizer)
+        sft_from = t.init_from if t.task == "sft" else ""
+        manifest = None if sft_from else read_manifest(cfg.data.dir)
+        if sft_from:
+            self.tokenizer, self.tokenizer_file, known = _sft_tokenizer(sft_from)
+        else:
+            self.tokenizer, known = load_tokenizer(cfg.data.dir, manifest), None
+            self.tokenizer_file = Path(cfg.data.dir) / TOKENIZER
+        # the run's tokenizer: copied from tokenizer_file, or saved from memory when it grew
+        file = self.tokenizer_file
+        self.tokenizer_sha = file_sha256(file) if file else self.tokenizer.sha256
+        self.grown = known is not None
+        model_cfg = cfg.model
+        if self.grown and 0 < model_cfg.vocab_size < self.tokenizer.vocab_size:
+            model_cfg = replace(model_cfg, vocab_size=0)  # from the grown tokenizer, rounded up
+        self.model_cfg = resolve_model_config(model_cfg, self.tokenizer)
         self.global_rows, self.grad_accum = _batch_layout(t, env.world_size)
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.resume_from = self._resume_folder()
         if self.resume_from is not None:
-            self._check_resumed_config(manifest)
+            self._check_resumed_config()
 
         torch.manual_seed(cfg.run.seed)
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
         # its frozen base is loaded again from init_from
         if t.init_from and (self.resume_from is None or t.lora_rank):
-            _init_from(model, t.init_from, self.model_cfg, manifest["tokenizer"]["sha256"])
+            _init_from(model, t.init_from, self.model_cfg, None if sft_from else self.tokenizer_sha, known)
         if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
             _apply_qat(model, t)
         self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
@@ -509,7 +565,7 @@ class Trainer:
             )
         return folder
 
-    def _check_resumed_config(self, manifest: dict) -> None:
+    def _check_resumed_config(self) -> None:
         """Compare the config with the one the checkpoint's run was last started with (its newest
         config-resume-*.yaml, else config.yaml), and the tokenizer with the run's copy."""
         run = self.resume_from.parent.parent
@@ -525,7 +581,7 @@ class Trainer:
             if k in old.get(section, {}) and old[section][k] != v
         }
         changed = {k: change for k, change in changed.items() if not k.startswith(RESUME_FREE)}
-        sha = manifest["tokenizer"]["sha256"]
+        sha = self.tokenizer_sha
         if (run / TOKENIZER).is_file() and (run_sha := file_sha256(run / TOKENIZER)) != sha:
             changed["tokenizer sha256"] = (run_sha[:12], sha[:12])
         fixed = [k for k in changed if k.startswith(RESUME_FIXED)]
@@ -544,7 +600,11 @@ class Trainer:
         name = "config.yaml" if self.resume_from is None else f"config-resume-{self.resume_from.name}.yaml"
         (self.run_dir / name).write_text(config_to_yaml(cfg))  # the first leg's config.yaml is kept
         (self.run_dir / "env.json").write_text(json.dumps(_env_record(self.env), indent=2) + "\n")
-        shutil.copyfile(Path(self.cfg.data.dir) / TOKENIZER, self.run_dir / TOKENIZER)
+        if self.tokenizer_file is None:  # grown by the chat tokens
+            self.tokenizer.save(self.run_dir / TOKENIZER)
+        else:
+            shutil.copyfile(self.tokenizer_file, self.run_dir / TOKENIZER)
+            self.tokenizer.save_specials(self.run_dir)  # a foreign tokenizer's; none for ember's
 
     # ------------------------------------------------------------ budget
 
@@ -764,7 +824,8 @@ class Trainer:
             from ember.export.peft import save_peft
             from ember.model.lora import merge_lora
 
-            rows = "tok_embeddings.weight" in self.adapters  # trained rows: adapter/ alone would miss them
+            # trained rows or a grown vocabulary: adapter/ on the source run would miss them
+            rows = "tok_embeddings.weight" in self.adapters or self.grown
             if name == "model" and self.env.is_main and not rows:
                 try:
                     save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
@@ -775,7 +836,11 @@ class Trainer:
             model,
             self.run_dir / name,
             asdict(self.model_cfg),
-            {TOKENIZER: Path(self.cfg.data.dir) / TOKENIZER},
+            {
+                file: self.run_dir / file  # as _prepare_run_dir wrote them
+                for file in (TOKENIZER, SPECIALS_FILE)
+                if file == TOKENIZER or self.tokenizer.specials is not None
+            },
         )
 
     def _finish(self, last: dict) -> None:
