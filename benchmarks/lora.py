@@ -68,6 +68,51 @@ def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [loader.next_batch()[:2] for _ in range(4)]  # (x, y): y is -100 off the answers
 
 
+def timed(fn, repeats: int = 7) -> float:
+    fn()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def floor(args, trained: int) -> dict:
+    """Seconds a step cannot go below on this machine (CPU): the matrix products it must do,
+    each timed alone with torch.mm at its shape (the frozen base's linears forward and their
+    input gradients; the adapters' forward, gradients and input gradients; the head forward and
+    its input gradient on ``trained`` rows) and attention forward and backward
+    (F.scaled_dot_product_attention). Norms, activations, RoPE, the loss and the optimizer are
+    left out, so the floor is below any real step."""
+    from ember.config import ModelConfig
+    from ember.model.gpt import GPT, block_linears
+
+    cfg = ModelConfig(vocab_size=4096, max_seq_len=args.seq_len, dropout=0.0, **MODELS[args.model], **LLAMA)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    M, r = args.batch * args.seq_len, args.rank
+    shapes: list[tuple[int, int, int]] = []  # (m, k, n): an (m, k) @ (k, n) product
+    for _, _, linear in block_linears(model):
+        i, o = linear.in_features, linear.out_features
+        shapes += [(M, i, o), (M, o, i)]  # frozen weight: forward, input gradient
+        shapes += [(M, i, r), (M, r, o), (o, M, r), (r, M, i), (M, o, r), (M, r, i)]  # the adapter
+    shapes += [(trained, cfg.d_model, cfg.vocab_size), (trained, cfg.vocab_size, cfg.d_model)]
+    gemm = 0.0
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        gemm += timed(lambda a=a, b=b: a @ b)
+    hd = cfg.d_model // cfg.n_head
+    q = torch.randn(args.batch, cfg.n_head, args.seq_len, hd, requires_grad=True)
+    kv = [torch.randn(args.batch, cfg.n_kv_head, args.seq_len, hd, requires_grad=True) for _ in range(2)]
+
+    def attention():
+        out = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True)
+        out.backward(torch.ones_like(out))
+
+    return {"gemm_s": gemm, "attention_s": cfg.n_layer * timed(attention)}
+
+
 def child(args) -> dict:
     from ember.config import ModelConfig
     from ember.model.gpt import GPT
@@ -157,8 +202,13 @@ def main() -> None:
         action="store_true",
         help="ember's blocks under torch.compile, as train.compile=true runs them",
     )
-    parser.add_argument("--peer", choices=["ember", "peft"], help=argparse.SUPPRESS)
+    parser.add_argument("--peer", choices=["ember", "peft", "floor"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer == "floor":
+        batches = make_batches(args)
+        trained = round(statistics.mean(int((y != -100).sum()) for _, y in batches))
+        print(json.dumps({**floor(args, trained), "trained": trained}))
+        return
     if args.peer:
         print(json.dumps(child(args)))
         return
@@ -196,6 +246,19 @@ def main() -> None:
         print(
             f"{peer:6s} {r['tok_s']:9,.0f} tok/s  peak {r['peak_mb']:8,.0f} MiB  "
             f"trainable {r['trainable']:,}  first loss {r['first_loss']:.6f}  (runs: {each})"
+        )
+    tokens = args.batch * args.seq_len
+    if args.device == "cpu":  # the GEMM floor: see floor()
+        argv = [sys.executable, __file__, *sys.argv[1:], "--peer", "floor"]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        f = json.loads(out.splitlines()[-1])
+        floor_s = f["gemm_s"] + f["attention_s"]
+        peft_s = tokens / rows["peft"]["tok_s"]
+        print(
+            f"floor  {tokens / floor_s:9,.0f} tok/s  (matrix products {1e3 * f['gemm_s']:.1f} ms + attention "
+            f"{1e3 * f['attention_s']:.1f} ms a step, the head on {f['trained']:,} of {tokens:,} positions): "
+            f"PEFT's step is {peft_s / floor_s:.2f}x the floor, ember's "
+            f"{tokens / rows['ember']['tok_s'] / floor_s:.2f}x"
         )
     ratio = rows["ember"]["tok_s"] / rows["peft"]["tok_s"]
     memory = rows["ember"]["peak_mb"] / rows["peft"]["peak_mb"]

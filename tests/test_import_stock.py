@@ -344,15 +344,18 @@ def test_sft_from_an_imported_run_adds_the_chat_tokens(stock, tmp_path, capsys):
     with torch.no_grad():
         assert torch.allclose(model(x)[..., :known], hf_model(x).logits, atol=TOL)
 
-    start = tables[0].detach().clone()
+    start = [t.detach().clone() for t in tables]
     trainer.run()
     sft = tmp_path / "sft"
     after, tokenizer = load_run(sft)
     assert tokenizer.eos_id == hf_tok.eos_token_id and tokenizer.hf.token_to_id("<|end_turn|>") == known + 3
     assert json.loads((sft / "model" / SPECIALS_FILE).read_text())["eos"] == hf_tok.eos_token
     ids = [known + i for i in range(4)]
-    assert not torch.equal(after.tok_embeddings.weight[ids], start[ids])  # the chat rows trained
-    assert torch.equal(after.tok_embeddings.weight[:known], hf_tables[0])  # no other row moved
+    for ours, first, theirs in zip(
+        (after.tok_embeddings.weight, after.output.weight), start, hf_tables, strict=True
+    ):
+        assert not torch.equal(ours[ids], first[ids])  # the chat rows trained, the untied head's too
+        assert torch.equal(ours[:known], theirs)  # no other row moved
     assert not (sft / "adapter").exists()  # a PEFT adapter on the source run would miss the new rows
     assert main(["export", str(sft), "--to", "hf", str(tmp_path / "hf")]) == 0
     exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -110,15 +110,20 @@ def test_targets_that_match_nothing_list_the_names():
     assert "w1" in str(e.value)
 
 
+ROWS = [4, 5, 6, 7]  # the chat tokens' ids in an ember tokenizer
+
+
 @pytest.mark.parametrize(
-    "layout,targets",
-    [(LLAMA, None), (GPT2, None), (GPT2, ("wq", "wv", "w2"))],
-    ids=["llama", "gpt2", "gpt2-partial-qkv"],
-)
-def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path, layout, targets):
+    "layout,targets,rows",
+    [(LLAMA, None, ()), (GPT2, None, ()), (GPT2, ("wq", "wv", "w2"), ()), (LLAMA, None, ROWS),
+     ({**LLAMA, "tie_embeddings": False}, None, ROWS), (GPT2, None, ROWS)],
+    ids=["llama", "gpt2", "gpt2-partial-qkv", "llama-rows", "llama-untied-rows", "gpt2-rows"],
+)  # fmt: skip
+def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path, layout, targets, rows):
     """The acceptance point: PEFT's own loader, on the base ember exports, gives ember's adapted
     logits. GPT-2's partial case puts adapters on q and v only (zero k block of the fused c_attn)
-    and on mlp.c_proj but not attn.c_proj, which share a name."""
+    and on mlp.c_proj but not attn.c_proj, which share a name. With ``rows``, embedding (and an
+    untied head's) rows trained too: PEFT's trainable tokens."""
     import peft
 
     from ember.model.hf import to_hf
@@ -127,16 +132,19 @@ def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path, layout, targe
     hf = to_hf(model).eval()  # the base, exported before the adapters are applied
     apply_lora(model, rank=4, alpha=8, dropout=0.1, **({"targets": targets} if targets else {}))
     _randomize_b(model)
+    g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for m in model.modules():  # A as well, so that a transposed or misplaced block shows
             if isinstance(m, LoRALinear):
                 m.lora_A.mul_(3.0)
+        for table in {model.tok_embeddings.weight, model.output.weight} if rows else ():
+            table[rows] = 0.1 * torch.randn(len(rows), table.size(1), generator=g)
     model.eval()
-    save_peft(model, tmp_path / "adapter")
+    save_peft(model, tmp_path / "adapter", token_rows=rows)
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
-    assert config["fan_in_fan_out"] == (layout is GPT2)
-    if layout is LLAMA:
+    assert config["fan_in_fan_out"] == (layout["mlp"] == "gelu")
+    if layout["mlp"] == "swiglu":  # Llama
         assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                    "up_proj", "down_proj"])  # fmt: skip
     elif targets is None:
@@ -145,16 +153,24 @@ def test_peft_loads_embers_adapters_on_the_exported_base(tmp_path, layout, targe
     else:
         assert config["target_modules"] == ["attn.c_attn", "mlp.c_proj"]
         assert config["rank_pattern"] == {"c_attn": 8} and config["alpha_pattern"] == {"c_attn": 16}
+    idx = IDX.clone()
+    idx[:, 1 : 1 + len(rows)] = torch.tensor(rows, dtype=idx.dtype)
+    untied = not layout.get("tie_embeddings", True)
+    assert config["trainable_token_indices"] == (
+        None if not rows else {"embed_tokens": ROWS, "lm_head": ROWS} if untied else ROWS
+    )
     with torch.no_grad():
-        base = hf(IDX).logits
+        base = hf(idx).logits
     peft_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()  # adapts hf in place
     theirs_keys = set(peft.get_peft_model_state_dict(peft_model))
     from safetensors.torch import load_file
 
     assert set(load_file(tmp_path / "adapter" / "adapter_model.safetensors")) == theirs_keys
     with torch.no_grad():
-        ours, theirs = model(IDX), peft_model(IDX).logits
+        ours, theirs = model(idx), peft_model(idx).logits
         assert (ours - base).abs().max() > 1e-3  # the adapters matter
+        if rows:  # and so do the rows: without them, PEFT's logits differ
+            assert (ours[:, :, rows] - base[:, :, rows]).abs().max() > 1e-2
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
 
 
@@ -246,10 +262,16 @@ def test_lora_sft_run_resumes_bitwise_saves_adapters_only_and_exports_merged(tin
         assert (merged(idx) - base_model(idx)).abs().max() > 0  # the adapters moved it
 
 
-def test_with_chat_tokens_only_their_embedding_rows_move(tiny_cfg):
+def test_with_chat_tokens_only_their_embedding_rows_move(tiny_cfg, tmp_path):
+    """... and the run's adapter/ holds them as PEFT's trainable tokens: PEFT on the exported
+    base gives the run's merged logits."""
     from pathlib import Path
 
-    from ember.data.chat import chat_ids
+    import peft
+    import transformers
+
+    from ember.cli import main
+    from ember.data.chat import chat_ids, render
     from ember.train.checkpoint import load_run
     from ember.train.trainer import train
 
@@ -264,7 +286,17 @@ def test_with_chat_tokens_only_their_embedding_rows_move(tiny_cfg):
         (after.tok_embeddings.weight != before.tok_embeddings.weight).any(dim=1).nonzero().flatten().tolist()
     )
     assert moved and set(moved) <= set(chat_ids(tokenizer).values())
-    assert not (base.parent / "rows" / "adapter").exists()  # PEFT's adapters alone would miss the rows
+    config = json.loads((base.parent / "rows" / "adapter" / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == sorted(chat_ids(tokenizer).values())
+    assert main(["export", str(base), "--to", "hf", str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    peft_model = peft.PeftModel.from_pretrained(hf, base.parent / "rows" / "adapter").eval()
+    ids = render(
+        tokenizer, [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    )[0]
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        torch.testing.assert_close(peft_model(x).logits, after(x), rtol=0, atol=1e-5)
 
 
 def test_counts_and_summary_are_the_adapter_sizes():

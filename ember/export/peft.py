@@ -8,11 +8,17 @@ logits (tests/test_lora.py, within 1e-5). Module names follow ember/model/hf.py'
 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q | k | v]) while ember adapts them
 apart; one adapter of rank k·r on ``c_attn`` is exactly the k adapters of rank r: A stacked,
 B block-diagonal, with PEFT's ``rank_pattern``/``alpha_pattern`` keeping the scale α/r.
+
+Embedding rows trained beside the adapters (the chat tokens, ``train.lora_chat_tokens``) are
+PEFT's ``trainable_token_indices``: their values, stored as ``token_adapter.trainable_tokens_delta``
+(the rows themselves, which PEFT copies over the base's), on the input embedding and, when the
+head is not tied to it, on the head too.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -41,6 +47,7 @@ HF_NAMES = {  # ember linear -> its HF module under the block, per layout (ember
     },
 }
 HF_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
+HF_EMBEDDINGS = {"llama": "model.embed_tokens", "gpt2": "transformer.wte"}
 
 
 def _peft_tensors(model: nn.Module, layout: str) -> dict[str, tuple[Tensor, Tensor]]:
@@ -70,9 +77,12 @@ def _peft_tensors(model: nn.Module, layout: str) -> dict[str, tuple[Tensor, Tens
     return pairs
 
 
-def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: str = "") -> Path:
+def save_peft(
+    model: nn.Module, out_dir: str | Path, base_model_name_or_path: str = "", token_rows: Sequence[int] = ()
+) -> Path:
     """Write the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) for
-    the HF layout ``to_hf`` exports the model as (see the module docstring for GPT-2's c_attn).
+    the HF layout ``to_hf`` exports the model as (see the module docstring for GPT-2's c_attn),
+    with the embedding (and untied head) rows ``token_rows`` as trainable tokens.
     ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
     from safetensors.torch import save_file
 
@@ -93,6 +103,16 @@ def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: st
     # Suffixes PEFT matches module names against; GPT-2 needs the parent to tell attn.c_proj from mlp's.
     keep = 1 if layout == "llama" else 2
     targets = sorted({".".join(hf.split(".")[-keep:]) for hf in pairs})
+    rows = sorted(token_rows)
+    token_indices: list[int] | dict[str, list[int]] | None = rows or None
+    if rows:
+        tables = {HF_EMBEDDINGS[layout]: model.tok_embeddings.weight}
+        if model.output.weight is not model.tok_embeddings.weight:  # a tied head follows the embedding
+            tables["lm_head"] = model.output.weight
+            token_indices = {name.split(".")[-1]: rows for name in tables}
+        for name, weight in tables.items():
+            delta = weight.detach()[rows].float().contiguous()
+            tensors[f"base_model.model.{name}.token_adapter.trainable_tokens_delta"] = delta
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -104,6 +124,7 @@ def save_peft(model: nn.Module, out_dir: str | Path, base_model_name_or_path: st
         "rank_pattern": {},
         "alpha_pattern": {},
         "bias": "none",
+        "trainable_token_indices": token_indices,
         "fan_in_fan_out": layout == "gpt2",  # Conv1D stores its weight (in, out)
         "inference_mode": True,
     }

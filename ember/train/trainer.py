@@ -824,11 +824,13 @@ class Trainer:
             from ember.export.peft import save_peft
             from ember.model.lora import merge_lora
 
-            # trained rows or a grown vocabulary: adapter/ on the source run would miss them
-            rows = "tok_embeddings.weight" in self.adapters or self.grown
-            if name == "model" and self.env.is_main and not rows:
+            # the chat tokens' rows go as PEFT's trainable tokens; a grown vocabulary does not fit
+            # the source run's model, which adapter/ is for
+            rows = list(chat_ids(self.tokenizer).values()) if "tok_embeddings.weight" in self.adapters else []
+            if name == "model" and self.env.is_main and not self.grown:
                 try:
-                    save_peft(unwrap(self.model), self.run_dir / "adapter", str(self.cfg.train.init_from))
+                    src = str(self.cfg.train.init_from)
+                    save_peft(unwrap(self.model), self.run_dir / "adapter", src, token_rows=rows)
                 except EmberError as e:  # a layout transformers has no class for
                     print0(f"ember: note: no PEFT adapter/ written ({e})")
             model = merge_lora(copy.deepcopy(unwrap(self.model)))
