@@ -172,7 +172,10 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.enabled:
             return y
-        return y + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+        # the scale on the narrow (…, r) side, and the add inside B's matmul (addmm): no extra
+        # passes over the (…, out) output, forward or backward
+        h = F.linear(self.dropout(x), self.lora_A) * self.scale
+        return torch.addmm(y.flatten(0, -2), h.flatten(0, -2), self.lora_B.t()).view_as(y)
 
     def merged_weight(self) -> Tensor:
         base = (
