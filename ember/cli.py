@@ -228,9 +228,8 @@ def cmd_chat(args) -> int:
     sampling = _sampling(args)
     engine = Engine.from_run(args.run)
     config = Path(args.run) / "config.yaml"
-    chat = (
-        config.is_file() and (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("task") == "sft"
-    )
+    task = config.is_file() and (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("task")
+    chat = task in ("sft", "dpo")
     kind = "a chat model: turns in the chat format" if chat else "a base model: it continues your text"
     print(f"ember chat with {args.run} ({kind}). Empty line or Ctrl-D to quit.")
     messages: list[dict] = []

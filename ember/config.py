@@ -351,8 +351,9 @@ class TrainConfig(_Section, key="train"):
     )
     task: str = opt(
         "lm",
-        "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*)",
-        choices=("lm", "sft"),
+        "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*); "
+        "dpo: direct preference optimisation (see dpo.*)",
+        choices=("lm", "sft", "dpo"),
     )
 
 
@@ -367,6 +368,28 @@ class SFTConfig(_Section, key="sft"):
     )
     examples: int = opt(20000, "problems drawn from an embedded task's train split", ge=1)
     packing: bool = opt(True, "pack several conversations per row (no attention between them)")
+    eval_problems: int = opt(
+        100, "with an embedded task: test problems answered (greedy) at each evaluation; 0 = none", ge=0
+    )
+
+
+@dataclass
+class DPOConfig(_Section, key="dpo"):
+    """Direct preference optimisation (``train.task=dpo``): the pairs, the loss and its β."""
+
+    data: str = opt(
+        "",
+        "preference pairs: a JSONL file of {prompt, chosen, rejected} rows, or an embedded task's name "
+        "(its train split: the answer chosen, a corrupted one rejected)",
+    )
+    examples: int = opt(20000, "pairs made from an embedded task's train split", ge=1)
+    beta: float = opt(0.1, "β: the strength of the KL leash to the reference (larger: closer)", gt=0)
+    loss: str = opt(
+        "sigmoid",
+        "sigmoid (DPO), robust (with label_smoothing: flipped labels expected) or ipo",
+        choices=("sigmoid", "robust", "ipo"),
+    )
+    label_smoothing: float = opt(0.0, "robust: the share of pairs assumed mislabelled", ge=0, lt=0.5)
     eval_problems: int = opt(
         100, "with an embedded task: test problems answered (greedy) at each evaluation; 0 = none", ge=0
     )
@@ -388,6 +411,7 @@ class Config:
     model: ModelConfig = opt(ModelConfig, "model architecture")
     train: TrainConfig = opt(TrainConfig, "training loop")
     sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning data (train.task=sft)")
+    dpo: DPOConfig = opt(DPOConfig, "preference optimisation (train.task=dpo)")
     parallel: ParallelConfig = opt(ParallelConfig, "parallel layout")
 
     def __post_init__(self) -> None:

@@ -61,17 +61,19 @@ class PackedDocuments:
         return sdpa_attention(q, k, v, self.dropout, self.mask)
 
 
-def data_task(spec: str):
-    """The embedded task ``sft.data`` names, or None for a JSONL file; an EmberError otherwise."""
+def data_task(spec: str, key: str = "sft.data"):
+    """The embedded task ``spec`` (the value of config ``key``) names, or None for a JSONL file;
+    an EmberError otherwise."""
     from ember.data.tasks import TASKS
 
     if not spec:
-        raise EmberError("train.task=sft needs sft.data: an embedded task name or a JSONL file")
+        task = key.split(".")[0]
+        raise EmberError(f"train.task={task} needs {key}: an embedded task name or a JSONL file")
     if spec.endswith(".jsonl"):
         return None
     if spec not in TASKS:
         raise EmberError(
-            f"sft.data={spec!r} is neither a .jsonl file nor an embedded task; tasks: {', '.join(TASKS)}"
+            f"{key}={spec!r} is neither a .jsonl file nor an embedded task; tasks: {', '.join(TASKS)}"
         )
     return TASKS[spec]
 

@@ -74,6 +74,7 @@ from ember.train.checkpoint import (
     run_tokenizer,
     save_checkpoint,
 )
+from ember.train.dpo import DPOTask, PairLoader, encode_pairs, load_pairs, sequence_logps
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
 from ember.train.sft import SFTLoader, SFTTask, encode_conversations, load_conversations
@@ -89,6 +90,7 @@ RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
+CHAT_TASKS = ("sft", "dpo")  # tasks on conversations: no shards read, the source run's tokenizer
 
 
 class NonFiniteError(EmberError):
@@ -398,7 +400,7 @@ class Trainer:
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
 
-        sft_from = t.init_from if t.task == "sft" else ""
+        sft_from = t.init_from if t.task in CHAT_TASKS else ""
         manifest = None if sft_from else read_manifest(cfg.data.dir)
         if sft_from:
             self.tokenizer, self.tokenizer_file, known = _sft_tokenizer(sft_from)
@@ -422,20 +424,26 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
-        # its frozen base is loaded again from init_from
-        if t.init_from and (self.resume_from is None or t.lora_rank):
+        # its frozen base is loaded again from init_from, and DPO's reference copy comes from it
+        if t.init_from and (self.resume_from is None or t.lora_rank or t.task == "dpo"):
             _init_from(model, t.init_from, self.model_cfg, None if sft_from else self.tokenizer_sha, known)
         if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
             _apply_qat(model, t)
         self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
         if t.lora_rank:
             self.adapters = _apply_lora(model, t, cfg.parallel, env.world_size)
-            if t.task == "sft" and t.lora_chat_tokens:
+            if t.task == "sft" and t.lora_chat_tokens:  # (DPO's reference would move with them)
                 self.adapters |= _train_rows(model, list(chat_ids(self.tokenizer).values()))
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(env.device)
         model.to(env.device)
+        self.frozen = None  # DPO's reference without LoRA: the starting weights, frozen
+        if t.task == "dpo":
+            if env.world_size > 1 and cfg.parallel.data == "fsdp":
+                raise ConfigError("train.task=dpo runs on one device or under DDP (parallel.data=ddp)")
+            if self.adapters is None:
+                self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
         self.model = parallelize(model, env, cfg)
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
@@ -462,6 +470,13 @@ class Trainer:
                 env.device,
             )
             self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
+        elif t.task == "dpo":
+            pairs = encode_pairs(self.tokenizer, load_pairs(cfg.dpo, cfg.run.seed), t.seq_len)
+            self.task = DPOTask(cfg.dpo, self.tokenizer, self._reference(model))
+            print0(f"dpo: {len(pairs):,} preference pairs from {cfg.dpo.data}")
+            where = (env.rank, env.world_size, env.device)
+            self.loader = PairLoader(pairs, t.seq_len, self.global_rows, t.micro_batch, cfg.run.seed, *where)
+            self.val_loader = None
         else:
             self.task = LMTask(t.z_loss, token_bytes.to(env.device))
             train_set = TokenDataset(cfg.data.dir, "train")
@@ -592,6 +607,25 @@ class Trainer:
                 fix = f"{', '.join(fixed)} cannot change on resume: put them back, or start another run.name"
             raise ConfigError(f"resuming {run} with a config that differs from {saved}: {listing}. {fix}")
 
+    def _reference(self, model):
+        """DPO's reference: ``(x, y) -> `` per-row log-probabilities of the replies, from the
+        model with its adapters off (LoRA: no second copy) or from the frozen starting weights;
+        in eval mode (no dropout) either way."""
+        if self.frozen is not None:
+            return lambda x, y: sequence_logps(self.frozen, x, y)[0]
+        from ember.model.lora import adapters_disabled
+
+        def reference(x, y):
+            was_training = model.training
+            model.eval()
+            try:
+                with adapters_disabled(model):
+                    return sequence_logps(model, x, y)[0]
+            finally:
+                model.train(was_training)
+
+        return reference
+
     def _prepare_run_dir(self) -> None:
         if not self.env.is_main:
             return
@@ -673,14 +707,21 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.env.device)
+        self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own (DPO's rewards, ...): mean
         for micro in range(self.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with self._sync_grads(micro == self.grad_accum - 1):
                 with self.autocast:
-                    loss, _ = self.task.loss(self.model, tuple(b[rows] for b in batch))
+                    loss, info = self.task.loss(self.model, tuple(b[rows] for b in batch))
                     loss = loss / self.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
+            for key, value in info.items():
+                if isinstance(value, torch.Tensor):
+                    share = value.detach().float() / self.grad_accum
+                    self.step_metrics[key] = self.step_metrics.get(key, 0) + share
+        for value in self.step_metrics.values():
+            all_reduce(value, "avg")
         fwd_bwd_s = time.perf_counter() - start
 
         self.scaler.unscale_(self.optimizer)
@@ -722,6 +763,7 @@ class Trainer:
         }
         if self.peak_flops:
             last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (self.peak_flops * env.world_size)
+        last.update({key: value.item() for key, value in getattr(self, "step_metrics", {}).items()})
         self.metrics.write(last)
         bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
         if self.step % t.log_every == 0 or self.step == 1:

@@ -1,0 +1,265 @@
+"""Direct preference optimisation: ``train.task=dpo`` (Rafailov et al. 2023).
+
+    ember train cpu-quick train.task=dpo dpo.data=add-2 train.init_from=runs/add2-sft
+
+**The loss.** Fine-tuning against a reward r with a KL leash to a reference policy,
+``max E[r(x, y)] − β KL(π ‖ π_ref)``, has the optimum ``π*(y|x) ∝ π_ref(y|x) exp(r(x, y)/β)``,
+so ``r = β log π*/π_ref + β log Z(x)``. Put that r into the Bradley–Terry probability that the
+chosen answer y_w beats the rejected y_l, ``σ(r(x, y_w) − r(x, y_l))``: Z(x) cancels, and the
+policy itself is trained by the negative log-likelihood of the preferences::
+
+    h = (log π(y_w|x) − log π_ref(y_w|x)) − (log π(y_l|x) − log π_ref(y_l|x))
+    sigmoid: −log σ(β h)                      (dpo.loss=sigmoid, the paper's)
+    robust:  with dpo.label_smoothing ε, a share ε of the labels assumed flipped (Chowdhury et
+             al. 2024): (−(1−ε) log σ(β h) + ε log σ(−β h)) / (1 − 2ε)
+    ipo:     (h̄ − 1/(2β))², h̄ with each log-ratio averaged over its completion's tokens
+             (Azar et al. 2023; the per-token average as TRL takes it)
+
+``log π(y|x)`` sums the log-probabilities of the completion's tokens (its content and closing
+``<|end_turn|>``), given the prompt rendered in the chat format. The loss is the mean over the
+pairs; the numbers equal TRL's ``DPOTrainer`` on the same model and batch (tests/test_dpo.py).
+
+**The reference.** With LoRA (``train.lora_rank``) it is the same model with its adapters off
+(``adapters_disabled``): no second copy. Otherwise a frozen copy of the starting weights,
+kept on the device. Either way its log-probabilities are computed in the step, under no_grad,
+so a resumed run computes what the uninterrupted one did.
+
+**Metrics** (TRL's names, per step, means over the pairs): ``rewards/chosen`` = β (log π − log
+π_ref) of y_w, ``rewards/rejected`` the same of y_l, ``rewards/margins`` their difference,
+``rewards/accuracies`` the share of pairs whose chosen reward is the larger, ``logps/chosen``
+and ``logps/rejected`` (summed over the completion).
+
+**Data** (``dpo.data``): a JSONL file of ``{"prompt", "chosen", "rejected"}`` rows, each a
+string or chat messages (the prompt a list of messages ending in a user turn, chosen and
+rejected an assistant message or a list of one), or an embedded task: chosen is a problem's
+reference answer and rejected a seeded corruption of it that the task's verifier scores 0
+(off by one, ten or a hundred, or two neighbours swapped). Rows are two per pair, chosen then
+rejected, no packing; each micro-batch holds whole pairs (its first half chosen, its second
+half rejected), in a seeded epoch order with the cursor in the checkpoint (``PairLoader``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ember.data.chat import check_messages, render
+from ember.errors import EmberError
+from ember.train.sft import IGNORE, SFTLoader, SFTTask, data_task
+
+LOSSES = ("sigmoid", "robust", "ipo")
+Preference = tuple[list[dict], str, str]  # prompt messages, chosen reply, rejected reply
+Pair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen ids, rejected ids (each + end of turn)
+
+
+# ---------------------------------------------------------------- data
+
+
+def _reply(value, where: str, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+        check_messages(value, f"{where}: {key}")
+        if value[0]["role"] == "assistant":
+            return value[0]["content"]
+    raise EmberError(f"{where}: '{key}' must be a string or one assistant message")
+
+
+def load_preferences(path: str | Path) -> list[Preference]:
+    """Pairs from a JSONL file (see the module docstring); an EmberError names the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise EmberError(f"cannot read {path} ({e}); give a UTF-8 JSONL file of preference pairs") from None
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EmberError(f"{where}: not JSON ({e.msg}); each line must be one JSON object") from None
+        if not isinstance(row, dict) or not {"prompt", "chosen", "rejected"} <= set(row):
+            raise EmberError(f'{where}: expected {{"prompt": ..., "chosen": ..., "rejected": ...}}')
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        check_messages(prompt, f"{where}: prompt")
+        if prompt[-1]["role"] != "user":
+            raise EmberError(f"{where}: the prompt must end with a user message, which the replies answer")
+        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        pairs.append(
+            (prompt, _reply(row["chosen"], where, "chosen"), _reply(row["rejected"], where, "rejected"))
+        )
+    if not pairs:
+        raise EmberError(f"{path} holds no preference pairs; write one JSON object per line")
+    return pairs
+
+
+def corrupt(answer: str, rng: random.Random) -> str:
+    """A near miss of ``answer``: a number off by 1, 10 or 100; otherwise two neighbouring items
+    (words, or characters of one word) swapped, or the last character dropped."""
+    if answer.lstrip("-").isdigit():
+        value = int(answer)
+        return str(value + rng.choice([d for d in (-100, -10, -1, 1, 10, 100) if value + d >= 0]))
+    items, sep = (answer.split(" "), " ") if " " in answer else (list(answer), "")
+    if len(items) > 1 and len(set(items)) > 1:
+        i = rng.choice([j for j in range(len(items) - 1) if items[j] != items[j + 1]])
+        items[i], items[i + 1] = items[i + 1], items[i]
+        return sep.join(items)
+    return answer[:-1] if len(answer) > 1 else answer + answer
+
+
+def task_preferences(spec: str, n: int, seed: int) -> list[Preference]:
+    """``n`` pairs from an embedded task's train split: its answer chosen, a corruption that the
+    verifier scores 0 rejected (problems with no such corruption are skipped)."""
+    task = data_task(spec, "dpo.data")
+    pairs = []
+    for problem in task.generate("train", n):
+        rng = random.Random(f"{seed}:{problem.prompt}")
+        for _ in range(8):
+            rejected = corrupt(problem.answer, rng)
+            if task.score(problem, rejected) == 0.0:
+                pairs.append(([{"role": "user", "content": problem.prompt}], problem.answer, rejected))
+                break
+    return pairs
+
+
+def load_pairs(dpo_cfg, seed: int) -> list[Preference]:
+    """``dpo.data``'s pairs: a JSONL file's rows, or ``dpo.examples`` made from an embedded task."""
+    task = data_task(dpo_cfg.data, "dpo.data")
+    if task is None:
+        return load_preferences(dpo_cfg.data)
+    return task_preferences(dpo_cfg.data, dpo_cfg.examples, seed)
+
+
+def encode_pairs(tokenizer, preferences: list[Preference], seq_len: int) -> list[Pair]:
+    """Each pair as the prompt's ids (chat format, ending with the assistant's role token) and the
+    two replies' ids with their end of turn; pairs longer than ``seq_len + 1`` are dropped."""
+    pairs, dropped = [], 0
+    for prompt, chosen, rejected in preferences:
+        prompt_ids = render(tokenizer, prompt, add_generation_prompt=True)[0]
+        end = render(tokenizer, [{"role": "assistant", "content": ""}])[0][-1]
+        replies = [tokenizer.encode_after_special(r) + [end] for r in (chosen, rejected)]
+        if len(prompt_ids) + max(map(len, replies)) > seq_len + 1:
+            dropped += 1
+            continue
+        pairs.append((prompt_ids, *replies))
+    if not pairs:
+        raise EmberError(
+            f"no preference pair fits train.seq_len + 1 = {seq_len + 1} tokens; raise train.seq_len"
+        )
+    if dropped:
+        print(f"dpo: {dropped} pairs longer than {seq_len + 1} tokens dropped")
+    return pairs
+
+
+class PairLoader(SFTLoader):
+    """Batches of (x, y), (rows on this rank, seq_len), from pairs in seeded epoch order: each
+    micro-batch of ``micro_batch`` rows holds ``micro_batch / 2`` pairs, chosen rows first, their
+    rejected rows after, right-padded; ``y`` is IGNORE off the replies. The epoch order and the
+    cursor are SFTLoader's (state_dict, load_state_dict)."""
+
+    def __init__(self, pairs: list[Pair], seq_len: int, rows: int, micro_batch: int, seed: int,
+                 rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):  # fmt: skip
+        if micro_batch % 2:
+            raise EmberError(
+                f"train.micro_batch={micro_batch}: DPO needs an even one (a chosen and a rejected row a pair)"
+            )
+        super().__init__(pairs, seq_len, rows, seed, False, rank, world_size, device)
+        self.micro_batch = micro_batch
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        width = self.seq_len + 1
+        ids = torch.zeros(self.rows, width, dtype=torch.long)
+        trained = torch.zeros(self.rows, width, dtype=torch.bool)
+        half = self.micro_batch // 2
+        for p in range(self.rows // 2):  # pair p: row block of its micro-batch, chosen then rejected
+            prompt, *replies = self._take()
+            block, k = divmod(p, half)
+            for side, reply in enumerate(replies):
+                r = block * self.micro_batch + side * half + k
+                sequence = prompt + reply
+                ids[r, : len(sequence)] = torch.tensor(sequence)
+                trained[r, len(prompt) : len(sequence)] = True
+        y = torch.where(trained[:, 1:], ids[:, 1:], IGNORE)
+        mine = slice(self.rank * self.rows // self.world_size, (self.rank + 1) * self.rows // self.world_size)
+        return tuple(t[mine].to(self.device) for t in (ids[:, :-1], y))
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def sequence_logps(model, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row: the summed log-probability of its trained targets, and how many there are. The
+    head runs on those positions only (``keep``)."""
+    keep = y != IGNORE
+    logp = torch.log_softmax(model(x, keep=keep).float(), dim=-1).gather(1, y[keep][:, None])[:, 0]
+    rows = keep.nonzero()[:, 0]
+    sums = torch.zeros(x.size(0), dtype=logp.dtype, device=x.device).index_add(0, rows, logp)
+    return sums, keep.sum(1)
+
+
+def dpo_loss(
+    logps: Tensor,
+    ref_logps: Tensor,
+    lengths: Tensor,
+    beta: float,
+    loss: str = "sigmoid",
+    smoothing: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss (mean over pairs) and TRL's metrics from per-row summed log-probabilities of the
+    policy and the reference, rows [chosen..., rejected...] (see the module docstring)."""
+    chosen, rejected = logps.chunk(2)
+    ratios = logps - ref_logps
+    chosen_ratio, rejected_ratio = ratios.chunk(2)
+    h = chosen_ratio - rejected_ratio
+    if loss == "sigmoid":
+        per_pair = -F.logsigmoid(beta * h)
+    elif loss == "robust":
+        per_pair = (-(1 - smoothing) * F.logsigmoid(beta * h) + smoothing * F.logsigmoid(-beta * h)) / (
+            1 - 2 * smoothing
+        )
+    elif loss == "ipo":
+        chosen_len, rejected_len = lengths.clamp(min=1).to(ratios.dtype).chunk(2)
+        per_pair = (chosen_ratio / chosen_len - rejected_ratio / rejected_len - 1 / (2 * beta)) ** 2
+    else:
+        raise EmberError(f"dpo.loss={loss!r}: choose one of {', '.join(LOSSES)}")
+    chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    metrics = {
+        "rewards/chosen": chosen_reward.mean(),
+        "rewards/rejected": rejected_reward.mean(),
+        "rewards/margins": (chosen_reward - rejected_reward).mean(),
+        "rewards/accuracies": (chosen_reward > rejected_reward).float().mean(),
+        "logps/chosen": chosen.detach().mean(),
+        "logps/rejected": rejected.detach().mean(),
+    }
+    return per_pair.mean(), metrics
+
+
+class DPOTask(SFTTask):
+    """The trainer's task for ``train.task=dpo``: ``loss`` on a micro-batch of pairs against
+    ``reference(x, y)`` (per-row log-probabilities of the frozen copy, or of the model with its
+    adapters off), and SFT's task accuracy on held-out problems at each evaluation."""
+
+    def __init__(self, dpo_cfg, tokenizer, reference: Callable[[Tensor, Tensor], Tensor]):
+        super().__init__(False, tokenizer, dpo_cfg.data, dpo_cfg.eval_problems)
+        self.beta, self.kind, self.smoothing = dpo_cfg.beta, dpo_cfg.loss, dpo_cfg.label_smoothing
+        self.reference = reference
+
+    def loss(self, model, batch) -> tuple[Tensor, dict]:
+        x, y = batch
+        with torch.no_grad():  # first: no forward of the policy waits for its backward meanwhile
+            ref_logps = self.reference(x, y)
+        logps, lengths = sequence_logps(model, x, y)
+        return dpo_loss(logps, ref_logps, lengths, self.beta, self.kind, self.smoothing)
