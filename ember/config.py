@@ -383,6 +383,12 @@ class DPOConfig(_Section, key="dpo"):
         "(its train split: the answer chosen, a corrupted one rejected)",
     )
     examples: int = opt(20000, "pairs made from an embedded task's train split", ge=1)
+    rejected: str = opt(
+        "corrupt",
+        "with a task, the rejected reply: corrupt (a seeded near miss) or model (the starting model's own "
+        "greedy answer where it is wrong, a near miss where it is right)",
+        choices=("corrupt", "model"),
+    )
     beta: float = opt(0.1, "β: the strength of the KL leash to the reference (larger: closer)", gt=0)
     loss: str = opt(
         "sigmoid",

@@ -215,3 +215,29 @@ def test_bad_dpo_data_is_a_clear_error(tiny_cfg, capsys, tmp_path):
     assert "dpo.data='add-9'" in capsys.readouterr().err
     assert main([*argv, "dpo.data=add-2", "train.micro_batch=3", "train.batch_tokens=192"]) == 2
     assert "even" in capsys.readouterr().err
+
+
+def test_model_replies_are_rejected_where_wrong_and_near_misses_where_right():
+    problems = TASKS["add-2"].generate("train", 6)
+
+    def answer(task, ps):  # a model that is right on even problems, says "7" on odd ones
+        assert task is TASKS["add-2"] and [p.prompt for p in ps] == [p.prompt for p in problems]
+        return [p.answer if i % 2 == 0 else "7" for i, p in enumerate(ps)]
+
+    pairs = task_preferences("add-2", 6, seed=0, answer=answer)
+    for i, (prompt, chosen, rejected) in enumerate(pairs):
+        assert prompt[0]["content"] == problems[i].prompt and chosen == problems[i].answer
+        if i % 2:
+            assert rejected == "7"
+        else:
+            assert rejected != chosen and abs(int(rejected) - int(chosen)) in (1, 10, 100)
+
+
+def test_dpo_with_the_models_own_replies_runs(tiny_cfg, capsys):
+    base_cfg = tiny_cfg("run.name=base", "train.max_steps=1", "train.eval_every=0")
+    train(base_cfg)
+    base = Path(base_cfg.run.out_dir) / "base"
+    args = ["run.name=own", "train.task=dpo", "dpo.data=add-2", "dpo.examples=8", "dpo.rejected=model",
+            f"train.init_from={base}", "train.max_steps=1", "train.eval_every=0", "train.seq_len=64"]  # fmt: skip
+    assert math.isfinite(train(tiny_cfg(*args))["loss"])
+    assert "the starting model answers 8 add-2 problems" in capsys.readouterr().out

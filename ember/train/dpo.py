@@ -120,12 +120,18 @@ def corrupt(answer: str, rng: random.Random) -> str:
     return answer[:-1] if len(answer) > 1 else answer + answer
 
 
-def task_preferences(spec: str, n: int, seed: int) -> list[Preference]:
+def task_preferences(spec: str, n: int, seed: int, answer: Callable | None = None) -> list[Preference]:
     """``n`` pairs from an embedded task's train split: its answer chosen, a corruption that the
-    verifier scores 0 rejected (problems with no such corruption are skipped)."""
+    verifier scores 0 rejected (problems with no such corruption are skipped); with ``answer``
+    (``(task, problems) -> replies``: a model's), that reply where the verifier scores it 0."""
     task = data_task(spec, "dpo.data")
+    problems = task.generate("train", n)
+    replies = answer(task, problems) if answer else [""] * len(problems)
     pairs = []
-    for problem in task.generate("train", n):
+    for problem, reply in zip(problems, replies, strict=True):
+        if reply.strip() and task.score(problem, reply) == 0.0:
+            pairs.append(([{"role": "user", "content": problem.prompt}], problem.answer, reply))
+            continue
         rng = random.Random(f"{seed}:{problem.prompt}")
         for _ in range(8):
             rejected = corrupt(problem.answer, rng)
@@ -135,12 +141,15 @@ def task_preferences(spec: str, n: int, seed: int) -> list[Preference]:
     return pairs
 
 
-def load_pairs(dpo_cfg, seed: int) -> list[Preference]:
-    """``dpo.data``'s pairs: a JSONL file's rows, or ``dpo.examples`` made from an embedded task."""
+def load_pairs(dpo_cfg, seed: int, answer: Callable | None = None) -> list[Preference]:
+    """``dpo.data``'s pairs: a JSONL file's rows, or ``dpo.examples`` made from an embedded task
+    (with ``dpo.rejected=model``, ``answer`` gives the model's replies)."""
     task = data_task(dpo_cfg.data, "dpo.data")
     if task is None:
         return load_preferences(dpo_cfg.data)
-    return task_preferences(dpo_cfg.data, dpo_cfg.examples, seed)
+    return task_preferences(
+        dpo_cfg.data, dpo_cfg.examples, seed, answer if dpo_cfg.rejected == "model" else None
+    )
 
 
 def encode_pairs(tokenizer, preferences: list[Preference], seq_len: int) -> list[Pair]:

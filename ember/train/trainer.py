@@ -471,7 +471,10 @@ class Trainer:
             )
             self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
         elif t.task == "dpo":
-            pairs = encode_pairs(self.tokenizer, load_pairs(cfg.dpo, cfg.run.seed), t.seq_len)
+            preferences = load_pairs(
+                cfg.dpo, cfg.run.seed, lambda task, problems: self._answers(model, task, problems)
+            )
+            pairs = encode_pairs(self.tokenizer, preferences, t.seq_len)
             self.task = DPOTask(cfg.dpo, self.tokenizer, self._reference(model))
             print0(f"dpo: {len(pairs):,} preference pairs from {cfg.dpo.data}")
             where = (env.rank, env.world_size, env.device)
@@ -606,6 +609,29 @@ class Trainer:
             if fixed:
                 fix = f"{', '.join(fixed)} cannot change on resume: put them back, or start another run.name"
             raise ConfigError(f"resuming {run} with a config that differs from {saved}: {listing}. {fix}")
+
+    def _answers(self, model, task, problems) -> list[str]:
+        """The starting model's greedy replies to ``problems`` (``dpo.rejected=model``): before any
+        step, and on resume before the checkpoint loads, so the same pairs either way. Special
+        tokens it emitted are left out (a reply is text, where they would be plain characters)."""
+        from ember.data.tasks import reply_of
+        from ember.infer.engine import Engine
+        from ember.infer.evaluate import answer_problems
+
+        print0(
+            f"dpo: the starting model answers {len(problems):,} {task.name} problems (greedy) for the pairs"
+        )
+        was_training = model.training
+        try:
+            engine = Engine(model.eval(), self.tokenizer)
+            longest = max(len(self.tokenizer.encode(p.answer)) for p in problems) + 8  # a wrong reply as long
+            outputs = answer_problems(engine, task, problems, max_new_tokens=longest, batch=64)
+            replies = [reply_of(text) for _, text, _ in outputs]
+            for added in self.tokenizer.hf.get_added_tokens_decoder().values():  # text cannot hold
+                replies = [r.replace(added.content, "") for r in replies]  # the control tokens it emitted
+            return replies
+        finally:
+            model.train(was_training)
 
     def _reference(self, model):
         """DPO's reference: ``(x, y) -> `` per-row log-probabilities of the replies, from the
