@@ -396,6 +396,9 @@ class DPOConfig(_Section, key="dpo"):
         choices=("sigmoid", "robust", "ipo"),
     )
     label_smoothing: float = opt(0.0, "robust: the share of pairs assumed mislabelled", ge=0, lt=0.5)
+    sft_weight: float = opt(
+        0.0, "add this times the chosen replies' negative log-likelihood per token (0 = plain DPO)", ge=0
+    )
     eval_problems: int = opt(
         100, "with an embedded task: test problems answered (greedy) at each evaluation; 0 = none", ge=0
     )

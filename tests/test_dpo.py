@@ -48,8 +48,11 @@ def _batch(tok, n_pairs: int = 4, seq_len: int = 40):
     return PairLoader(pairs, seq_len, 2 * n_pairs, 2 * n_pairs, seed=0).next_batch()
 
 
-@pytest.mark.parametrize("loss,smoothing", [("sigmoid", 0.0), ("robust", 0.1), ("ipo", 0.0)])
-def test_loss_and_metrics_equal_trls(tok, tmp_path, loss, smoothing):
+@pytest.mark.parametrize(
+    "loss,smoothing,sft",
+    [("sigmoid", 0.0, 0.0), ("robust", 0.1, 0.0), ("ipo", 0.0, 0.0), ("sigmoid", 0.0, 0.5)],
+)
+def test_loss_and_metrics_equal_trls(tok, tmp_path, loss, smoothing, sft):
     """TRL's DPOTrainer computes the loss of the same batch with the exported policy and reference
     (fp32: DPOConfig's default bf16 autocast off); every number agrees within 1e-5."""
     trl = pytest.importorskip("trl")
@@ -62,12 +65,15 @@ def test_loss_and_metrics_equal_trls(tok, tmp_path, loss, smoothing):
     x, y = _batch(tok)
     with torch.no_grad():
         logps, lengths = sequence_logps(policy, x, y)
-        ours, metrics = dpo_loss(logps, sequence_logps(reference, x, y)[0], lengths, 0.1, loss, smoothing)
+        ours, metrics = dpo_loss(
+            logps, sequence_logps(reference, x, y)[0], lengths, 0.1, loss, smoothing, sft
+        )
     hf_tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok.hf, eos_token="<|eos|>", pad_token="<|pad|>"
     )
     data = datasets.Dataset.from_dict({"prompt": ["a"] * 2, "chosen": ["b"] * 2, "rejected": ["c"] * 2})
-    args = trl.DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=[loss], label_smoothing=smoothing,
+    args = trl.DPOConfig(output_dir=str(tmp_path), beta=0.1, loss_type=[loss, "sft"] if sft else [loss],
+                         loss_weights=[1.0, sft] if sft else None, label_smoothing=smoothing,
                          bf16=False, use_cpu=True, report_to=[], per_device_train_batch_size=2)  # fmt: skip
     trainer = trl.DPOTrainer(model=to_hf(policy).eval(), ref_model=to_hf(reference).eval(), args=args,
                              train_dataset=data, processing_class=hf_tok)  # fmt: skip
@@ -104,6 +110,8 @@ def test_the_losses_written_out():
         assert got.item() == pytest.approx(float(want), rel=1e-6), kind
     assert metrics["rewards/margins"].item() == pytest.approx(beta * h.mean().item(), rel=1e-6)
     assert metrics["rewards/accuracies"].item() == (h > 0).float().mean().item()
+    with_nll, _ = dpo_loss(logps, ref, lengths, beta, "sigmoid", 0.0, 0.5)  # + 0.5 × chosen NLL per token
+    assert with_nll.item() == pytest.approx(sigmoid - 0.5 * logps[:4].sum().item() / 18, rel=1e-6)
     with pytest.raises(EmberError, match="dpo.loss"):
         dpo_loss(logps, ref, lengths, beta, "kto")
 
@@ -196,9 +204,10 @@ def test_dpo_runs_start_at_log2_log_trls_metrics_and_resume_bitwise(tiny_cfg, lo
     records = [r for r in read_metrics(run) if "loss" in r]
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy starts as its reference
     assert records[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
-    assert records[-1]["rewards/margins"] > 0 and records[-1]["loss"] < math.log(
-        2
-    )  # it learns the preference
+    last = records[-1]
+    assert last["rewards/margins"] > 0 and last["loss"] < math.log(2)  # it learns the preference
+    assert (run / "plots" / "dpo_margins.png").is_file() and (run / "plots" / "dpo_accuracies.png").is_file()
+    assert not (base / "plots" / "dpo_margins.png").exists()  # drawn for runs that log it only
     full = _losses(run)
     shutil.rmtree(run / "checkpoints" / "step-000006")
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -238,6 +247,7 @@ def test_dpo_with_the_models_own_replies_runs(tiny_cfg, capsys):
     train(base_cfg)
     base = Path(base_cfg.run.out_dir) / "base"
     args = ["run.name=own", "train.task=dpo", "dpo.data=add-2", "dpo.examples=8", "dpo.rejected=model",
-            f"train.init_from={base}", "train.max_steps=1", "train.eval_every=0", "train.seq_len=64"]  # fmt: skip
+            f"train.init_from={base}", "train.max_steps=1", "train.eval_every=0",
+            "train.seq_len=64"]  # fmt: skip
     assert math.isfinite(train(tiny_cfg(*args))["loss"])
     assert "the starting model answers 8 add-2 problems" in capsys.readouterr().out

@@ -44,7 +44,9 @@ STEP_PLOTS = [
     ("lr", "lr", "Learning rate", "learning rate"),
     ("grad_norm", "grad_norm", "Gradient norm (before clipping)", "grad norm"),
     ("tokens_per_s", "tokens_per_s", "Throughput", "tokens / s"),
-]
+    ("dpo_margins", "rewards/margins", "DPO reward margin, chosen − rejected", "β · log-ratio"),
+    ("dpo_accuracies", "rewards/accuracies", "DPO pairs whose chosen reply has the larger reward", "share"),
+]  # a plot whose key no run logged is left out
 
 
 @dataclass

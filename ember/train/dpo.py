@@ -14,6 +14,9 @@ policy itself is trained by the negative log-likelihood of the preferences::
              al. 2024): (−(1−ε) log σ(β h) + ε log σ(−β h)) / (1 − 2ε)
     ipo:     (h̄ − 1/(2β))², h̄ with each log-ratio averaged over its completion's tokens
              (Azar et al. 2023; the per-token average as TRL takes it)
+    plus, with dpo.sft_weight α, α times the chosen replies' negative log-likelihood per token
+    (TRL's loss_type=[..., "sft"]; the NLL term of Pang et al. 2024), which keeps DPO from
+    lowering the chosen replies' likelihood along with the rejected ones'
 
 ``log π(y|x)`` sums the log-probabilities of the completion's tokens (its content and closing
 ``<|end_turn|>``), given the prompt rendered in the chat format. The loss is the mean over the
@@ -127,10 +130,11 @@ def task_preferences(spec: str, n: int, seed: int, answer: Callable | None = Non
     task = data_task(spec, "dpo.data")
     problems = task.generate("train", n)
     replies = answer(task, problems) if answer else [""] * len(problems)
-    pairs = []
+    pairs, own = [], 0
     for problem, reply in zip(problems, replies, strict=True):
         if reply.strip() and task.score(problem, reply) == 0.0:
             pairs.append(([{"role": "user", "content": problem.prompt}], problem.answer, reply))
+            own += 1
             continue
         rng = random.Random(f"{seed}:{problem.prompt}")
         for _ in range(8):
@@ -138,6 +142,8 @@ def task_preferences(spec: str, n: int, seed: int, answer: Callable | None = Non
             if task.score(problem, rejected) == 0.0:
                 pairs.append(([{"role": "user", "content": problem.prompt}], problem.answer, rejected))
                 break
+    if answer:
+        print(f"dpo: {own:,} of {len(pairs):,} rejected replies are the model's own (the rest near misses)")
     return pairs
 
 
@@ -226,9 +232,11 @@ def dpo_loss(
     beta: float,
     loss: str = "sigmoid",
     smoothing: float = 0.0,
+    sft_weight: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss (mean over pairs) and TRL's metrics from per-row summed log-probabilities of the
-    policy and the reference, rows [chosen..., rejected...] (see the module docstring)."""
+    policy and the reference, rows [chosen..., rejected...] (see the module docstring), plus
+    ``sft_weight`` times the chosen replies' negative log-likelihood per token."""
     chosen, rejected = logps.chunk(2)
     ratios = logps - ref_logps
     chosen_ratio, rejected_ratio = ratios.chunk(2)
@@ -253,7 +261,10 @@ def dpo_loss(
         "logps/chosen": chosen.detach().mean(),
         "logps/rejected": rejected.detach().mean(),
     }
-    return per_pair.mean(), metrics
+    total = per_pair.mean()
+    if sft_weight:
+        total = total - sft_weight * chosen.sum() / lengths.chunk(2)[0].sum().clamp(min=1)
+    return total, metrics
 
 
 class DPOTask(SFTTask):
@@ -264,6 +275,7 @@ class DPOTask(SFTTask):
     def __init__(self, dpo_cfg, tokenizer, reference: Callable[[Tensor, Tensor], Tensor]):
         super().__init__(False, tokenizer, dpo_cfg.data, dpo_cfg.eval_problems)
         self.beta, self.kind, self.smoothing = dpo_cfg.beta, dpo_cfg.loss, dpo_cfg.label_smoothing
+        self.sft_weight = dpo_cfg.sft_weight
         self.reference = reference
 
     def loss(self, model, batch) -> tuple[Tensor, dict]:
@@ -271,4 +283,4 @@ class DPOTask(SFTTask):
         with torch.no_grad():  # first: no forward of the policy waits for its backward meanwhile
             ref_logps = self.reference(x, y)
         logps, lengths = sequence_logps(model, x, y)
-        return dpo_loss(logps, ref_logps, lengths, self.beta, self.kind, self.smoothing)
+        return dpo_loss(logps, ref_logps, lengths, self.beta, self.kind, self.smoothing, self.sft_weight)
