@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ember.data.chat import check_messages, render
+from ember.data.chat import chat_ids, check_messages, render
 from ember.errors import EmberError
 from ember.train.sft import IGNORE, SFTLoader, SFTTask, data_task
 
@@ -161,10 +161,9 @@ def load_pairs(dpo_cfg, seed: int, answer: Callable | None = None) -> list[Prefe
 def encode_pairs(tokenizer, preferences: list[Preference], seq_len: int) -> list[Pair]:
     """Each pair as the prompt's ids (chat format, ending with the assistant's role token) and the
     two replies' ids with their end of turn; pairs longer than ``seq_len + 1`` are dropped."""
-    pairs, dropped = [], 0
+    pairs, dropped, end = [], 0, chat_ids(tokenizer)["end"]
     for prompt, chosen, rejected in preferences:
         prompt_ids = render(tokenizer, prompt, add_generation_prompt=True)[0]
-        end = render(tokenizer, [{"role": "assistant", "content": ""}])[0][-1]
         replies = [tokenizer.encode_after_special(r) + [end] for r in (chosen, rejected)]
         if len(prompt_ids) + max(map(len, replies)) > seq_len + 1:
             dropped += 1
