@@ -104,6 +104,25 @@ def test_lora_plus_gives_the_b_matrices_their_own_rate(optimizer):
                     {True, False} if "lora_b" in g["role"] else {False})  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", [LLAMA, GPT2], ids=["llama", "gpt2-bias"])
+def test_the_written_out_backward_equals_autograds(layout):
+    """LoRALinear's fast path (``_FrozenLoRA``: one buffer for x's two gradients) against the
+    plain autograd path it replaces (forced by a dropout module that is a no-op: p = 0)."""
+    fast = apply_lora(_model(**layout), rank=4, alpha=8).train()
+    plain = apply_lora(_model(**layout), rank=4, alpha=8).train()
+    _randomize_b(fast)
+    plain.load_state_dict(fast.state_dict())  # the same A (drawn from the global generator) and B
+    for m in plain.modules():
+        if isinstance(m, LoRALinear):
+            m.dropout = torch.nn.Dropout(0.0)  # not Identity: the plain path
+    for model in (fast, plain):
+        model.tok_embeddings.weight.requires_grad_(True)  # so that x's gradient is needed too
+        model(IDX).logsumexp(-1).mean().backward()
+    for (name, p), q in zip(fast.named_parameters(), plain.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_targets_that_match_nothing_list_the_names():
     with pytest.raises(EmberError, match=r"\['q_proj'\].*wk, wo, wq, wv") as e:
         apply_lora(_model(), targets=("q_proj",))

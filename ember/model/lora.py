@@ -140,6 +140,33 @@ class NF4Linear(nn.Module):
         )
 
 
+class _FrozenLoRA(torch.autograd.Function):
+    """``x Wᵀ (+ b) + s · (x Aᵀ) Bᵀ`` for a frozen W, with the backward written out so that the
+    two gradients of x (through W and through A) land in one buffer: ``addmm(g W, s · g B, A)``
+    instead of two (…, in) tensors and their sum, as autograd would make them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor, B: Tensor, scale: float):
+        x2 = x.reshape(-1, x.size(-1))
+        h = (x2 @ A.t()) * scale  # (M, r)
+        y = torch.addmm(F.linear(x2, weight, bias), h, B.t())
+        ctx.save_for_backward(x2, h, weight, A, B)
+        ctx.scale = scale
+        return y.view(*x.shape[:-1], y.size(-1))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x2, h, weight, A, B = ctx.saved_tensors
+        g = grad.reshape(-1, grad.size(-1))
+        gh = g @ B  # (M, r): the gradient of h
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.addmm(g @ weight, gh, A, alpha=ctx.scale).view(*grad.shape[:-1], -1)
+        grad_A = (gh.t() @ x2) * ctx.scale if ctx.needs_input_grad[3] else None
+        grad_B = g.t() @ h if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, grad_A, grad_B, None
+
+
 class LoRALinear(nn.Module):
     """``base(x) + (alpha / rank) · dropout(x) Aᵀ Bᵀ`` over a frozen ``base`` (nn.Linear or NF4Linear)."""
 
@@ -169,9 +196,13 @@ class LoRALinear(nn.Module):
         self.reset_adapters(generator)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base(x)
         if not self.enabled:
-            return y
+            return self.base(x)
+        base = self.base
+        frozen = type(base) is nn.Linear and not any(p.requires_grad for p in base.parameters())
+        if frozen and (isinstance(self.dropout, nn.Identity) or not self.training):
+            return _FrozenLoRA.apply(x, base.weight, base.bias, self.lora_A, self.lora_B, self.scale)
+        y = self.base(x)
         # the scale on the narrow (…, r) side, and the add inside B's matmul (addmm): no extra
         # passes over the (…, out) output, forward or backward
         h = F.linear(self.dropout(x), self.lora_A) * self.scale
