@@ -38,7 +38,7 @@ import random
 import re
 import string
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -291,22 +291,29 @@ TASKS |= {
 # ---------------------------------------------------------------- users' conversations
 
 
-def load_jsonl(path: str | Path) -> list[Conversation]:
-    """Conversations from a JSONL file (see the module docstring); an EmberError names the line."""
+def jsonl_rows(path: str | Path, what: str) -> Iterator[tuple[str, object]]:
+    """``(where, row)`` for each non-blank line of a JSONL file of ``what``, ``where`` being
+    ``path:line`` for the caller's errors; an EmberError if the file cannot be read or a line is
+    not JSON."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise EmberError(f"cannot read {path} ({e}); give a UTF-8 JSONL file of conversations") from None
-    conversations = []
+        raise EmberError(f"cannot read {path} ({e}); give a UTF-8 JSONL file of {what}") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
-            row = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as e:
             raise EmberError(f"{where}: not JSON ({e.msg}); each line must be one JSON object") from None
+
+
+def load_jsonl(path: str | Path) -> list[Conversation]:
+    """Conversations from a JSONL file (see the module docstring); an EmberError names the line."""
+    conversations = []
+    for where, row in jsonl_rows(path, "conversations"):
         if isinstance(row, dict) and "messages" in row:
             messages = row["messages"]
             check_messages(messages, where)

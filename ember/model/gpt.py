@@ -35,6 +35,9 @@ Design choices:
   over a contiguous buffer, a gather over block tables, a paged kernel). Without a cache
   the positions are 0 .. T-1 and attention is plainly causal. The model knows nothing of
   padding or of per-row lengths.
+- ``forward(idx, keep=mask)`` returns only the masked positions' logits: a second argument
+  beyond the cache that DESIGN rule 1 allows, because losses that read a few positions (SFT's
+  and DPO's replies) would otherwise pay for the head, most of a small model's step, everywhere.
 - GELU is the tanh approximation (``gelu_new`` in GPT-2 and HF), so GPT-2
   checkpoints match exactly.
 - Tied embeddings share one Parameter. ``to_empty()`` gives each module a fresh

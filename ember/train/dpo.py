@@ -43,7 +43,6 @@ half rejected), in a seeded epoch order with the cursor in the checkpoint (``Pai
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -53,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ember.data.chat import chat_ids, check_messages, render
+from ember.data.tasks import jsonl_rows
 from ember.errors import EmberError
 from ember.train.sft import IGNORE, SFTLoader, SFTTask, data_task
 
@@ -78,20 +78,8 @@ def _reply(value, where: str, key: str) -> str:
 
 def load_preferences(path: str | Path) -> list[Preference]:
     """Pairs from a JSONL file (see the module docstring); an EmberError names the line."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise EmberError(f"cannot read {path} ({e}); give a UTF-8 JSONL file of preference pairs") from None
     pairs = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise EmberError(f"{where}: not JSON ({e.msg}); each line must be one JSON object") from None
+    for where, row in jsonl_rows(path, "preference pairs"):
         if not isinstance(row, dict) or not {"prompt", "chosen", "rejected"} <= set(row):
             raise EmberError(f'{where}: expected {{"prompt": ..., "chosen": ..., "rejected": ...}}')
         prompt = row["prompt"]

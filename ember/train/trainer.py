@@ -17,7 +17,7 @@ Before the layout is applied, the model may start from a finished run's float we
 skipped on resume, where the checkpoint's weights win). Supervised fine-tuning reads no
 shards, so its tokenizer is the source run's; one without the chat tokens (an imported GPT-2 or
 Llama tokenizer) gets them appended, and the embedding and head grow to match, each new row the
-mean of the old ones (``_sft_tokenizer``, ``grow_vocab``). Its block linears (and the output
+mean of the old ones (``_chat_tokenizer``, ``grow_vocab``). Its block linears (and the output
 head, at int8) may fake-quantize their weights in every forward (``train.qat``: ``QATLinear``,
 same parameters and names), so
 compile traces the rounding and DDP/FSDP, checkpoints and the exported float weights are those
@@ -249,11 +249,11 @@ def _find_nonfinite_module(model, task, batch, autocast) -> str:
     return found[0] if found else "none in the forward pass (the backward pass or the loss)"
 
 
-def _sft_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
-    """The tokenizer of supervised fine-tuning from ``run``: the source run's (SFT reads no
-    shards, so the data dir has no say), with the chat tokens appended if it lacks them (an
-    imported foreign tokenizer). Returns it, the file to copy into the run (None when it grew:
-    it is saved from memory) and, when it grew, its size before."""
+def _chat_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
+    """The tokenizer of fine-tuning on conversations (SFT, DPO) from ``run``: the source run's
+    (these tasks read no shards, so the data dir has no say), with the chat tokens appended if
+    it lacks them (an imported foreign tokenizer). Returns it, the file to copy into the run
+    (None when it grew: it is saved from memory) and, when it grew, its size before."""
     path = run_tokenizer(run)
     if path is None:
         raise ConfigError(
@@ -400,19 +400,18 @@ class Trainer:
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
 
-        sft_from = t.init_from if t.task in CHAT_TASKS else ""
-        manifest = None if sft_from else read_manifest(cfg.data.dir)
-        if sft_from:
-            self.tokenizer, self.tokenizer_file, known = _sft_tokenizer(sft_from)
+        chat_from = t.init_from if t.task in CHAT_TASKS else ""
+        manifest = None if chat_from else read_manifest(cfg.data.dir)
+        if chat_from:
+            self.tokenizer, self.tokenizer_file, known = _chat_tokenizer(chat_from)
         else:
             self.tokenizer, known = load_tokenizer(cfg.data.dir, manifest), None
             self.tokenizer_file = Path(cfg.data.dir) / TOKENIZER
         # the run's tokenizer: copied from tokenizer_file, or saved from memory when it grew
         file = self.tokenizer_file
         self.tokenizer_sha = file_sha256(file) if file else self.tokenizer.sha256
-        self.grown = known is not None
         model_cfg = cfg.model
-        if self.grown and 0 < model_cfg.vocab_size < self.tokenizer.vocab_size:
+        if known is not None and 0 < model_cfg.vocab_size < self.tokenizer.vocab_size:
             model_cfg = replace(model_cfg, vocab_size=0)  # from the grown tokenizer, rounded up
         self.model_cfg = resolve_model_config(model_cfg, self.tokenizer)
         self.global_rows, self.grad_accum = _batch_layout(t, env.world_size)
@@ -426,7 +425,7 @@ class Trainer:
         # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
         # its frozen base is loaded again from init_from, and DPO's reference copy comes from it
         if t.init_from and (self.resume_from is None or t.lora_rank or t.task == "dpo"):
-            _init_from(model, t.init_from, self.model_cfg, None if sft_from else self.tokenizer_sha, known)
+            _init_from(model, t.init_from, self.model_cfg, None if chat_from else self.tokenizer_sha, known)
         if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
             _apply_qat(model, t)
         self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
@@ -439,6 +438,7 @@ class Trainer:
         self.peak_flops = peak_flops(env.device)
         model.to(env.device)
         self.frozen = None  # DPO's reference without LoRA: the starting weights, frozen
+        self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
         if t.task == "dpo":
             if env.world_size > 1 and cfg.parallel.data == "fsdp":
                 raise ConfigError("train.task=dpo runs on one device or under DDP (parallel.data=ddp)")
@@ -733,7 +733,7 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.env.device)
-        self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own (DPO's rewards, ...): mean
+        self.step_metrics = {}
         for micro in range(self.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with self._sync_grads(micro == self.grad_accum - 1):
@@ -789,7 +789,7 @@ class Trainer:
         }
         if self.peak_flops:
             last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (self.peak_flops * env.world_size)
-        last.update({key: value.item() for key, value in getattr(self, "step_metrics", {}).items()})
+        last.update({key: value.item() for key, value in self.step_metrics.items()})
         self.metrics.write(last)
         bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
         if self.step % t.log_every == 0 or self.step == 1:
@@ -895,7 +895,8 @@ class Trainer:
             # the chat tokens' rows go as PEFT's trainable tokens; a grown vocabulary does not fit
             # the source run's model, which adapter/ is for
             rows = list(chat_ids(self.tokenizer).values()) if "tok_embeddings.weight" in self.adapters else []
-            if name == "model" and self.env.is_main and not self.grown:
+            grown = self.tokenizer_file is None  # _chat_tokenizer added the chat tokens
+            if name == "model" and self.env.is_main and not grown:
                 try:
                     src = str(self.cfg.train.init_from)
                     save_peft(unwrap(self.model), self.run_dir / "adapter", src, token_rows=rows)
