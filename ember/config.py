@@ -352,8 +352,9 @@ class TrainConfig(_Section, key="train"):
     task: str = opt(
         "lm",
         "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*); "
-        "dpo: direct preference optimisation (see dpo.*)",
-        choices=("lm", "sft", "dpo"),
+        "dpo: direct preference optimisation (see dpo.*); grpo: reinforcement learning on a task's "
+        "verifier (see grpo.*)",
+        choices=("lm", "sft", "dpo", "grpo"),
     )
 
 
@@ -405,6 +406,40 @@ class DPOConfig(_Section, key="dpo"):
 
 
 @dataclass
+class GRPOConfig(_Section, key="grpo"):
+    """Group relative policy optimisation (``train.task=grpo``): prompts, sampling and the clipped
+    loss. A step trains on train.batch_tokens / train.seq_len completions, grpo.group per prompt."""
+
+    data: str = opt("", "an embedded task's name: prompts from its train split, rewards from its verifier")
+    examples: int = opt(20000, "prompts drawn from the task's train split", ge=1)
+    group: int = opt(8, "G: completions sampled per prompt, whose rewards are compared", ge=2)
+    max_new_tokens: int = opt(16, "tokens sampled per completion at most", ge=1)
+    temperature: float = opt(1.0, "sampling temperature (the log-probabilities divide by it too)", gt=0)
+    top_k: int = opt(0, "sample among the k likeliest tokens (0 = all)", ge=0)
+    top_p: float = opt(1.0, "nucleus sampling mass (1 = all)", gt=0, le=1)
+    epsilon: float = opt(0.2, "ε: the importance ratio is clipped to [1 − ε, 1 + ε]", gt=0, lt=1)
+    beta: float = opt(
+        0.04, "β: weight of the k3 KL penalty to the reference (0 = none, and no reference forward)", ge=0
+    )
+    kl_correction: bool = opt(
+        True,
+        "multiply the k3 term by the ratio: the reverse-KL gradient unbiased (TRL's default); false: DeepSeekMath's",
+    )
+    scale_rewards: bool = opt(
+        True, "divide advantages by the group's reward std (GRPO); false: Dr. GRPO's mean-centred rewards"
+    )
+    loss: str = opt(
+        "token",
+        "token: mean over the micro-batch's completion tokens (TRL bnpo, DAPO); sequence: mean of each "
+        "completion's token mean (the GRPO paper, TRL grpo)",
+        choices=("token", "sequence"),
+    )
+    iterations: int = opt(1, "μ: optimizer steps on each rollout batch (>1: the clip matters)", ge=1)
+    format_reward: float = opt(0.0, "added to the reward of a completion that closes its turn", ge=0)
+    eval_problems: int = opt(100, "test problems answered (greedy) at each evaluation; 0 = none", ge=0)
+
+
+@dataclass
 class ParallelConfig(_Section, key="parallel"):
     """How ranks share the work (launch with `ember train CONFIG --nproc N` or torchrun)."""
 
@@ -421,6 +456,7 @@ class Config:
     train: TrainConfig = opt(TrainConfig, "training loop")
     sft: SFTConfig = opt(SFTConfig, "supervised fine-tuning data (train.task=sft)")
     dpo: DPOConfig = opt(DPOConfig, "preference optimisation (train.task=dpo)")
+    grpo: GRPOConfig = opt(GRPOConfig, "reinforcement learning on verifiable rewards (train.task=grpo)")
     parallel: ParallelConfig = opt(ParallelConfig, "parallel layout")
 
     def __post_init__(self) -> None:

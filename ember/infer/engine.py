@@ -205,6 +205,7 @@ class Completion:
     finish_reason: str  # "eos", "stop" or "length"
     prompt_tokens: int  # prompt tokens the model saw
     dropped_tokens: int = 0  # prompt tokens cut from the front by truncate=True
+    end_id: int | None = None  # the <|eos|> or <|end_turn|> id that ended it (finish_reason "eos")
 
 
 @dataclass
@@ -218,10 +219,13 @@ class _Row:
     ids: list[int] = field(default_factory=list)
     text: str = ""  # emitted so far
     finish_reason: str | None = None
+    end_id: int | None = None
 
     def completion(self) -> Completion:
         assert self.finish_reason is not None
-        return Completion(self.text, self.ids, self.finish_reason, len(self.prompt), self.dropped)
+        return Completion(
+            self.text, self.ids, self.finish_reason, len(self.prompt), self.dropped, self.end_id
+        )
 
 
 class _Stream:
@@ -407,7 +411,7 @@ class Engine:
                 if row.finish_reason is not None:
                     continue
                 if token in ends:
-                    row.finish_reason = "eos"
+                    row.finish_reason, row.end_id = "eos", token
                     full = self.tokenizer.decode(row.ids)
                 else:
                     row.ids.append(token)

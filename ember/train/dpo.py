@@ -202,14 +202,21 @@ class PairLoader(SFTLoader):
 # ---------------------------------------------------------------- the loss
 
 
-def sequence_logps(model, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row: the summed log-probability of its trained targets, and how many there are. The
-    head runs on those positions only (``keep``)."""
+def token_logps(model, x: Tensor, y: Tensor, temperature: float = 1.0) -> Tensor:
+    """(rows, T): the log-probability of each trained target ``y[b, t]`` under ``model``'s logits
+    divided by ``temperature``, 0 where ``y`` is IGNORE. The head runs on the trained positions
+    only (``keep``)."""
     keep = y != IGNORE
-    logp = torch.log_softmax(model(x, keep=keep).float(), dim=-1).gather(1, y[keep][:, None])[:, 0]
-    rows = keep.nonzero()[:, 0]
-    sums = torch.zeros(x.size(0), dtype=logp.dtype, device=x.device).index_add(0, rows, logp)
-    return sums, keep.sum(1)
+    logits = model(x, keep=keep).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(1, y[keep][:, None])[:, 0]
+    return torch.zeros(y.shape, dtype=logp.dtype, device=x.device).masked_scatter(keep, logp)
+
+
+def sequence_logps(model, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row: the summed log-probability of its trained targets, and how many there are."""
+    return token_logps(model, x, y).sum(1), (y != IGNORE).sum(1)
 
 
 def dpo_loss(
@@ -256,7 +263,7 @@ def dpo_loss(
 
 class DPOTask(SFTTask):
     """The trainer's task for ``train.task=dpo``: ``loss`` on a micro-batch of pairs against
-    ``reference(x, y)`` (per-row log-probabilities of the frozen copy, or of the model with its
+    ``reference(x, y)`` (per-token log-probabilities of the frozen copy, or of the model with its
     adapters off), and SFT's task accuracy on held-out problems at each evaluation."""
 
     def __init__(self, dpo_cfg, tokenizer, reference: Callable[[Tensor, Tensor], Tensor]):
@@ -268,6 +275,6 @@ class DPOTask(SFTTask):
     def loss(self, model, batch) -> tuple[Tensor, dict]:
         x, y = batch
         with torch.no_grad():  # first: no forward of the policy waits for its backward meanwhile
-            ref_logps = self.reference(x, y)
+            ref_logps = self.reference(x, y).sum(1)
         logps, lengths = sequence_logps(model, x, y)
         return dpo_loss(logps, ref_logps, lengths, self.beta, self.kind, self.smoothing, self.sft_weight)

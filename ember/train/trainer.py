@@ -74,7 +74,8 @@ from ember.train.checkpoint import (
     run_tokenizer,
     save_checkpoint,
 )
-from ember.train.dpo import DPOTask, PairLoader, encode_pairs, load_pairs, sequence_logps
+from ember.train.dpo import DPOTask, PairLoader, encode_pairs, load_pairs, token_logps
+from ember.train.grpo import GRPOTask, Rollouts
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
 from ember.train.sft import SFTLoader, SFTTask, encode_conversations, load_conversations
@@ -90,7 +91,7 @@ RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
-CHAT_TASKS = ("sft", "dpo")  # tasks on conversations: no shards read, the source run's tokenizer
+CHAT_TASKS = ("sft", "dpo", "grpo")  # tasks on conversations: no shards read, the source run's tokenizer
 
 
 class NonFiniteError(EmberError):
@@ -424,7 +425,7 @@ class Trainer:
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
         # its frozen base is loaded again from init_from, and DPO's reference copy comes from it
-        if t.init_from and (self.resume_from is None or t.lora_rank or t.task == "dpo"):
+        if t.init_from and (self.resume_from is None or t.lora_rank or t.task in ("dpo", "grpo")):
             _init_from(model, t.init_from, self.model_cfg, None if chat_from else self.tokenizer_sha, known)
         if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
             _apply_qat(model, t)
@@ -439,10 +440,10 @@ class Trainer:
         model.to(env.device)
         self.frozen = None  # DPO's reference without LoRA: the starting weights, frozen
         self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
-        if t.task == "dpo":
+        if t.task in ("dpo", "grpo"):
             if env.world_size > 1 and cfg.parallel.data == "fsdp":
-                raise ConfigError("train.task=dpo runs on one device or under DDP (parallel.data=ddp)")
-            if self.adapters is None:
+                raise ConfigError(f"train.task={t.task} runs on one device or under DDP (parallel.data=ddp)")
+            if self.adapters is None and (t.task == "dpo" or cfg.grpo.beta):
                 self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
         self.model = parallelize(model, env, cfg)
         self.optimizer = build_optimizer(self.model, t, env.device)
@@ -479,6 +480,18 @@ class Trainer:
             print0(f"dpo: {len(pairs):,} preference pairs from {cfg.dpo.data}")
             where = (env.rank, env.world_size, env.device)
             self.loader = PairLoader(pairs, t.seq_len, self.global_rows, t.micro_batch, cfg.run.seed, *where)
+            self.val_loader = None
+        elif t.task == "grpo":
+            g = cfg.grpo
+            self.task = GRPOTask(g, self.tokenizer)
+            reference = self._reference(model, g.temperature) if g.beta else None
+            where = (env.rank, env.world_size, env.device)
+            self.loader = Rollouts(g, self.tokenizer, model, reference, self.global_rows, t.micro_batch,
+                                   cfg.run.seed, *where)  # fmt: skip
+            print0(
+                f"grpo: {self.global_rows // g.group} prompts × {g.group} completions per step from {g.data}'s "
+                f"{len(self.loader.examples):,} train problems"
+            )
             self.val_loader = None
         else:
             self.task = LMTask(t.z_loss, token_bytes.to(env.device))
@@ -633,12 +646,12 @@ class Trainer:
         finally:
             model.train(was_training)
 
-    def _reference(self, model):
-        """DPO's reference: ``(x, y) -> `` per-row log-probabilities of the replies, from the
-        model with its adapters off (LoRA: no second copy) or from the frozen starting weights;
-        in eval mode (no dropout) either way."""
+    def _reference(self, model, temperature: float = 1.0):
+        """The reference policy of DPO and GRPO: ``(x, y) ->`` per-token log-probabilities of the
+        trained targets (``token_logps``), from the model with its adapters off (LoRA: no second
+        copy) or from the frozen starting weights; in eval mode (no dropout) either way."""
         if self.frozen is not None:
-            return lambda x, y: sequence_logps(self.frozen, x, y)[0]
+            return lambda x, y: token_logps(self.frozen, x, y, temperature)
         from ember.model.lora import adapters_disabled
 
         def reference(x, y):
@@ -646,7 +659,7 @@ class Trainer:
             model.eval()
             try:
                 with adapters_disabled(model):
-                    return sequence_logps(model, x, y)[0]
+                    return token_logps(model, x, y, temperature)
             finally:
                 model.train(was_training)
 
@@ -790,6 +803,7 @@ class Trainer:
         if self.peak_flops:
             last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (self.peak_flops * env.world_size)
         last.update({key: value.item() for key, value in self.step_metrics.items()})
+        last.update(getattr(self.loader, "metrics", {}))  # GRPO's rollout: rewards, lengths, times
         self.metrics.write(last)
         bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
         if self.step % t.log_every == 0 or self.step == 1:
