@@ -423,7 +423,8 @@ class GRPOConfig(_Section, key="grpo"):
     )
     kl_correction: bool = opt(
         True,
-        "multiply the k3 term by the ratio: the reverse-KL gradient unbiased (TRL's default); false: DeepSeekMath's",
+        "multiply the k3 term by the ratio, for an unbiased reverse-KL gradient (TRL's default); "
+        "false: DeepSeekMath's bare k3",
     )
     scale_rewards: bool = opt(
         True, "divide advantages by the group's reward std (GRPO); false: Dr. GRPO's mean-centred rewards"

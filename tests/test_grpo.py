@@ -86,20 +86,22 @@ def test_loss_gradient_and_metrics_equal_trls(tmp_path, loss, trl_loss, beta, co
     hf_tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok.hf, eos_token="<|eos|>", pad_token="<|pad|>"
     )
-    args = trl.GRPOConfig(output_dir=str(tmp_path), beta=beta, epsilon=0.2, loss_type=trl_loss, num_generations=2,
-                          per_device_train_batch_size=2, max_completion_length=7, use_bias_correction_kl=correction, bf16=False, use_cpu=True,
+    args = trl.GRPOConfig(output_dir=str(tmp_path), beta=beta, epsilon=0.2, loss_type=trl_loss,
+                          num_generations=2, per_device_train_batch_size=2, max_completion_length=7,
+                          use_bias_correction_kl=correction, bf16=False, use_cpu=True,
                           report_to=[])  # fmt: skip
     data = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
     to_hf(GPT.build(cfg, seed=0)).save_pretrained(tmp_path / "hf")  # a path: TRL loads its reference too
-    trainer = trl.GRPOTrainer(model=str(tmp_path / "hf"), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+    trainer = trl.GRPOTrainer(model=str(tmp_path / "hf"), reward_funcs=lambda completions, **kw: [0.0] * len(completions),  # noqa: E501
                               args=args, train_dataset=data, processing_class=hf_tok)  # fmt: skip
     trainer.model.eval()  # "eval" metrics and no division by accumulation steps
 
     logps, old, ref, advantages, mask = _inputs()
     ours_leaf, theirs_leaf = logps.clone().requires_grad_(), logps.clone().requires_grad_()
     trainer._get_per_token_logps_and_entropies = lambda *a, **k: (theirs_leaf, torch.zeros_like(logps), None)
-    inputs = {"prompt_ids": torch.zeros(6, 2, dtype=torch.long), "prompt_mask": torch.ones(6, 2, dtype=torch.long),
-              "completion_ids": torch.zeros(6, 7, dtype=torch.long), "completion_mask": mask.long(),
+    zeros = torch.zeros(6, 9, dtype=torch.long)
+    inputs = {"prompt_ids": zeros[:, :2], "prompt_mask": torch.ones_like(zeros[:, :2]),
+              "completion_ids": zeros[:, 2:], "completion_mask": mask.long(),
               "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref}  # fmt: skip
     theirs = trainer._compute_loss(trainer.model, inputs)
     ours, metrics = grpo_loss(ours_leaf, old, ref, advantages, mask, 0.2, beta, loss, correction)
@@ -171,8 +173,8 @@ def test_rollouts_train_the_completions_score_them_and_are_seeded(tiny_cfg):
         assert (y[r, : len(prompt) - 1] == IGNORE).all()
         completion = y[r][y[r] != IGNORE].tolist()
         assert 1 <= len(completion) <= 4 + 1 and (completion[-1] == end or len(completion) == 4)
-    scores = [TASKS["add-2"].score(problems[order[r // 4]], tok.decode([i for i in y[r].tolist() if i not in (IGNORE, end)]))
-              for r in range(8)]  # fmt: skip
+    texts = [tok.decode([i for i in y[r].tolist() if i not in (IGNORE, end)]) for r in range(8)]
+    scores = [TASKS["add-2"].score(problems[order[r // 4]], text) for r, text in enumerate(texts)]
     assert loader.metrics["accuracy"] == pytest.approx(sum(s == 1 for s in scores) / 8)
     assert torch.allclose(advantages, group_advantages(torch.tensor(scores), 4))
     assert (
@@ -236,7 +238,7 @@ def test_bad_grpo_setups_are_clear_errors(tiny_cfg, capsys, tmp_path):
     cfg = tiny_cfg("run.name=base", "train.max_steps=1", "train.eval_every=0")
     train(cfg)
     argv = ["train", "tiny", f"data.dir={cfg.data.dir}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}",
-            "train.task=grpo", "train.max_steps=1", f"train.init_from={Path(cfg.run.out_dir) / 'base'}"]  # fmt: skip
+            "train.task=grpo", "train.max_steps=1", f"train.init_from={Path(cfg.run.out_dir) / 'base'}"]  # fmt: skip # noqa: E501
     assert main([*argv, "grpo.data=chats.jsonl"]) == 2
     assert "verifier" in capsys.readouterr().err
     assert main([*argv, "grpo.data=add-2", "grpo.group=3"]) == 2  # 8 completions a step

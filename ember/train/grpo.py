@@ -16,7 +16,8 @@ completions. Within each group of G the advantage of completion i is::
 so a group whose completions all score alike teaches nothing (its share is logged). For each
 completion token t, with the ratio ``ρ_t = π(y_t | ·) / π_old(y_t | ·)``::
 
-    ℓ_t = −min(ρ_t A, clip(ρ_t, 1 − ε, 1 + ε) A) + β k3_t,   k3_t = e^{q_t} − q_t − 1,  q_t = log π_ref − log π
+    ℓ_t = −min(ρ_t A, clip(ρ_t, 1 − ε, 1 + ε) A) + β k3_t
+    k3_t = e^{q_t} − q_t − 1,   q_t = log π_ref(y_t | ·) − log π(y_t | ·)
 
 ``k3`` (Schulman 2020) estimates KL(π ‖ π_ref) without bias from the sampled tokens and is never
 negative; ε is ``grpo.epsilon``, β ``grpo.beta`` (0: no penalty and no reference forward). With
@@ -94,8 +95,9 @@ def grpo_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped GRPO loss from per-token log-probabilities (rows, T) of the policy, of the
     policy that sampled and of the reference (None when ``beta`` is 0), per-row ``advantages``
-    and the completion ``mask``; with the mean KL term (k3, times ρ with ``kl_correction``) and the share of tokens the clip holds
-    (ratio outside [1 − ε, 1 + ε] on the side the advantage pushes) as metrics."""
+    and the completion ``mask``; with the mean KL term (k3, times ρ with ``kl_correction``) and
+    the share of tokens the clip holds (ρ outside [1 − ε, 1 + ε] on the side the advantage
+    pushes) as metrics."""
     ratio = torch.exp(logps - old_logps)
     A = advantages[:, None]
     per_token = -torch.min(ratio * A, ratio.clamp(1 - epsilon, 1 + epsilon) * A)

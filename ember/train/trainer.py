@@ -489,8 +489,8 @@ class Trainer:
             self.loader = Rollouts(g, self.tokenizer, model, reference, self.global_rows, t.micro_batch,
                                    cfg.run.seed, *where)  # fmt: skip
             print0(
-                f"grpo: {self.global_rows // g.group} prompts × {g.group} completions per step from {g.data}'s "
-                f"{len(self.loader.examples):,} train problems"
+                f"grpo: {self.global_rows // g.group} prompts × {g.group} completions per step, from "
+                f"{len(self.loader.examples):,} {g.data} train problems"
             )
             self.val_loader = None
         else:
