@@ -46,6 +46,11 @@ STEP_PLOTS = [
     ("tokens_per_s", "tokens_per_s", "Throughput", "tokens / s"),
     ("dpo_margins", "rewards/margins", "DPO reward margin, chosen − rejected", "β · log-ratio"),
     ("dpo_accuracies", "rewards/accuracies", "DPO pairs whose chosen reply has the larger reward", "share"),
+    ("grpo_reward", "reward", "GRPO reward of the sampled completions (mean)", "reward"),
+    ("grpo_accuracy", "accuracy", "GRPO sampled completions scored correct", "share"),
+    ("grpo_kl", "kl", "GRPO KL to the reference (k3 estimate, per token)", "nats"),
+    ("grpo_length", "completion_length", "GRPO completion length", "tokens"),
+    ("grpo_zero_std", "zero_std_groups", "GRPO groups whose completions all scored alike", "share"),
 ]  # a plot whose key no run logged is left out
 
 
@@ -305,7 +310,19 @@ def _final_metrics(run: Run) -> dict[str, str | None]:
         "peak memory": _fmt(max(mem) if mem else None, ",.0f", " MiB"),
         "training time": _duration(_num(s.get("elapsed_s", last_train.get("elapsed_s")))),
         "skipped steps": _fmt(_num(s.get("skipped_steps", last_train.get("skipped"))), ".0f"),
+        "GRPO step time: generation / log-probs / update": _time_split(run.train),
     }
+
+
+def _time_split(records: list[dict]) -> str | None:
+    """Where GRPO steps spent their time (sums over the run's steps), or None for other runs."""
+    parts = [sum(_num(r.get(k)) or 0.0 for r in records) for k in ("gen_s", "ref_s", "fwd_bwd_s", "opt_s")]
+    if not any("gen_s" in r for r in records):
+        return None
+    gen, ref, update = parts[0], parts[1], parts[2] + parts[3]
+    total = max(gen + ref + update, 1e-9)
+    shares = " / ".join(f"{100 * v / total:.0f}%" for v in (gen, ref, update))
+    return f"{_duration(gen)} / {_duration(ref)} / {_duration(update)} ({shares})"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
