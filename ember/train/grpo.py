@@ -43,9 +43,10 @@ starting weights; its log-probabilities are computed once per rollout batch, und
 report sums them.
 
 **Exact resume.** The prompts come in a seeded epoch order with the cursor in the checkpoint
-(``SFTLoader``'s), and row i of rollout k on rank r samples from a generator seeded by
-``(run.seed, k, r)`` + i, so a rollout is a function of the step and the weights: a resumed run
-samples what the uninterrupted one did (tested bitwise on CPU). A checkpoint taken between the μ
+(``SFTLoader``'s), and row i of rollout k's global batch samples from a generator seeded by
+``(run.seed, k)`` + i, whichever rank holds it, so a rollout is a function of the step and the
+weights: a resumed run samples what the uninterrupted one did (tested bitwise on CPU), and two
+DDP ranks what one process does (tested to 1e-5). A checkpoint taken between the μ
 steps of one rollout carries that rollout's batch.
 
 **Parallel.** Under DDP each rank samples the groups of its own rows with its own replica (the
@@ -122,9 +123,9 @@ def grpo_loss(
     return total, metrics
 
 
-def _rollout_seed(seed: int, rollout: int, rank: int) -> int:
-    """The sampling seed of rollout ``rollout`` on ``rank``; row i adds i (``Sampling``)."""
-    digest = hashlib.sha256(f"grpo:{seed}:{rollout}:{rank}".encode()).digest()
+def _rollout_seed(seed: int, rollout: int) -> int:
+    """The sampling seed of row 0 of rollout ``rollout``; global row i samples with it + i."""
+    digest = hashlib.sha256(f"grpo:{seed}:{rollout}".encode()).digest()
     return int.from_bytes(digest[:6], "big") << 16  # < 2**64, and room for 65,536 rows
 
 
@@ -178,7 +179,8 @@ class Rollouts(SFTLoader):
         problems = problems[self.rank * share : (self.rank + 1) * share]
         start = time.perf_counter()
         ids = [render(self.tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in problems]
-        sampling = replace(self.sampling, seed=_rollout_seed(self.seed, self.rollouts, self.rank))
+        first = self.rank * share * G  # this rank's first row of the step's global batch
+        sampling = replace(self.sampling, seed=_rollout_seed(self.seed, self.rollouts) + first)
         completions = self.engine.generate([p for p in ids for _ in range(G)], sampling)
         self.rollouts += 1
         scores = [self.task.score(problems[i // G], c.text) for i, c in enumerate(completions)]
