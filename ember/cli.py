@@ -121,7 +121,7 @@ def cmd_eval(args) -> int:
     if args.task:
         if args.data or args.split:
             raise EmberError("--task scores generated answers; give it without --split or --data")
-        r = evaluate_task(Path(args.run), args.task, args.n, args.ckpt)
+        r = evaluate_task(Path(args.run), args.task, args.n, args.ckpt, skip=args.skip)
         lo, hi = r["accuracy_ci95"]
         for ex in r["examples"]:
             print(
@@ -129,7 +129,8 @@ def cmd_eval(args) -> int:
             )
         print(
             f"{args.task}: accuracy {r['accuracy']:.1%} (95% interval {lo:.1%} … {hi:.1%}), mean reward "
-            f"{r['mean_reward']:.3f}, over {r['problems']} problems of its test split, greedy, chat format; "
+            f"{r['mean_reward']:.3f}, over {r['problems']} problems of its test split"
+            f"{f' after the first {args.skip}' if args.skip else ''}, greedy, chat format; "
             f"written {Path(args.run) / 'eval.json'}"
         )
         return 0
@@ -229,7 +230,7 @@ def cmd_chat(args) -> int:
     engine = Engine.from_run(args.run)
     config = Path(args.run) / "config.yaml"
     task = config.is_file() and (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("task")
-    chat = task in ("sft", "dpo")
+    chat = task in ("sft", "dpo", "grpo")
     kind = "a chat model: turns in the chat format" if chat else "a base model: it continues your text"
     print(f"ember chat with {args.run} ({kind}). Empty line or Ctrl-D to quit.")
     messages: list[dict] = []
@@ -464,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: accuracy on an embedded task's test problems (add-2, sort, ...)",
     )
     p.add_argument("--n", type=int, default=200, help="--task: problems to answer (default 200)")
+    p.add_argument(
+        "--skip",
+        type=int,
+        default=0,
+        help="--task: leave out the first K test problems (those a run's own evaluations used to pick "
+        "its settings) and answer the next N",
+    )
     p.add_argument("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
     p.add_argument(
         "--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len)"

@@ -12,6 +12,7 @@ import torch
 from ember.cli import main
 from ember.config import ModelConfig
 from ember.data.chat import chat_ids, render
+from ember.data.tasks import TASKS
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
@@ -191,6 +192,10 @@ def test_sft_learns_and_eval_task_scores_it(tiny_cfg, capsys):
     assert record["problems"] == 20 and 0.0 <= record["accuracy"] <= 1.0
     lo, hi = record["accuracy_ci95"]
     assert lo <= record["accuracy"] <= hi
+    assert main(["eval", str(run), "--task", "add-2", "--n", "5", "--skip", "15"]) == 0  # the last 5 of 20
+    skipped = json.loads((run / "eval.json").read_text())["results"]["task:add-2"]
+    last5 = [p.prompt for p in TASKS["add-2"].generate("test", 20)[15:]]
+    assert skipped["skipped"] == 15 and [e["prompt"] for e in skipped["examples"]] == last5
     assert main(["eval", str(run), "--task", "add-7"]) == 2
     assert main(["eval", str(run), "--task", "add-2-choice", "--n", "10"]) == 0
     choice = json.loads((run / "eval.json").read_text())["results"]["task:add-2-choice"]

@@ -304,13 +304,21 @@ def answer_problems(engine, task, problems: list, max_new_tokens: int = 32, batc
 
 
 def evaluate_task(
-    run_dir: Path, task_name: str, n: int = 200, ckpt: str = "last", max_new_tokens: int = 32, batch: int = 16
+    run_dir: Path,
+    task_name: str,
+    n: int = 200,
+    ckpt: str = "last",
+    max_new_tokens: int = 32,
+    batch: int = 16,
+    skip: int = 0,
 ) -> dict:
     """Greedy answers of the run's model to ``n`` problems of ``task_name``'s **test** split, each
     prompt in the chat format (ember/data/chat.py), scored by the task's verifier: the mean reward
     (exact-match accuracy for the exact tasks; multiple-choice tasks are scored by ``choose``,
     no generation), its 95% Wilson interval (over problems, taking
-    rewards of 1 as successes), and a few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``."""
+    rewards of 1 as successes), and a few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``.
+    ``skip``: answer test problems ``skip .. skip + n - 1``, so the first ``skip`` (those a
+    training run evaluated on, and that picked its settings) are left out."""
     from ember.data.tasks import TASKS
     from ember.infer.engine import Engine
 
@@ -320,7 +328,11 @@ def evaluate_task(
     run_dir = Path(run_dir)
     model, tokenizer = load_run(run_dir, ckpt)
     engine = Engine(model, tokenizer)
-    problems = task.generate("test", n)
+    if skip < 0 or n < 1:
+        raise EmberError(f"--n {n} --skip {skip}: answer at least one problem, skipping none or more")
+    problems = task.generate("test", skip + n)[skip:]
+    if not problems:
+        raise EmberError(f"--skip {skip}: {task_name}'s test split has no more problems than that")
     outputs = answer_problems(engine, task, problems, max_new_tokens, batch)
     rewards = [reward for _, _, reward in outputs]
     examples = [
@@ -333,6 +345,7 @@ def evaluate_task(
         "task": task_name,
         "problems": len(rewards),
         "split": "test",
+        "skipped": skip,
         "mean_reward": sum(rewards) / len(rewards),
         "accuracy": exact / len(rewards),
         "accuracy_ci95": [lo, hi],
