@@ -6,11 +6,12 @@ The loop (``Trainer.run``) reads top to bottom: budget check, learning rates, ba
 step (``train_step``: micro-batches with loss scaled by accumulation, backward, unscale +
 clip, non-finite guard agreed across ranks, optimizer step), log (``_log``), evaluate,
 checkpoint. What is trained is a *task* (``LMTask`` here: next-token prediction), which
-supplies ``loss`` and ``evaluate``; post-training tasks plug into the same loop later. The
-optimizer (``train.optimizer``: AdamW, or Muon on the block matrices) comes from
-``ember.train.optim`` with one parameter group per role; each group has its own peak
-learning rate (``group["peak_lr"]``) and the schedule scales each peak alike. The logged
-``lr`` is the schedule at ``train.lr``.
+supplies ``loss`` and ``evaluate``; post-training plugs into the same loop as tasks and loaders
+of its own: SFT (ember/train/sft.py), DPO (dpo.py) and GRPO (grpo.py, whose "loader" samples the
+step's completions from the training model itself). The optimizer (``train.optimizer``:
+AdamW, or Muon on the block matrices) comes from ``ember.train.optim`` with one parameter group
+per role; each group has its own peak learning rate (``group["peak_lr"]``) and the schedule
+scales each peak alike. The logged ``lr`` is the schedule at ``train.lr``.
 
 Before the layout is applied, the model may start from a finished run's float weights
 (``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
