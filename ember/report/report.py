@@ -210,6 +210,15 @@ def _xy(records: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
     return [a for a, _ in pairs], [b for _, b in pairs]
 
 
+def _running_mean(ys: list[float], window: int) -> list[float]:
+    """Each value replaced by the mean of the ``window`` values ending at it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y - (ys[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
     """Write the PNGs; return (title, file name) of those drawn."""
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -229,7 +238,15 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
              "exact match"):  # fmt: skip
         drawn.append(("Task accuracy on held-out test problems", "task_accuracy.png"))
     for stem, key, title, ylabel in STEP_PLOTS:
-        series = [(run.label, *_xy(run.train, "step", key), {"color": f"C{i}"}) for i, run in enumerate(runs)]
+        series = []
+        for i, run in enumerate(runs):
+            xs, ys = _xy(run.train, "step", key)
+            if len(ys) < 200:
+                series.append((run.label, xs, ys, {"color": f"C{i}"}))
+                continue  # a long noisy series (GRPO's rewards): faint, with its running mean over it
+            series.append((f"{run.label} (per step)", xs, ys, {"color": f"C{i}", "alpha": 0.25}))
+            series.append((f"{run.label} (mean of {len(ys) // 40})", xs, _running_mean(ys, len(ys) // 40),
+                           {"color": f"C{i}"}))  # fmt: skip
         if _plot(plots_dir / f"{stem}.png", series, title, "step", ylabel):
             drawn.append((title, f"{stem}.png"))
     return drawn
