@@ -196,13 +196,13 @@ def test_grpo_runs_log_rewards_and_resume_bitwise_mid_rollout(tiny_cfg, lora):
     """μ = 2 steps per rollout and a checkpoint at step 3, between the two steps of a rollout: the
     resumed run reads that rollout's batch from the checkpoint and samples the next ones as the
     uninterrupted run did (its RNG seeded by the rollout's index)."""
-    base_cfg = tiny_cfg("run.name=base", "train.max_steps=2", "train.eval_every=0")
+    base_cfg = tiny_cfg("run.name=base", "train.max_steps=40", "train.lr=0.01", "train.eval_every=0")
     train(base_cfg)
     base = Path(base_cfg.run.out_dir) / "base"
     args = ["run.name=grpo", "train.task=grpo", "grpo.data=pydoc", "grpo.examples=40", "grpo.group=4",
-            "grpo.max_new_tokens=8", "grpo.beta=0.1", "grpo.iterations=2", f"train.init_from={base}",
+            "grpo.max_new_tokens=16", "grpo.beta=0.1", "grpo.iterations=2", f"train.init_from={base}",
             "train.max_steps=6", "train.ckpt_every=3", "train.keep_last=3", "train.eval_every=0",
-            "train.lr=0.01", "model.dropout=0.0", "grpo.eval_problems=4",
+            "train.lr=0.01", "model.dropout=0.0", "grpo.eval_problems=4", "train.batch_tokens=1024",
             *(["train.lora_rank=2"] if lora else [])]  # fmt: skip
     train(tiny_cfg(*args))
     run = base.parent / "grpo"
@@ -220,7 +220,9 @@ def test_grpo_runs_log_rewards_and_resume_bitwise_mid_rollout(tiny_cfg, lora):
     assert records[0]["kl"] == pytest.approx(0, abs=1e-6)  # the policy starts as its reference
     assert [r["gen_s"] > 0 for r in records] == [True, False] * 3  # a rollout every second step
     assert records[1]["reward"] == records[0]["reward"]
-    assert any(r["reward_std"] > 0 and r["grad_norm"] > 0.1 for r in records)  # pydoc's F1: a signal
+    assert any(r["reward_std"] > 0 for r in records)  # pydoc's F1: 32 completions a rollout, some score
+    first = records[0]  # the policy is its old self and its reference: only advantages move it
+    assert (first["grad_norm"] > 0) == (first["reward_std"] > 0)
     if not lora:  # (rank-2 adapters at this learning rate move the ratios less than ε)
         assert any(r["clip_fraction"] > 0 for r in records[1::2])  # a rollout's second step moved off it
     assert any("task_accuracy" in r for r in read_metrics(run))
