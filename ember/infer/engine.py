@@ -227,6 +227,28 @@ class _Row:
             self.text, self.ids, self.finish_reason, len(self.prompt), self.dropped, self.end_id
         )
 
+    def push(self, token: int, tokenizer: Tokenizer, ends: set[int], stop: Sequence[str], max_new: int) -> str:  # fmt: skip # noqa: E501
+        """Take the next sampled id; return the text it releases ("" when none yet, or the row
+        has already ended), setting ``finish_reason`` when the row ends."""
+        if self.finish_reason is not None:
+            return ""
+        if token in ends:
+            self.finish_reason, self.end_id = "eos", token
+            full = tokenizer.decode(self.ids)
+        else:
+            self.ids.append(token)
+            full = tokenizer.decode(self.ids)
+            hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+            if hits:
+                self.finish_reason = "stop"
+                full = full[: max(min(hits), len(self.text))]  # emitted text is never taken back
+            elif len(self.ids) == max_new:
+                self.finish_reason = "length"
+        end = len(full) if self.finish_reason else len(full) - _held_back(full, stop)
+        piece = full[len(self.text) : end] if end > len(self.text) else ""
+        self.text += piece
+        return piece
+
 
 class _Stream:
     """The rows of one call, left-padded to the longest prompt, sharing one KV cache and
@@ -405,28 +427,15 @@ class Engine:
         ignore_eos: bool,
     ) -> Iterator[tuple[int, str]]:
         """Step the stream; yield (row, text piece) whenever a row's text grows."""
-        ends = set() if ignore_eos else {self.tokenizer.eos_id, self.end_turn_id} - {None}
+        ends = self.ends(ignore_eos)
         while not stream.done:
             for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
-                if row.finish_reason is not None:
-                    continue
-                if token in ends:
-                    row.finish_reason, row.end_id = "eos", token
-                    full = self.tokenizer.decode(row.ids)
-                else:
-                    row.ids.append(token)
-                    full = self.tokenizer.decode(row.ids)
-                    hits = [i for i in (full.find(s) for s in stop) if i >= 0]
-                    if hits:
-                        row.finish_reason = "stop"
-                        full = full[: max(min(hits), len(row.text))]  # emitted text is never taken back
-                    elif len(row.ids) == max_new_tokens:
-                        row.finish_reason = "length"
-                end = len(full) if row.finish_reason else len(full) - _held_back(full, stop)
-                if end > len(row.text):
-                    piece = full[len(row.text) : end]
-                    row.text += piece
+                if piece := row.push(token, self.tokenizer, ends, stop, max_new_tokens):
                     yield row.row, piece
+
+    def ends(self, ignore_eos: bool = False) -> set[int]:
+        """The ids that end a row: ``<|eos|>`` and ``<|end_turn|>`` (none with ``ignore_eos``)."""
+        return set() if ignore_eos else {self.tokenizer.eos_id, self.end_turn_id} - {None}
 
     def stream(
         self, prompts: Sequence[str], sampling: Sampling | None = None, truncate: bool = False

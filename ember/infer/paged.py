@@ -1,0 +1,256 @@
+"""A paged KV cache: keys and values in fixed-size blocks handed out from one pool, each
+sequence reading its own through a block table (Kwon et al. 2023, vLLM's PagedAttention).
+
+    blocks = BlockManager(num_blocks=blocks_for(2**26, model.cfg), block_size=16)
+    a, b = PagedSequence(prompt_a), PagedSequence(prompt_b)
+    blocks.admit(a), blocks.admit(b)                   # shares cached prompt blocks (prefix caching)
+    cache = PagedKVCache(blocks)
+    cache.plan([(a, len(a.tokens) - a.computed), (b, 1)])  # a prefills, b decodes: one packed row
+    logits = model(packed_ids[None], cache=cache)      # (1, N, V): the ``KVCache`` protocol
+
+Why pages: the contiguous cache of ember/infer/engine.py reserves ``prompt + max_new_tokens``
+slots for every row of a call, most of them never written when answers end early, and a
+finished row holds its slots until the whole call ends. Here memory is taken one block of
+``block_size`` tokens at a time as a sequence grows and given back the moment it finishes, so
+at most ``block_size - 1`` slots per sequence sit unused, and a scheduler
+(ember/infer/scheduler.py) can start a new request in the blocks a finished one frees.
+
+**Pool.** Per attention layer, a keys tensor and a values tensor of ``num_blocks * block_size``
+slots, (slots, n_kv_head, head_dim), allocated on the first ``attend`` after the keys it
+receives (the engine's rule: never read shapes off the model's weights). Token ``p`` of a
+sequence lives in slot ``table[p // block_size] * block_size + p % block_size``.
+
+**Attention: a gather, on every device.** ``plan`` packs the step's tokens (a prompt chunk for
+some sequences, one token for others) into one row of N tokens, so the model runs one forward
+over them whatever their lengths. Each layer writes the N new keys and values into their
+slots, then, sequence by sequence, gathers that sequence's slots (``index_select``) and runs
+SDPA of its queries over them, bottom-right causal. The gather copies a sequence's keys once
+per layer and step; a paged kernel (vLLM's, FlexAttention with a block mask) would read the
+blocks in place. ember gathers because it is plain PyTorch that runs the same on the 2-core
+CPU, where the copy is small against the matmuls, and on a GPU it is the readable baseline a
+kernel must be tested against. The per-sequence loop is the cost of readability: fine for the
+tens of sequences a CPU serves.
+
+**Block manager.** A free list, a reference count per block, and a prefix cache. A block's
+reference count is the number of sequences whose table holds it; it returns to the free
+list at zero. **Prefix caching**: a full block is keyed by a chained hash, the hash of its
+parent block's key and its own tokens (so equal keys mean equal whole prefixes, not just
+equal blocks), and stays in the cache while free, until it is reallocated (least recently
+freed first). A new sequence's full prompt blocks are looked up in order and shared while
+they hit; its keys for those tokens are not computed again. At least the prompt's last token
+is always computed (its logits start the answer), so sharing stops one token short of the
+prompt. A full block is never written again, so shared full blocks need no copy; the one
+block that two sequences can both write is a partly filled last block after ``fork`` (``n``
+answers to one prompt): the first write to a block whose count is above one copies it to a
+fresh block first (**copy-on-write**), and the writer's table takes the copy.
+
+Hand-written because the cache is what ember studies (DESIGN rule 1); what it must equal is
+the contiguous cache (tests/test_paged.py: same logits to 1e-5, same greedy tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ember.errors import EmberError
+from ember.model.gpt import sdpa_attention
+
+
+def blocks_for(budget_bytes: int, cfg, block_size: int = 16, dtype: torch.dtype = torch.float32) -> int:
+    """How many blocks of ``block_size`` tokens fit in ``budget_bytes`` for a model config
+    (keys and values of every layer: 2 × n_layer × n_kv_head × head_dim values per token)."""
+    n_kv = getattr(cfg, "n_kv_head", None) or cfg.n_head
+    per_token = 2 * cfg.n_layer * n_kv * (cfg.d_model // cfg.n_head) * torch.finfo(dtype).bits // 8
+    blocks = int(budget_bytes) // (per_token * block_size)
+    if blocks < 1:
+        raise EmberError(
+            f"a KV budget of {budget_bytes:,} bytes holds no block of {block_size} tokens "
+            f"({per_token * block_size:,} bytes each for this model); raise serve.kv_memory"
+        )
+    return blocks
+
+
+def chain_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: BLAKE2b of its parent's key and its token ids.
+    A cryptographic hash, because a collision would silently hand one user another's keys."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.digest()
+
+
+@dataclass
+class PagedSequence:
+    """One sequence's view of the pool: its tokens, its block table, and how many of its
+    tokens have keys in the cache (``computed``; the rest are fed at the next steps)."""
+
+    tokens: list[int]
+    table: list[int] = field(default_factory=list)  # block ids, in order
+    computed: int = 0  # tokens whose keys and values are in the cache
+    hashes: list[bytes] = field(default_factory=list)  # keys of the table's full blocks, in order
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+
+
+class BlockManager:
+    """Blocks of one pool: free list, reference counts, prefix cache (module docstring)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise EmberError(f"a KV pool needs blocks; got {num_blocks} blocks of {block_size} tokens")
+        self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
+        self.ref = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.key_of: dict[int, bytes] = {}  # block -> its prefix-cache key (full blocks)
+        self.block_of: dict[bytes, int] = {}  # prefix-cache key -> block
+        self.copies: list[tuple[int, int]] = []  # (src, dst) copy-on-writes the cache must apply
+        self.hits = self.lookups = 0  # prefix-cache blocks found / looked up
+        self.cow = 0  # copy-on-writes made
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: PagedSequence, n: int) -> int:
+        """New blocks ``seq`` takes to hold ``n`` more tokens (a copy-on-write counts as one)."""
+        bs, end = self.block_size, seq.computed + n
+        grow = max(0, -(-end // bs) - len(seq.table))
+        shared_tail = seq.computed % bs and self.ref[seq.table[seq.computed // bs]] > 1
+        return grow + bool(shared_tail and n)
+
+    def _take(self) -> int:
+        if not self.free:  # the scheduler checks blocks_needed first; reaching here is a bug
+            raise RuntimeError("KV pool exhausted")
+        block, _ = self.free.popitem(last=False)  # the least recently freed
+        key = self.key_of.pop(block, None)  # reallocated: its cached contents are gone
+        if key is not None:
+            del self.block_of[key]
+        self.ref[block] = 1
+        return block
+
+    def _share(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self.free[block]
+        self.ref[block] += 1
+
+    def admit(self, seq: PagedSequence) -> None:
+        """Share the prefix-cached blocks of ``seq``'s prompt (all but its last token)."""
+        assert not seq.table, "admit a sequence once, or after release"
+        seq.computed, seq.hashes, seq.cached_tokens = 0, [], 0
+        if not self.prefix_caching:
+            return
+        bs, key = self.block_size, b""
+        for i in range((len(seq.tokens) - 1) // bs):
+            key = chain_hash(key, seq.tokens[i * bs : (i + 1) * bs])
+            self.lookups += 1
+            block = self.block_of.get(key)
+            if block is None:
+                break
+            self.hits += 1
+            self._share(block)
+            seq.table.append(block)
+            seq.hashes.append(key)
+        seq.computed = seq.cached_tokens = len(seq.table) * bs
+
+    def reserve(self, seq: PagedSequence, n: int) -> None:
+        """Make room for ``n`` more tokens of ``seq``: new blocks at the end of its table, and a
+        private copy of a shared last block before it is written (recorded in ``copies``)."""
+        bs = self.block_size
+        if n and seq.computed % bs:
+            i = seq.computed // bs
+            if self.ref[seq.table[i]] > 1:
+                new = self._take()
+                self.copies.append((seq.table[i], new))
+                self.cow += 1
+                self.ref[seq.table[i]] -= 1
+                seq.table[i] = new
+        while len(seq.table) * bs < seq.computed + n:
+            seq.table.append(self._take())
+
+    def commit(self, seq: PagedSequence, n: int) -> None:
+        """``n`` more tokens of ``seq`` are in the cache: publish the blocks they filled."""
+        seq.computed += n
+        bs = self.block_size
+        while len(seq.hashes) < seq.computed // bs:
+            i = len(seq.hashes)
+            key = chain_hash(seq.hashes[-1] if seq.hashes else b"", seq.tokens[i * bs : (i + 1) * bs])
+            seq.hashes.append(key)
+            if self.prefix_caching and key not in self.block_of and seq.table[i] not in self.key_of:
+                self.block_of[key], self.key_of[seq.table[i]] = seq.table[i], key
+
+    def fork(self, seq: PagedSequence) -> PagedSequence:
+        """A second sequence with ``seq``'s tokens and blocks (for ``n`` answers to one prompt);
+        the shared last block is copied on the first write of either."""
+        for block in seq.table:
+            self._share(block)
+        copy = PagedSequence(list(seq.tokens), list(seq.table), seq.computed, list(seq.hashes))
+        copy.cached_tokens = seq.cached_tokens
+        return copy
+
+    def release(self, seq: PagedSequence) -> None:
+        """Give ``seq``'s blocks back (finished, cancelled or preempted); cached ones stay findable."""
+        for block in reversed(seq.table):  # the tail first: evicted before the shared prefix
+            self.ref[block] -= 1
+            assert self.ref[block] >= 0, f"block {block} released twice"
+            if self.ref[block] == 0:
+                self.free[block] = None
+        seq.table, seq.computed, seq.hashes = [], 0, []
+
+    @property
+    def in_use(self) -> int:
+        return self.num_blocks - len(self.free)
+
+
+class PagedKVCache:
+    """The ``KVCache`` protocol of ember/model/gpt.py over a ``BlockManager``'s pool, for one
+    packed row of tokens from many sequences (module docstring). ``plan`` before each forward."""
+
+    def __init__(self, blocks: BlockManager, device: torch.device | None = None):
+        self.blocks, self.device = blocks, device
+        self.k: dict[str, Tensor] = {}  # layer -> (num_blocks * block_size, n_kv_head, head_dim)
+        self.v: dict[str, Tensor] = {}
+        self.spans: list[tuple[int, int, Tensor]] = []
+
+    def plan(self, work: Sequence[tuple[PagedSequence, int]]) -> None:
+        """The next forward feeds, for each ``(seq, n)``, ``seq.tokens[seq.computed : +n]``, in
+        this order, as one row. Blocks must be reserved (``BlockManager.reserve``)."""
+        bs, slots, positions, self.spans, offset = self.blocks.block_size, [], [], [], 0
+        for seq, n in work:
+            assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
+            pos = torch.arange(seq.computed + n)
+            table = torch.tensor(seq.table, dtype=torch.long)
+            seq_slots = table[pos // bs] * bs + pos % bs  # every slot it reads
+            slots.append(seq_slots[seq.computed :])
+            positions.append(pos[seq.computed :])
+            self.spans.append((offset, n, seq_slots.to(self.device)))
+            offset += n
+        self.slots = torch.cat(slots).to(self.device)  # (N,) where the new keys go
+        self.positions = torch.cat(positions).to(self.device)[None]  # (1, N)
+
+    def extend(self, T: int) -> Tensor:
+        assert T == self.slots.numel(), f"planned {self.slots.numel()} tokens, fed {T}"
+        for src, dst in self.blocks.copies:  # copy-on-write, before anything is written
+            for pool in (*self.k.values(), *self.v.values()):
+                bs = self.blocks.block_size
+                pool[dst * bs : (dst + 1) * bs] = pool[src * bs : (src + 1) * bs]
+        self.blocks.copies.clear()
+        return self.positions
+
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if layer not in self.k:
+            slots = self.blocks.num_blocks * self.blocks.block_size
+            self.k[layer] = k.new_zeros(slots, k.size(1), k.size(3))
+            self.v[layer] = v.new_zeros(slots, v.size(1), v.size(3))
+        keys, values = self.k[layer], self.v[layer]
+        keys.index_copy_(0, self.slots, k[0].transpose(0, 1))  # (N, n_kv_head, hd) into their slots
+        values.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        out = []
+        for offset, n, seq_slots in self.spans:
+            kk = keys.index_select(0, seq_slots).transpose(0, 1)[None]  # (1, n_kv_head, L, hd)
+            vv = values.index_select(0, seq_slots).transpose(0, 1)[None]
+            out.append(sdpa_attention(q[:, :, offset : offset + n], kk, vv, 0.0))
+        return torch.cat(out, dim=2)  # (1, n_head, N, hd)

@@ -1,0 +1,240 @@
+"""Continuous batching: requests join and leave the running batch at every step, over the
+paged KV cache of ember/infer/paged.py (Yu et al. 2022, Orca; vLLM's scheduler).
+
+    scheduler = Scheduler(Engine.from_run("runs/tiny"), kv_memory=2**26)
+    a = scheduler.add(prompt_ids, Sampling(64, temperature=0))
+    b = scheduler.add(other_ids, Sampling(32, temperature=0.8, seed=7))
+    while not scheduler.idle:
+        for request, piece in scheduler.step():      # text released this step
+            print(request.id, piece)
+    a.completion()                                    # engine.Completion, as Engine.generate's
+
+**A step** packs, into one forward of at most ``max_batch_tokens`` tokens and
+``max_seqs`` sequences:
+
+1. every running sequence, oldest first: one token for those decoding, the next chunk of
+   the prompt for those still prefilling (chunked prefill: a long prompt takes several steps
+   and never holds back the others' decoding for longer than one step's budget);
+2. then waiting requests, first come first served, while the budget, the sequence limit and
+   the free blocks allow; a new request first takes what the prefix cache holds of its prompt.
+
+When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed
+(prompt and the tokens it had made, one prefill) when there is room again; its sampler keeps
+its state, so a seeded answer continues as if nothing happened. No new request is admitted in
+a step that preempted. A request that could not fit even alone (prompt + ``max_new_tokens``
+beyond the pool) is refused when added, so the oldest sequence can always finish.
+
+**What a request sees does not depend on the others.** Each sequence's attention reads only
+its own blocks, each samples from its own generator (seeded ``seed`` + its index among the
+``n`` answers of its request), and in fp32 its logits equal a forward over it alone to
+rounding (tests/test_scheduler.py: greedy answers equal the batch-1 engine's token for token,
+with and without preemptions and prefix-cache hits). Text, stop strings and end of turn follow
+the engine's rules exactly (``engine._Row``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.errors import EmberError
+from ember.infer.engine import Completion, Engine, _Row, sample_next
+from ember.infer.paged import BlockManager, PagedKVCache, PagedSequence, blocks_for
+from ember.infer.sampling import Sampling
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence of text to generate; ``row`` holds its text state as the engine's rows do."""
+
+    id: int
+    sampling: Sampling
+    seq: PagedSequence
+    row: _Row
+    prompt_len: int
+    state: str = "waiting"  # waiting | running | finished
+    preemptions: int = 0
+    forks: list[Request] = field(default_factory=list)  # answers 2..n, started from this one's prompt
+
+    @property
+    def done(self) -> bool:
+        return self.state == "finished"
+
+    def completion(self) -> Completion:
+        return self.row.completion()
+
+
+class Scheduler:
+    """Continuous batching of an ``Engine``'s model over a paged KV cache (module docstring).
+    The pool holds ``num_blocks`` blocks, or as many as ``kv_memory`` bytes hold."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        kv_memory: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_batch_tokens: int = 512,
+        max_seqs: int = 64,
+        prefix_caching: bool = True,
+    ):
+        if max_batch_tokens < 1 or max_seqs < 1:
+            raise EmberError(
+                f"serve.max_batch_tokens and serve.max_seqs must be >= 1; got {max_batch_tokens}, {max_seqs}"
+            )  # noqa: E501
+        if num_blocks is None:
+            dtype = next(engine.model.parameters()).dtype
+            num_blocks = blocks_for(kv_memory or 2**26, engine.model.cfg, block_size, dtype)
+        self.engine = engine
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        self.cache = PagedKVCache(self.blocks, engine.device)
+        self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first
+        self._ids = itertools.count()
+        self.preemptions = self.steps = self.tokens_generated = 0
+
+    # -- requests -----------------------------------------------------------
+
+    def add(self, prompt: str | list[int], sampling: Sampling, n: int = 1) -> list[Request]:
+        """Queue ``n`` answers to one prompt (text or ids); answer i samples with ``seed + i``.
+        Raises EmberError for a prompt that cannot fit, as ``Engine.generate`` does."""
+        sampling.check_seed(n)
+        [(ids, _)] = self.engine._encode([prompt], sampling.max_new_tokens, truncate=False)
+        bs = self.blocks.block_size
+        need = -(-(len(ids) + sampling.max_new_tokens) // bs)  # blocks one answer may come to hold
+        if need > self.blocks.num_blocks:
+            raise EmberError(
+                f"a prompt of {len(ids)} tokens with max_tokens {sampling.max_new_tokens} needs {need} KV "
+                f"blocks of {bs} tokens; the pool has {self.blocks.num_blocks}: lower max_tokens or raise "
+                "serve.kv_memory"
+            )
+        requests = []
+        for i in range(n):
+            generator = None
+            if sampling.temperature > 0:
+                generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed + i)
+            row = _Row(i, ids, 0, generator)
+            requests.append(Request(next(self._ids), sampling, PagedSequence(list(ids)), row, len(ids)))
+        requests[0].forks = requests[1:]  # they join when the first has read the prompt
+        self.waiting.append(requests[0])
+        return requests
+
+    def cancel(self, request: Request) -> None:
+        """Drop a request wherever it is; its blocks are free at once. Its other answers go on."""
+        if request.forks:  # answers still waiting on its prompt: the next one reads it instead
+            heir, heir.forks = request.forks[0], request.forks[1:]
+            request.forks = []
+            self.waiting.appendleft(heir)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.running:
+            self.running.remove(request)
+            self.blocks.release(request.seq)
+        else:  # a fork not started yet
+            for parent in [*self.waiting, *self.running]:
+                if request in parent.forks:
+                    parent.forks.remove(request)
+        if request.row.finish_reason is None:
+            request.row.finish_reason = "cancelled"
+        request.state = "finished"
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # -- a step -------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.release(request.seq)  # its tokens stay: they are recomputed on readmission
+        request.state, request.preemptions = "waiting", request.preemptions + 1
+        self.waiting.appendleft(request)
+        self.preemptions += 1
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """This step's work, [(request, tokens to feed)], blocks reserved (module docstring)."""
+        budget, work, preempted = self.max_batch_tokens, [], False
+        for request in list(self.running):
+            if request.state != "running" or budget == 0:
+                continue  # preempted in this loop, or no budget left (it waits a step)
+            seq = request.seq
+            n = min(len(seq.tokens) - seq.computed, budget)
+            while self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+                self._preempt(self.running[-1])
+                preempted = True
+                if request.state != "running":
+                    break
+            if request.state == "running":
+                self.blocks.reserve(seq, n)
+                work.append((request, n))
+                budget -= n
+        while self.waiting and budget and len(self.running) < self.max_seqs and not preempted:
+            request = self.waiting[0]
+            seq = request.seq
+            self.blocks.admit(seq)
+            n = min(len(seq.tokens) - seq.computed, budget)
+            if self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+                self.blocks.release(seq)  # no room yet: it stays first in line
+                break
+            self.blocks.reserve(seq, n)
+            self.waiting.popleft()
+            request.state = "running"
+            self.running.append(request)
+            work.append((request, n))
+            budget -= n
+        return work
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Request, str]]:
+        """One forward over the scheduled tokens; [(request, text piece)] for every request
+        whose text grew (a finished request appears once more with "" if it released none)."""
+        work = self._schedule()
+        if not work:
+            return []
+        self.steps += 1
+        self.cache.plan([(r.seq, n) for r, n in work])
+        ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
+        keep = torch.zeros(1, len(ids), dtype=torch.bool)
+        keep[0, torch.tensor([n for _, n in work]).cumsum(0) - 1] = True  # each sequence's last fed token
+        device = self.engine.device
+        logits = self.engine.model(torch.tensor([ids], device=device), cache=self.cache, keep=keep.to(device))
+        logits = logits.float()  # (len(work), V)
+        if self.engine.n_valid < logits.size(-1):
+            logits[:, self.engine.n_valid :] = float("-inf")
+        events = []
+        for (request, n), row_logits in zip(work, logits, strict=True):
+            seq = request.seq
+            self.blocks.commit(seq, n)
+            if seq.computed < len(seq.tokens):
+                continue  # a prompt chunk: nothing to sample yet
+            for fork in request.forks:  # n answers: the others share the prompt's blocks from here
+                fork.seq, fork.state = self.blocks.fork(seq), "running"
+                self.running.append(fork)
+            for answer in [request, *request.forks]:
+                events += self._sample(answer, row_logits)
+            request.forks = []
+        return events
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> list[tuple[Request, str]]:
+        """Sample ``request``'s next token from its logits (V,); its text event, if any."""
+        s, row = request.sampling, request.row
+        token = int(sample_next(logits[None], s.temperature, s.top_k or None, s.top_p, row.generator))
+        ends = self.engine.ends(s.ignore_eos)
+        piece = row.push(token, self.engine.tokenizer, ends, s.stop, s.max_new_tokens)
+        self.tokens_generated += 1
+        request.seq.tokens.append(token)
+        if row.finish_reason is not None:
+            self.running.remove(request)
+            self.blocks.release(request.seq)
+            request.state = "finished"
+        return [(request, piece)] if piece or request.done else []
+
+    def run(self) -> None:
+        """Step until every queued request has finished."""
+        while not self.idle:
+            self.step()

@@ -1,0 +1,119 @@
+"""Continuous batching against the batch-1 engine: 200 seeded requests arriving over time, some
+sharing prefixes, with a roomy pool and with one small enough to force preemptions; seeded
+sampling independent of the batch; cancellation; every block free at the end."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ember.data.tokenizer import Tokenizer
+from ember.errors import EmberError
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
+from ember.infer.scheduler import Scheduler
+from tests.test_engine import LLAMA, TEXT, tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    tok = Tokenizer.train_bpe(TEXT, 300)
+    return Engine(tiny_model(320, **LLAMA, n_kv_head=2, max_seq_len=320), tok)
+
+
+def workload(seed: int, n: int = 200) -> list[tuple[int, list[int], int]]:
+    """(arrival step, prompt ids, max new tokens): prompts of 1-200 tokens, 1-100 new tokens,
+    a third of them starting with one of three shared 40-token prefixes."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 300) for _ in range(40)] for _ in range(3)]
+    out = []
+    for _ in range(n):
+        length = rng.randint(1, 200)
+        prompt = [rng.randrange(3, 300) for _ in range(length)]  # (ids 0-2 are special: no eos)
+        if rng.random() < 1 / 3:
+            prompt = (rng.choice(prefixes) + prompt)[: max(length, 41)]
+        out.append((rng.randint(0, 60), prompt, rng.randint(1, 100)))
+    return out
+
+
+def serve(scheduler: Scheduler, requests, sampling) -> list:
+    """Add each request at its arrival step; step until all are done; check the pool is clean."""
+    pending = sorted(enumerate(requests), key=lambda x: x[1][0])
+    handles, step = {}, 0
+    while pending or not scheduler.idle:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, new) = pending.pop(0)
+            [handles[i]] = scheduler.add(prompt, sampling(i, new))
+        scheduler.step()
+        step += 1
+    assert scheduler.blocks.num_free == scheduler.blocks.num_blocks and sum(scheduler.blocks.ref) == 0
+    return [handles[i].completion() for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("num_blocks", [2000, 40], ids=["roomy", "preempting"])
+def test_greedy_answers_equal_the_batch1_engine(engine, num_blocks):
+    requests = workload(0)
+    scheduler = Scheduler(engine, num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_seqs=32)
+    got = serve(scheduler, requests, lambda i, new: Sampling(new, temperature=0))
+    for (_, prompt, new), answer in zip(requests, got, strict=True):
+        [alone] = engine.generate([prompt], Sampling(new, temperature=0))
+        assert answer.token_ids == alone.token_ids and answer.finish_reason == alone.finish_reason
+    if num_blocks == 40:
+        assert scheduler.preemptions > 0
+    assert scheduler.blocks.hits > 0  # the shared prefixes were found
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    requests = workload(1, n=24)
+
+    def sampling(i, new):
+        return Sampling(new, temperature=0.9, top_k=50, seed=1000 + i)
+
+    together = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128), requests, sampling)
+    for i, (_, prompt, new) in enumerate(requests):
+        alone = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128), [(0, prompt, new)],
+                      lambda _, new, i=i: sampling(i, new))  # fmt: skip
+        assert together[i].token_ids == alone[0].token_ids
+
+
+def test_n_answers_fork_seeds_and_prefix_cache_hits_give_the_same_tokens(engine):
+    prompt = list(range(3, 70))
+    s = Scheduler(engine, num_blocks=200)
+    first = s.add(prompt, Sampling(20, temperature=0))
+    s.run()
+    again = s.add(prompt, Sampling(20, temperature=0))  # its first 4 blocks come from the cache
+    s.run()
+    assert again[0].seq.cached_tokens == 64
+    assert again[0].completion().token_ids == first[0].completion().token_ids
+    answers = s.add(prompt, Sampling(12, temperature=1.0, seed=5), n=3)
+    s.run()  # the three share the prompt's blocks; two copy its partly filled last one on their first write
+    assert s.blocks.cow == 2
+    seeds = [engine.generate([prompt], Sampling(12, temperature=1.0, seed=5 + i))[0] for i in range(3)]
+    assert [a.completion().token_ids for a in answers] == [c.token_ids for c in seeds]
+
+
+def test_cancel_frees_blocks_and_bad_requests_are_clear(engine):
+    s = Scheduler(engine, num_blocks=30, max_batch_tokens=64)
+    a = s.add(list(range(3, 100)), Sampling(50, temperature=0))
+    b = s.add([5, 6, 7], Sampling(50, temperature=0))
+    s.step(), s.step()
+    assert a[0].state == "running" and s.blocks.in_use > 0
+    s.cancel(a[0]), s.cancel(b[0])
+    assert s.idle and s.blocks.num_free == 30 and a[0].completion().finish_reason == "cancelled"
+    with pytest.raises(EmberError, match="needs 14 KV blocks of 16 tokens; the pool has 10"):
+        Scheduler(engine, num_blocks=10).add(list(range(3, 203)), Sampling(20))
+    with pytest.raises(EmberError, match="max_seq_len"):
+        s.add(list(range(3, 310)), Sampling(20))
+    with pytest.raises(EmberError, match="empty"):
+        s.add([], Sampling(20))
+
+
+def test_packed_row_longer_than_max_seq_len_is_fine(engine):
+    s = Scheduler(engine, num_blocks=500, max_batch_tokens=1024, max_seqs=8)
+    outs = [s.add(list(range(3, 250)), Sampling(5, temperature=0))[0] for _ in range(3)]
+    s.run()
+    [alone] = engine.generate([list(range(3, 250))], Sampling(5, temperature=0))
+    assert all(o.completion().token_ids == alone.token_ids for o in outs)
+    assert torch.get_default_dtype() == torch.float32
