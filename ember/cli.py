@@ -366,6 +366,19 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from ember.config import load_config
+    from ember.infer.server import serve
+
+    others = [o for o in args.overrides if not o.startswith("serve.")]
+    if others:
+        raise EmberError(f"ember serve takes serve.* settings only; got {others[0]!r} (`ember config keys`)")
+    if not Path(args.run).is_dir():
+        raise EmberError(f"no run directory at {args.run}")
+    serve(args.run, args.host, args.port, args.api_key, load_config(None, args.overrides).serve)
+    return 0
+
+
 def cmd_quickstart(args) -> int:
     from ember.quickstart import quickstart
 
@@ -518,6 +531,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="a run directory written by `ember train`")
     _add_sampling_args(p, seed_help="sampling seed (each turn adds its number)")
     p.set_defaults(func=cmd_chat)
+
+    p = verbs.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (paged KV cache, continuous batching)",
+        description="Serve RUN's final weights over HTTP with OpenAI's API: POST /v1/completions and "
+        '/v1/chat/completions (streaming with "stream": true), GET /v1/models, /health and /metrics '
+        "(Prometheus). Requests join and leave the running batch at every step; their keys and values "
+        "live in a pool of fixed-size blocks shared by common prompt prefixes (docs/serve.md). Needs the "
+        "serve extra (fastapi, uvicorn).",
+        epilog="example: ember serve runs/add2-sft --port 8000 serve.max_seqs=16; then "
+        "OpenAI(base_url='http://localhost:8000/v1', api_key='-').completions.create(model='add2-sft', "
+        "prompt='12+30=', max_tokens=8)",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory written by `ember train` or `ember import`")
+    p.add_argument("overrides", nargs="*", metavar="serve.key=value", help="settings (`ember config keys`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.set_defaults(func=cmd_serve)
 
     p = verbs.add_parser(
         "report",

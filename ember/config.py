@@ -450,6 +450,21 @@ class ParallelConfig(_Section, key="parallel"):
 
 
 @dataclass
+class ServeConfig(_Section, key="serve"):
+    """`ember serve RUN`: the paged KV cache and the continuous-batching scheduler."""
+
+    block_size: int = opt(16, "tokens per KV-cache block", ge=1)
+    kv_memory: float = opt(
+        268435456, "KV-cache pool: bytes (> 1), or a fraction of the memory free at start (<= 1)", gt=0
+    )
+    max_batch_tokens: int = opt(512, "tokens one step feeds at most (prefill chunks and decodes)", ge=1)
+    max_seqs: int = opt(64, "sequences running at once at most", ge=1)
+    max_waiting: int = opt(256, "requests allowed to wait; more get HTTP 429", ge=1)
+    prefix_caching: bool = opt(True, "share the KV blocks of common prompt prefixes between requests")
+    device: str = opt("cpu", "where the model runs (cpu, cuda, cuda:1, ...)")
+
+
+@dataclass
 class Config:
     run: RunConfig = opt(RunConfig, "run name, output folder and seed")
     data: DataConfig = opt(DataConfig, "corpus, tokenizer and shards")
@@ -459,6 +474,7 @@ class Config:
     dpo: DPOConfig = opt(DPOConfig, "preference optimisation (train.task=dpo)")
     grpo: GRPOConfig = opt(GRPOConfig, "reinforcement learning on verifiable rewards (train.task=grpo)")
     parallel: ParallelConfig = opt(ParallelConfig, "parallel layout")
+    serve: ServeConfig = opt(ServeConfig, "the server (ember serve)")
 
     def __post_init__(self) -> None:
         _require(

@@ -38,6 +38,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,6 +60,9 @@ class Request:
     state: str = "waiting"  # waiting | running | finished
     preemptions: int = 0
     forks: list[Request] = field(default_factory=list)  # answers 2..n, started from this one's prompt
+    logprobs_top: int | None = None  # record each sampled token's log-probability and this many alternatives
+    logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
+    job: Any = None  # the server's handle
 
     @property
     def done(self) -> bool:
@@ -100,8 +104,11 @@ class Scheduler:
 
     # -- requests -----------------------------------------------------------
 
-    def add(self, prompt: str | list[int], sampling: Sampling, n: int = 1) -> list[Request]:
+    def add(
+        self, prompt: str | list[int], sampling: Sampling, n: int = 1, logprobs: int | None = None
+    ) -> list[Request]:
         """Queue ``n`` answers to one prompt (text or ids); answer i samples with ``seed + i``.
+        ``logprobs``: record each token's log-probability and that many likeliest alternatives.
         Raises EmberError for a prompt that cannot fit, as ``Engine.generate`` does."""
         sampling.check_seed(n)
         [(ids, _)] = self.engine._encode([prompt], sampling.max_new_tokens, truncate=False)
@@ -119,7 +126,9 @@ class Scheduler:
             if sampling.temperature > 0:
                 generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed + i)
             row = _Row(i, ids, 0, generator)
-            requests.append(Request(next(self._ids), sampling, PagedSequence(list(ids)), row, len(ids)))
+            request = Request(next(self._ids), sampling, PagedSequence(list(ids)), row, len(ids))
+            request.logprobs_top = logprobs
+            requests.append(request)
         requests[0].forks = requests[1:]  # they join when the first has read the prompt
         self.waiting.append(requests[0])
         return requests
@@ -224,6 +233,11 @@ class Scheduler:
         """Sample ``request``'s next token from its logits (V,); its text event, if any."""
         s, row = request.sampling, request.row
         token = int(sample_next(logits[None], s.temperature, s.top_k or None, s.top_p, row.generator))
+        if request.logprobs_top is not None:  # the model's distribution, before temperature and filters
+            logp = logits.log_softmax(-1)
+            top = logp.topk(request.logprobs_top) if request.logprobs_top else None
+            alts = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
+            request.logprobs.append((token, logp[token].item(), alts))
         ends = self.engine.ends(s.ignore_eos)
         piece = row.push(token, self.engine.tokenizer, ends, s.stop, s.max_new_tokens)
         self.tokens_generated += 1

@@ -408,7 +408,7 @@ class GPT(nn.Module):
         a few positions needs (SFT's trained tokens; the head is much of a small model's cost,
         as with transformers' ``logits_to_keep``)."""
         T = idx.size(1)
-        if T > self.cfg.max_seq_len and cache is None:  # (a cache gives positions: a packed row may be longer)
+        if T > self.cfg.max_seq_len and cache is None:  # a cache gives positions: a packed row may be longer
             raise ConfigError(
                 f"a sequence of {T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
                 "shorten the input or use a model with a larger max_seq_len"

@@ -1,0 +1,539 @@
+"""``ember serve RUN``: an OpenAI-compatible HTTP server over the continuous-batching scheduler.
+
+    ember serve runs/add2-sft --port 8000 [--api-key KEY] [serve.max_seqs=32 ...]
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "add2-sft", "prompt": "def main(", "max_tokens": 32}'
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://localhost:8000/v1", api_key="KEY")
+    client.chat.completions.create(model="add2-sft", messages=[{"role": "user", "content": "2+2"}])
+
+Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as Server-Sent Events
+with ``"stream": true``, ending with ``data: [DONE]``, a last chunk carrying ``usage``),
+``GET /v1/models``, ``/health``, and ``/metrics`` in Prometheus' text format. Errors have
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter
+or body, 401 without the key when one is set, 404 for another model's name, 429 when
+``serve.max_waiting`` requests already wait.
+
+**Threads.** FastAPI's handlers run on uvicorn's event loop; the model runs on one engine
+thread that owns the scheduler. A handler never touches the scheduler: it puts a command
+(add, cancel, score) on a queue and awaits an ``asyncio.Queue`` the engine thread feeds with
+``call_soon_threadsafe``. Between two steps the engine thread applies every queued command,
+so a request joins or leaves at the next step; when nothing runs it sleeps on the queue.
+A client that goes away (its stream closed, or a non-streamed request whose connection
+drops) sends a cancel, and its blocks are free after the current step.
+
+Parameters follow OpenAI's (vLLM's extras: ``top_k``). ``seed`` defaults to a fresh one per
+request; answer i of ``n`` samples with ``seed + i``, so a fixed seed gives the same text
+whatever else the server is doing. ``echo`` puts the prompt before the text and, with
+``logprobs``, its tokens' log-probabilities too (the first token has none): with
+``max_tokens: 0`` that is how lm-evaluation-harness scores a continuation. Log-probabilities
+are those of the model's distribution before temperature and filters, as OpenAI's and vLLM's.
+"""
+
+import asyncio
+import contextlib
+import json
+import queue
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember.config import ServeConfig
+from ember.errors import EmberError
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
+from ember.infer.scheduler import Request, Scheduler
+
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's JSON error body with an HTTP status."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):  # fmt: skip # noqa: E501
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+# ---------------------------------------------------------------------------
+# The engine thread
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """One HTTP request's answers as the engine thread reports them to its handler."""
+
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    requests: list[Request] = field(default_factory=list)
+    logprobs: int | None = None
+    sent: list[list[int]] = field(default_factory=list)  # per answer: [ids, logprobs] reported so far
+
+    def report(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class EngineLoop:
+    """The scheduler on its own thread (module docstring); thread-safe ``submit`` and ``cancel``."""
+
+    def __init__(self, scheduler: Scheduler, max_waiting: int):
+        self.scheduler, self.max_waiting = scheduler, max_waiting
+        self.commands: queue.Queue = queue.Queue()
+        self.started = time.monotonic()
+        self.recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
+        self.errors = 0
+        self.thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
+        self.stopping = False
+        self.thread.start()
+
+    def submit(self, job: Job, prompt: list[int], sampling: Sampling, n: int) -> None:
+        waiting = self.commands.qsize() + len(self.scheduler.waiting)  # read from another thread: approximate
+        if waiting >= self.max_waiting:
+            raise ApiError(429, f"the server is busy: {waiting} requests wait (serve.max_waiting)", "rate_limit_error")  # fmt: skip # noqa: E501
+        self.commands.put(("add", job, prompt, sampling, n))
+
+    def score(self, job: Job, prompt: list[int], top: int) -> None:
+        self.commands.put(("score", job, prompt, top))
+
+    def cancel(self, job: Job) -> None:
+        self.commands.put(("cancel", job))
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.commands.put(("stop",))
+        self.thread.join(timeout=10)
+
+    def _apply(self, command: tuple) -> None:
+        kind, s = command[0], self.scheduler
+        if kind == "add":
+            _, job, prompt, sampling, n = command
+            try:
+                job.requests = s.add(prompt, sampling, n, logprobs=job.logprobs)
+            except EmberError as e:
+                job.report(ApiError(400, str(e)))
+                return
+            job.sent = [[0, 0] for _ in range(n)]
+            for request in job.requests:
+                request.job = job
+        elif kind == "cancel":
+            for request in command[1].requests:
+                if not request.done:
+                    s.cancel(request)
+        elif kind == "score":
+            _, job, prompt, top = command
+            job.report(prompt_logprobs(s.engine, prompt, top))
+
+    def _run(self) -> None:
+        while not self.stopping:
+            idle = self.scheduler.idle
+            try:
+                command = self.commands.get(block=idle, timeout=None if idle else 0)
+                while True:
+                    if command[0] == "stop":
+                        return
+                    self._apply(command)
+                    command = self.commands.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                before = self.scheduler.tokens_generated
+                events = self.scheduler.step()
+            except Exception as e:  # a bug must not hang every client: fail what ran, go on
+                self.errors += 1
+                for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                    self.scheduler.cancel(request)
+                    request.job.report(ApiError(500, f"the engine failed: {e!r}", "server_error"))
+                continue
+            now = time.monotonic()
+            self.recent.append((now, self.scheduler.tokens_generated - before))
+            while self.recent and self.recent[0][0] < now - 10:
+                self.recent.popleft()
+            for request, _ in events:
+                job = request.job
+                i = job.requests.index(request)
+                sent = job.sent[i]
+                new, lps = request.row.ids[sent[0] :], request.logprobs[sent[1] :]
+                job.sent[i] = [len(request.row.ids), len(request.logprobs)]
+                finish = request.row.finish_reason if request.done else None
+                job.report((i, _, new, lps if job.logprobs is not None else None, finish))
+
+    def tokens_per_s(self) -> float:
+        if not self.recent:
+            return 0.0
+        span = max(time.monotonic() - self.recent[0][0], 1e-3)
+        return sum(n for _, n in self.recent) / span
+
+
+def prompt_logprobs(engine: Engine, ids: list[int], top: int) -> list:
+    """[(id, logprob or None, {id: logprob} of the top alternatives)] for each prompt token: the
+    model's distribution at the position before it (the first token has none)."""
+    with torch.inference_mode():
+        logits = engine.model(torch.tensor([ids], device=engine.device))[0].float()
+    logp = logits[:, : engine.n_valid].log_softmax(-1)
+    out = [(ids[0], None, {})]
+    for t in range(1, len(ids)):
+        row = logp[t - 1]
+        values, indices = row.topk(top) if top else (torch.zeros(0), torch.zeros(0))
+        alts = dict(zip(indices.tolist(), values.tolist(), strict=True))
+        out.append((ids[t], row[ids[t]].item(), alts))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The HTTP API
+# ---------------------------------------------------------------------------
+
+
+def _bodies():
+    """The request bodies as pydantic models (imported here: the `serve` extra is optional)."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Common(BaseModel):
+        model_config = ConfigDict(extra="ignore")  # clients send fields ember does not use (user, ...)
+        model: str
+        max_tokens: int | None = Field(None, ge=0)
+        temperature: float = Field(1.0, ge=0, le=100)
+        top_p: float = Field(1.0, gt=0, le=1)
+        top_k: int = Field(0, ge=-1)  # vLLM's: 0 or -1 = all
+        seed: int | None = None
+        stop: str | list[str] | None = None
+        n: int = Field(1, ge=1, le=64)
+        stream: bool = False
+        stream_options: dict | None = None
+
+    class CompletionBody(Common):
+        prompt: str | list[str] | list[int] | list[list[int]]
+        echo: bool = False
+        logprobs: int | None = Field(None, ge=0, le=20)
+
+    class Message(BaseModel):
+        role: str
+        content: str
+
+    class ChatBody(Common):
+        messages: list[Message] = Field(min_length=1)
+        max_completion_tokens: int | None = Field(None, ge=0)
+        logprobs: bool = False
+        top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    return CompletionBody, ChatBody
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    from fastapi.responses import JSONResponse
+
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | None = None):
+    """The FastAPI app serving ``engine``'s model under the model name ``name``."""
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+
+    from ember.data.chat import chat_ids, render
+
+    CompletionBody, ChatBody = _bodies()
+    kv = serve.kv_memory
+    if kv <= 1:  # a fraction of free memory
+        free = torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else _free_ram()
+        kv = free * kv
+    scheduler = Scheduler(engine, kv_memory=int(kv), block_size=serve.block_size,
+                          max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
+                          prefix_caching=serve.prefix_caching)  # fmt: skip
+    loop_holder: dict[str, EngineLoop] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        loop_holder["loop"] = EngineLoop(scheduler, serve.max_waiting)
+        yield
+        loop_holder["loop"].stop()
+
+    app = FastAPI(title="ember", version="1", lifespan=lifespan)
+    max_len = engine.model.cfg.max_seq_len
+    try:
+        chat_ids(engine.tokenizer)
+        has_chat = True
+    except EmberError:
+        has_chat = False
+
+    app.state.scheduler = scheduler
+    app.state.engine_loop = loop_holder
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, e: ApiError):
+        return _error(e.status, e.message, e.kind, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or "body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}", param=where)
+
+    async def check_key(request: Request) -> None:  # a dependency of the /v1 routes, not a middleware:
+        # Starlette's BaseHTTPMiddleware runs a streamed body in a task it may cancel early
+        if api_key and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", "authentication_error")  # fmt: skip # noqa: E501
+
+    v1 = [Depends(check_key)]
+
+    def check_model(model: str) -> None:
+        if model != name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}", "not_found_error", "model")  # fmt: skip # noqa: E501
+
+    def sampling_of(body, max_tokens: int, seed: int) -> Sampling:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            return Sampling(max(max_tokens, 1), body.temperature, max(body.top_k, 0) or None,
+                            None if body.top_p == 1 else body.top_p, seed, tuple(stop))  # fmt: skip
+        except EmberError as e:
+            raise ApiError(400, str(e).replace("--", "").replace("-", "_")) from None
+
+    def encode(prompt) -> list[int]:
+        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ApiError(400, "the prompt is empty; give at least one token", param="prompt")
+        if any(not 0 <= t < engine.n_valid for t in ids):
+            raise ApiError(400, f"the prompt holds token ids outside [0, {engine.n_valid})", param="prompt")
+        if len(ids) >= max_len:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {max_len}", param="prompt")  # fmt: skip # noqa: E501
+        return ids
+
+    def max_tokens_of(body, ids: list[int], default: int | None) -> int:
+        room = max_len - len(ids)
+        asked = body.max_tokens if body.max_tokens is not None else default
+        asked = room if asked is None else asked
+        if asked > room:
+            raise ApiError(400, f"max_tokens {asked} with a prompt of {len(ids)} tokens is beyond the model's context of {max_len}; ask for at most {room}", param="max_tokens")  # fmt: skip # noqa: E501
+        return asked
+
+    async def run(http: Request, ids: list[int], sampling: Sampling, n: int, logprobs: int | None):
+        """Submit one prompt's n answers; yield the engine thread's reports until all finish. A
+        client that disconnects (the generator closed, or noticed here) cancels them."""
+        job = Job(asyncio.get_running_loop(), logprobs=logprobs)
+        loop_holder["loop"].submit(job, ids, sampling, n)
+        finished = 0
+        try:
+            while finished < n:
+                try:
+                    item = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        return
+                    continue
+                if isinstance(item, ApiError):
+                    raise item
+                finished += item[4] is not None
+                yield item
+        finally:
+            if finished < n:
+                loop_holder["loop"].cancel(job)
+
+    def token_text(t: int) -> str:
+        return engine.tokenizer.decode([t])
+
+    def completion_logprobs(entries, offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for t, lp, alts in entries:
+            tokens.append(token_text(t))
+            lps.append(lp)
+            tops.append({token_text(a): v for a, v in alts.items()} if lp is not None or alts else None)
+            offsets.append(offset)
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ember",
+                                            "max_model_len": max_len}]}  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics():
+        s, loop = scheduler, loop_holder["loop"]
+        lines = {
+            "ember_requests_waiting": ("gauge", len(s.waiting) + loop.commands.qsize()),
+            "ember_requests_running": ("gauge", len(s.running)),
+            "ember_kv_blocks_in_use": ("gauge", s.blocks.in_use),
+            "ember_kv_blocks_total": ("gauge", s.blocks.num_blocks),
+            "ember_generation_tokens_per_second": ("gauge", round(loop.tokens_per_s(), 3)),
+            "ember_generation_tokens_total": ("counter", s.tokens_generated),
+            "ember_preemptions_total": ("counter", s.preemptions),
+            "ember_prefix_cache_hit_rate": ("gauge", round(s.blocks.hits / max(s.blocks.lookups, 1), 4)),
+            "ember_engine_errors_total": ("counter", loop.errors),
+        }
+        text = "".join(f"# TYPE {k} {kind}\n{k} {v}\n" for k, (kind, v) in lines.items())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def body():
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionBody, http: Request):  # type: ignore[valid-type]
+        check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ApiError(400, "the prompt list is empty", param="prompt")
+        if body.stream and len(prompts) > 1:
+            raise ApiError(400, "stream one prompt at a time", param="prompt")
+        encoded = [encode(p) for p in prompts]
+        limits = [max_tokens_of(body, ids, 16) for ids in encoded]
+        if any(m == 0 for m in limits) and not body.echo:
+            raise ApiError(400, "max_tokens 0 is only meaningful with echo", param="max_tokens")
+        seed = body.seed if body.seed is not None else secrets.randbits(48)
+        rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": name}
+
+        async def prompt_part(ids: list[int], text: str) -> tuple[str, list]:
+            if not body.echo:
+                return "", []
+            if body.logprobs is None:
+                return text, []
+            job = Job(asyncio.get_running_loop())
+            loop_holder["loop"].score(job, ids, body.logprobs)
+            return text, await job.events.get()
+
+        if body.stream:
+            ids, limit = encoded[0], limits[0]
+
+            async def chunks():
+                echo, echo_lps = await prompt_part(ids, prompts[0] if isinstance(prompts[0], str) else engine.tokenizer.decode(ids))  # fmt: skip # noqa: E501
+                made = 0
+                if echo:
+                    for i in range(body.n):
+                        lp = completion_logprobs(echo_lps, 0) if body.logprobs is not None else None
+                        yield {**head, "choices": [{"index": i, "text": echo, "logprobs": lp, "finish_reason": None}]}  # fmt: skip # noqa: E501
+                if limit:
+                    async for i, piece, new, lps, finish in run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs):  # fmt: skip # noqa: E501
+                        made += len(new)
+                        lp = completion_logprobs(lps, 0) if lps is not None else None
+                        yield {**head, "choices": [{"index": i, "text": piece, "logprobs": lp, "finish_reason": FINISH.get(finish) if finish else None}]}  # fmt: skip # noqa: E501
+                yield {**head, "choices": [], "usage": usage(len(ids), made)}
+
+            return sse(chunks())
+        choices, prompt_tokens, made = [], 0, 0
+        for p, (ids, limit) in enumerate(zip(encoded, limits, strict=True)):
+            text0 = prompts[p] if isinstance(prompts[p], str) else engine.tokenizer.decode(ids)
+            echo, echo_lps = await prompt_part(ids, text0)
+            texts, lps, finishes = [""] * body.n, [[] for _ in range(body.n)], ["length"] * body.n
+            if limit:
+                async for i, piece, new, new_lps, finish in run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs):  # fmt: skip # noqa: E501
+                    texts[i] += piece
+                    made += len(new)
+                    lps[i] += new_lps or []
+                    finishes[i] = FINISH.get(finish, finishes[i]) if finish else finishes[i]
+            prompt_tokens += len(ids)
+            for i in range(body.n):
+                lp = None
+                if body.logprobs is not None:
+                    lp = completion_logprobs(echo_lps + lps[i], 0)
+                choices.append({"index": len(choices), "text": echo + texts[i], "logprobs": lp,
+                                "finish_reason": finishes[i]})  # fmt: skip
+        return {**head, "choices": choices, "usage": usage(prompt_tokens, made)}
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat(body: ChatBody, http: Request):  # type: ignore[valid-type]
+        check_model(body.model)
+        if not has_chat:
+            raise ApiError(400, f"the model {name!r} has no chat template (no chat tokens in its tokenizer); fine-tune it with train.task=sft first, or use /v1/completions")  # fmt: skip # noqa: E501
+        try:
+            ids = render(engine.tokenizer, [m.model_dump() for m in body.messages], add_generation_prompt=True)[0]  # fmt: skip # noqa: E501
+        except EmberError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = encode(ids)
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        limit = max_tokens_of(body, ids, None)
+        if limit == 0:
+            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        seed = body.seed if body.seed is not None else secrets.randbits(48)
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": name}
+        sampling = sampling_of(body, limit, seed)
+
+        def chat_logprobs(entries) -> dict:
+            def top(alts):
+                return [{"token": token_text(a), "logprob": v} for a, v in alts.items()]
+
+            return {"content": [{"token": token_text(t), "logprob": lp, "top_logprobs": top(alts)}
+                                for t, lp, alts in entries]}  # fmt: skip
+
+        if body.stream:
+            chunk_head = {**head, "object": "chat.completion.chunk"}
+
+            async def chunks():
+                for i in range(body.n):
+                    yield {**chunk_head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}  # fmt: skip # noqa: E501
+                made = 0
+                async for i, piece, new, lps, finish in run(http, ids, sampling, body.n, top):
+                    made += len(new)
+                    choice = {"index": i, "delta": {"content": piece} if piece else {},
+                              "logprobs": chat_logprobs(lps) if lps is not None else None,
+                              "finish_reason": FINISH.get(finish) if finish else None}  # fmt: skip
+                    yield {**chunk_head, "choices": [choice]}
+                yield {**chunk_head, "choices": [], "usage": usage(len(ids), made)}
+
+            return sse(chunks())
+        texts, lps, finishes, made = [""] * body.n, [[] for _ in range(body.n)], ["length"] * body.n, 0
+        async for i, piece, new, new_lps, finish in run(http, ids, sampling, body.n, top):
+            texts[i] += piece
+            made += len(new)
+            lps[i] += new_lps or []
+            finishes[i] = FINISH.get(finish, finishes[i]) if finish else finishes[i]
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "finish_reason": finishes[i], "logprobs": None if top is None else chat_logprobs(lps[i])}
+                   for i in range(body.n)]  # fmt: skip
+        return {**head, "choices": choices, "usage": usage(len(ids), made)}
+
+    return app
+
+
+def _free_ram() -> int:
+    """Bytes of memory available now (Linux: MemAvailable), for ``serve.kv_memory`` as a fraction."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def serve(run: str, host: str, port: int, api_key: str | None, cfg: ServeConfig) -> None:
+    """``ember serve``: load the run, build the app, run uvicorn until interrupted."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise EmberError("ember serve needs the serve extra: pip install -e '.[serve]'") from None
+    engine = Engine.from_run(run, device=cfg.device)
+    name = Path(run).resolve().name
+    app = create_app(engine, name, cfg, api_key)
+    print(f"ember serve: {name} on http://{host}:{port}/v1 ({engine.device}); Ctrl-C to stop", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
