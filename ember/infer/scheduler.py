@@ -101,6 +101,7 @@ class Scheduler:
         self.running: list[Request] = []  # oldest first
         self._ids = itertools.count()
         self.preemptions = self.steps = self.tokens_generated = 0
+        self.slots_used = self.slots_held = 0  # summed over steps: cached tokens, and block slots they own
 
     # -- requests -----------------------------------------------------------
 
@@ -227,6 +228,9 @@ class Scheduler:
             for answer in [request, *request.forks]:
                 events += self._sample(answer, row_logits)
             request.forks = []
+        for request in self.running:  # KV memory written by tokens, against the blocks the sequences hold
+            self.slots_used += request.seq.computed
+            self.slots_held += len(request.seq.table) * self.blocks.block_size
         return events
 
     def _sample(self, request: Request, logits: torch.Tensor) -> list[tuple[Request, str]]:

@@ -209,6 +209,7 @@ def _bodies():
         n: int = Field(1, ge=1, le=64)
         stream: bool = False
         stream_options: dict | None = None
+        ignore_eos: bool = False  # vLLM's: decode to max_tokens (benchmarks)
 
     class CompletionBody(Common):
         prompt: str | list[str] | list[int] | list[list[int]]
@@ -294,8 +295,9 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
     def sampling_of(body, max_tokens: int, seed: int) -> Sampling:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
-            return Sampling(max(max_tokens, 1), body.temperature, max(body.top_k, 0) or None,
-                            None if body.top_p == 1 else body.top_p, seed, tuple(stop))  # fmt: skip
+            top_p = None if body.top_p == 1 else body.top_p
+            return Sampling(max(max_tokens, 1), body.temperature, max(body.top_k, 0) or None, top_p, seed,
+                            tuple(stop), body.ignore_eos)  # fmt: skip
         except EmberError as e:
             raise ApiError(400, str(e).replace("--", "").replace("-", "_")) from None
 
@@ -377,6 +379,8 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
             "ember_generation_tokens_total": ("counter", s.tokens_generated),
             "ember_preemptions_total": ("counter", s.preemptions),
             "ember_prefix_cache_hit_rate": ("gauge", round(s.blocks.hits / max(s.blocks.lookups, 1), 4)),
+            "ember_kv_slots_used_total": ("counter", s.slots_used),
+            "ember_kv_slots_held_total": ("counter", s.slots_held),
             "ember_engine_errors_total": ("counter", loop.errors),
         }
         text = "".join(f"# TYPE {k} {kind}\n{k} {v}\n" for k, (kind, v) in lines.items())

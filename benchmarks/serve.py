@@ -1,0 +1,191 @@
+"""Serving under load: `ember serve` at 1, 4, 16 and 64 concurrent clients against the same
+requests run one after another through the batch-1 engine and through transformers' generate.
+
+    .venv/bin/python benchmarks/serve.py --run runs/cpu-quick-600 [--requests 64] [--clients 1 4 16 64]
+                                         [--seed 0] [serve.max_seqs=64 ...]
+
+The workload is seeded: N requests whose prompt and output lengths are drawn from log-normal
+distributions (long-tailed: medians 24 and 32 tokens, clipped to 1-160 and 1-96 so that each
+fits the model's context), prompts of random ordinary token ids sent as ids, greedy, and
+``ignore_eos`` so every request makes exactly its output length on every system. The server
+is a separate process (``python -m ember serve RUN``); the clients are asyncio tasks with
+httpx, each streaming its request and starting the next when done, so at most C are in flight.
+
+Definitions as vLLM's benchmark_serving: TTFT, time from sending a request to its first
+streamed token; TPOT, (latency - TTFT) / (output tokens - 1) per request; ITL, the gaps between
+a request's streamed chunks; request and output-token throughput over the level's wall time.
+After each level the server's /metrics must show no sequence running and no KV block in use
+(no leak). "KV used" is the share of the slots of the blocks that running sequences held,
+averaged over engine steps, that held a token's keys: 1 - the waste of partly filled blocks.
+
+On a 2-core CPU the clients share the cores with the server; the figures include that cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from printing import cpu_model, print_table
+
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
+from ember.model.hf import to_hf
+
+
+def workload(n: int, seed: int, vocab: tuple[int, int]) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        p = min(160, max(1, round(rng.lognormvariate(3.2, 0.8))))  # median e^3.2 = 24
+        o = min(96, max(1, round(rng.lognormvariate(3.5, 0.7))))  # median 33
+        out.append(([rng.randrange(*vocab) for _ in range(p)], o))
+    return out
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if not ln.startswith("#"))}
+
+
+async def one(client: httpx.AsyncClient, url: str, name: str, prompt: list[int], n_out: int) -> dict:
+    body = {"model": name, "prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    start, chunks, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return {"status": r.status_code}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if '"usage"' in line and '"choices": []' in line:
+                tokens = int(line.split('"completion_tokens": ')[1].split(",")[0])
+            else:
+                chunks.append(time.perf_counter())
+    end = time.perf_counter()
+    ttft = chunks[0] - start if chunks else end - start
+    return {"status": 200, "ttft": ttft, "latency": end - start, "tokens": tokens,
+            "tpot": (end - start - ttft) / (tokens - 1) if tokens > 1 else None,
+            "itl": [b - a for a, b in zip(chunks, chunks[1:], strict=False)]}  # fmt: skip
+
+
+async def level(url: str, name: str, requests, clients: int) -> tuple[list[dict], float]:
+    queue = list(enumerate(requests))
+    results: list[dict] = [{}] * len(requests)
+
+    async def worker(client):
+        while queue:
+            i, (prompt, n_out) = queue.pop(0)
+            results[i] = await one(client, url, name, prompt, n_out)
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        return results, time.perf_counter() - start
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="the run directory to serve")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate")
+    parser.add_argument("serve", nargs="*", metavar="serve.key=value", help="server settings")
+    args = parser.parse_args()
+    name, url = Path(args.run).resolve().name, f"http://127.0.0.1:{args.port}"
+    engine = Engine.from_run(args.run)
+    requests = workload(args.requests, args.seed, (16, engine.n_valid))
+    out_tokens = sum(o for _, o in requests)
+    print(f"{args.run}: {engine.model.num_params() / 1e6:.2f}M parameters; {cpu_model()}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")  # fmt: skip
+    plen, olen = [len(p) for p, _ in requests], [o for _, o in requests]
+    print(f"{len(requests)} requests: prompts {statistics.median(plen):.0f} tokens median (max {max(plen)}), "
+          f"outputs {statistics.median(olen):.0f} median (max {max(olen)}), {out_tokens:,} output tokens")  # fmt: skip # noqa: E501
+
+    server = subprocess.Popen([sys.executable, "-m", "ember", "serve", args.run, "--port", str(args.port), *args.serve])  # fmt: skip # noqa: E501
+    rows, tok_s = [], {}
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        asyncio.run(level(url, name, requests[:4], 4))  # warm-up
+        for clients in args.clients:
+            before = metrics(url)
+            results, wall = asyncio.run(level(url, name, requests, clients))
+            after = metrics(url)
+            ok = [r for r in results if r["status"] == 200]
+            errors = {r["status"] for r in results if r["status"] != 200}
+            assert errors <= {429}, f"errors other than 429 at {clients} clients: {errors}"
+            assert after["ember_requests_running"] == 0 and after["ember_kv_blocks_in_use"] == 0, (
+                "leaked blocks"
+            )
+            assert sum(r["tokens"] for r in ok) == sum(o for (_, o), r in zip(requests, results, strict=True) if r["status"] == 200)  # fmt: skip # noqa: E501
+            used = after["ember_kv_slots_used_total"] - before["ember_kv_slots_used_total"]
+            held = after["ember_kv_slots_held_total"] - before["ember_kv_slots_held_total"]
+            ttft = [r["ttft"] * 1e3 for r in ok]
+            tpot = [r["tpot"] * 1e3 for r in ok if r["tpot"] is not None]
+            itl = [x * 1e3 for r in ok for x in r["itl"]]
+            tok_s[clients] = sum(r["tokens"] for r in ok) / wall
+            rows.append([f"ember serve, {clients} clients",
+                         f"{statistics.median(ttft):.0f} / {pct(ttft, 0.99):.0f}", f"{statistics.mean(tpot):.1f}",  # noqa: E501
+                         f"{statistics.median(itl):.1f} / {pct(itl, 0.99):.1f}", f"{len(ok) / wall:.2f}",
+                         f"{tok_s[clients]:,.0f}", f"{len(results) - len(ok)}", f"{used / max(held, 1):.1%}"])  # fmt: skip # noqa: E501
+    finally:
+        server.terminate()
+        server.wait(30)
+
+    def sequential(generate) -> float:
+        start = time.perf_counter()
+        for prompt, n_out in requests:
+            generate(prompt, n_out)
+        return out_tokens / (time.perf_counter() - start)
+
+    def ours(prompt, n_out):
+        [c] = engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
+        assert len(c.token_ids) == n_out
+
+    with torch.inference_mode():
+        seq = sequential(ours)
+        per_s = len(requests) / out_tokens  # requests/s per output token/s
+        rows.append(
+            ["batch-1 engine, one after another", "", "", "", f"{seq * per_s:.2f}", f"{seq:,.0f}", "0", ""]
+        )
+        if not args.skip_hf:
+            hf = to_hf(engine.model).eval()
+
+            def theirs(prompt, n_out):
+                ids = torch.tensor([prompt])
+                hf.generate(ids, do_sample=False, max_new_tokens=n_out, min_new_tokens=n_out, pad_token_id=0)
+
+            h = sequential(theirs)
+            rows.append(
+                ["HF generate, one after another", "", "", "", f"{h * per_s:.2f}", f"{h:,.0f}", "0", ""]
+            )
+    print_table(["system", "TTFT ms p50 / p99", "TPOT ms", "ITL ms p50 / p99", "req/s", "output tok/s",
+                 "errors (429)", "KV used"], rows)  # fmt: skip
+    for clients, t in tok_s.items():
+        print(f"{clients} clients: {t / seq:.2f}x the sequential engine's output tokens/s")
+
+
+if __name__ == "__main__":
+    main()
