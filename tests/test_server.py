@@ -207,3 +207,72 @@ def test_dropped_stream_frees_its_blocks_and_the_queue_is_bounded(engine):
     finally:
         srv.should_exit = True
         thread.join(10)
+
+
+LM_EVAL_TASKS = {
+    "mc": """task: ember_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+""",
+    "gen": """task: ember_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/gen.jsonl
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: answer
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""",
+}
+
+
+def test_lm_evaluation_harness_against_the_server(server, engine, tmp_path, monkeypatch):
+    """lm-eval's `local-completions` model (its remote tokenizer reads /tokenize) runs a
+    loglikelihood task and a generation task from local files: each loglikelihood equals the
+    model's own summed log-probabilities of the continuation, each generation the engine's."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    mc = [("The quick brown", [" fox", " dog", " cat"], 0), ("def main", ["():", " x"], 1)]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in mc))  # fmt: skip # noqa: E501
+    gen = ["The quick", "def main"]
+    (tmp_path / "gen.jsonl").write_text(
+        "".join(json.dumps({"question": q, "answer": "x"}) + "\n" for q in gen)
+    )  # noqa: E501
+    for name, text in LM_EVAL_TASKS.items():
+        (tmp_path / f"{name}.yaml").write_text(text.format(dir=tmp_path))
+    args = f"model=tiny,base_url={server}/v1/completions,tokenizer_backend=remote,num_concurrent=1"
+    tasks = TaskManager(include_path=str(tmp_path))
+    out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["ember_mc", "ember_gen"],
+                                  task_manager=tasks, log_samples=True)  # fmt: skip
+    tok, checked = engine.tokenizer, 0
+    for sample in out["samples"]["ember_mc"]:
+        for (context, continuation), [(loglik, _)] in zip(sample["arguments"], sample["resps"], strict=True):
+            whole, ctx = tok.encode(context + continuation), tok.encode(context)  # as lm-eval splits a pair
+            with torch.inference_mode():
+                logp = engine.model(torch.tensor([whole]))[0, :-1, : engine.n_valid].log_softmax(-1)
+            mine = logp[torch.arange(len(ctx) - 1, len(whole) - 1), torch.tensor(whole[len(ctx) :])].sum()
+            assert loglik == pytest.approx(mine.item(), abs=1e-4)
+            checked += 1
+    assert checked == 5
+    for sample in out["samples"]["ember_gen"]:
+        [alone] = engine.generate([sample["arguments"][0][0]], Sampling(8, temperature=0, stop=("\n",)))
+        assert sample["resps"][0][0] == alone.text

@@ -358,6 +358,30 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
 
+    # vLLM's tokenizer endpoints: lm-evaluation-harness's `tokenizer_backend=remote` reads them
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = engine.tokenizer
+        name_of = tok.hf.id_to_token
+        eos, bos = name_of(tok.eos_id), name_of(tok.bos_id)
+        return {"eos_token": eos, "bos_token": bos, "eos_token_id": tok.eos_id, "model_max_length": max_len,
+                "vocab_size": engine.n_valid}  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict):
+        if not isinstance(body.get("prompt"), str):
+            raise ApiError(400, "prompt must be a string", param="prompt")
+        tokens = engine.tokenizer.encode(body["prompt"])
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: dict):
+        tokens = body.get("tokens")
+        ok = isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < engine.n_valid for t in tokens)
+        if not ok:
+            raise ApiError(400, f"tokens must be a list of ids in [0, {engine.n_valid})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(tokens)}
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
