@@ -102,8 +102,10 @@ def test_cancel_frees_blocks_and_bad_requests_are_clear(engine):
     assert a[0].state == "running" and s.blocks.in_use > 0
     s.cancel(a[0]), s.cancel(b[0])
     assert s.idle and s.blocks.num_free == 30 and a[0].completion().finish_reason == "cancelled"
-    with pytest.raises(EmberError, match="needs 14 KV blocks of 16 tokens; the pool has 10"):
+    with pytest.raises(EmberError, match="need 14 KV blocks of 16 tokens; the pool has 10"):
         Scheduler(engine, num_blocks=10).add(list(range(3, 203)), Sampling(20))
+    with pytest.raises(EmberError, match="3 answer.*need 12 KV blocks"):
+        Scheduler(engine, num_blocks=10).add(list(range(3, 53)), Sampling(14), n=3)
     with pytest.raises(EmberError, match="max_seq_len"):
         s.add(list(range(3, 310)), Sampling(20))
     with pytest.raises(EmberError, match="empty"):

@@ -4,6 +4,7 @@ its blocks, the queue limit, and /metrics."""
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import threading
@@ -28,7 +29,7 @@ KEY = "sekrit"
 def start(engine: Engine, **serve) -> tuple[str, object, object]:
     from ember.infer.server import create_app
 
-    app = create_app(engine, "tiny", ServeConfig(kv_memory=2**22, **serve), api_key=KEY)
+    app = create_app(engine, "tiny", ServeConfig(**{"kv_memory": 2**22, **serve}), api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -276,3 +277,39 @@ def test_lm_evaluation_harness_against_the_server(server, engine, tmp_path, monk
     for sample in out["samples"]["ember_gen"]:
         [alone] = engine.generate([sample["arguments"][0][0]], Sampling(8, temperature=0, stop=("\n",)))
         assert sample["resps"][0][0] == alone.text
+
+
+def test_faults_leave_the_server_serving(engine):
+    """Special-token prompts, n × max_tokens beyond the pool, and a client that opens many
+    streams and vanishes: each gets its status or is cleaned up, and the next request is served."""
+    slow = Engine(Slow(engine.model), engine.tokenizer)
+    url, srv, thread = start(slow, max_seqs=4, kv_memory=2**19)  # 64 blocks of 16 tokens, 8 KiB each
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "prompt": "The quick", "max_tokens": 60, "temperature": 0}
+    try:
+        post = functools.partial(httpx.post, f"{url}/v1/completions", headers=auth, timeout=30)
+        r = post(json={**body, "prompt": [1, 5, 1], "max_tokens": 3})  # <|eos|> <|user|> <|eos|>
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+        r = post(json={**body, "max_tokens": 100, "n": 16})  # 16 × 7 blocks > 64
+        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+        with httpx.Client(timeout=30) as client:
+            streamed = {**body, "stream": True}
+            streams = [
+                client.stream("POST", f"{url}/v1/completions", json=streamed, headers=auth) for _ in range(6)
+            ]
+            for s in streams:
+                response = s.__enter__()
+                assert response.status_code == 200
+            client.close()  # every connection dropped mid-stream
+        for _ in range(200):
+            m = metrics(url)
+            if m["ember_requests_running"] + m["ember_requests_waiting"] + m["ember_kv_blocks_in_use"] == 0:
+                break
+            time.sleep(0.05)
+        assert m["ember_requests_running"] + m["ember_requests_waiting"] + m["ember_kv_blocks_in_use"] == 0
+        assert m["ember_generation_tokens_total"] < 6 * 60  # cancelled, not run to the end
+        r = post(json={**body, "max_tokens": 5})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        srv.should_exit = True
+        thread.join(10)

@@ -114,12 +114,12 @@ class Scheduler:
         sampling.check_seed(n)
         [(ids, _)] = self.engine._encode([prompt], sampling.max_new_tokens, truncate=False)
         bs = self.blocks.block_size
-        need = -(-(len(ids) + sampling.max_new_tokens) // bs)  # blocks one answer may come to hold
+        need = -(-(len(ids) + sampling.max_new_tokens) // bs) * n  # blocks its answers may come to hold
         if need > self.blocks.num_blocks:
             raise EmberError(
-                f"a prompt of {len(ids)} tokens with max_tokens {sampling.max_new_tokens} needs {need} KV "
-                f"blocks of {bs} tokens; the pool has {self.blocks.num_blocks}: lower max_tokens or raise "
-                "serve.kv_memory"
+                f"{n} answer(s) to a prompt of {len(ids)} tokens with max_tokens {sampling.max_new_tokens} "
+                f"need {need} KV blocks of {bs} tokens; the pool has {self.blocks.num_blocks}: lower n or "
+                "max_tokens, or raise serve.kv_memory"
             )
         requests = []
         for i in range(n):
