@@ -397,7 +397,7 @@ def test_config_keys_cover_every_leaf() -> None:
     names = [k for k, _, _, _ in keys]
     expected = [
         f"{section}.{f.name}"
-        for section in ("run", "data", "model", "train", "sft", "dpo", "grpo", "parallel")
+        for section in ("run", "data", "model", "train", "sft", "dpo", "grpo", "parallel", "serve")
         for f in dataclasses.fields(getattr(Config(), section))
     ]
     assert names == expected
