@@ -462,6 +462,9 @@ class ServeConfig(_Section, key="serve"):
     max_waiting: int = opt(256, "requests allowed to wait; more get HTTP 429", ge=1)
     prefix_caching: bool = opt(True, "share the KV blocks of common prompt prefixes between requests")
     device: str = opt("cpu", "where the model runs (cpu, cuda, cuda:1, ...)")
+    threads: int = opt(
+        0, "torch threads of the engine on a CPU; 0 = every core but one, which the HTTP loop needs", ge=0
+    )
 
 
 @dataclass

@@ -290,8 +290,9 @@ def test_faults_leave_the_server_serving(engine):
         post = functools.partial(httpx.post, f"{url}/v1/completions", headers=auth, timeout=30)
         r = post(json={**body, "prompt": [1, 5, 1], "max_tokens": 3})  # <|eos|> <|user|> <|eos|>
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
-        r = post(json={**body, "max_tokens": 100, "n": 16})  # 16 × 7 blocks > 64
-        assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
+        for stream in (False, True):  # a stream fails before it starts
+            r = post(json={**body, "max_tokens": 100, "n": 16, "stream": stream})  # 16 × 7 blocks > 64
+            assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"]
         with httpx.Client(timeout=30) as client:
             streamed = {**body, "stream": True}
             streams = [
