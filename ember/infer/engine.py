@@ -180,15 +180,26 @@ def sample_next(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
 ) -> Tensor:
     """logits (B, V) -> next ids (B,): argmax when ``temperature == 0``, else a draw from
-    softmax(filter_logits(logits / temperature)) using ``generator``. Arguments as checked by
-    ``Sampling``."""
+    softmax(filter_logits(logits / temperature)) using ``generator``, or one generator per row
+    (a list), so that a row draws the same id alone or in any batch. Arguments as checked by
+    ``Sampling``.
+
+    The draw is by inverse CDF: one uniform ``u`` per row, and the first id whose cumulative
+    probability exceeds ``u`` times the row's total. One batched search instead of a
+    ``torch.multinomial`` per row, which was 55% of a 256-row GRPO rollout on the 2-core CPU."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = filter_logits(logits.float() / temperature, top_k, top_p).softmax(dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    if isinstance(generator, Sequence):
+        u = torch.cat([torch.rand(1, generator=g, device=probs.device) for g in generator])  # (B,)
+    else:
+        u = torch.rand(probs.size(0), generator=generator, device=probs.device)
+    cdf = probs.cumsum(dim=-1)  # (B, V)
+    target = u[:, None] * cdf[:, -1:]  # below the total: some id's cdf exceeds it
+    return (cdf <= target).sum(dim=-1).clamp(max=probs.size(-1) - 1)  # zero-probability ids are never drawn
 
 
 # ---------------------------------------------------------------------------
@@ -227,11 +238,22 @@ class _Row:
             self.text, self.ids, self.finish_reason, len(self.prompt), self.dropped, self.end_id
         )
 
-    def push(self, token: int, tokenizer: Tokenizer, ends: set[int], stop: Sequence[str], max_new: int) -> str:  # fmt: skip # noqa: E501
+    def push(self, token: int, tokenizer: Tokenizer, ends: set[int], stop: Sequence[str], max_new: int, lazy: bool = False) -> str:  # fmt: skip # noqa: E501
         """Take the next sampled id; return the text it releases ("" when none yet, or the row
-        has already ended), setting ``finish_reason`` when the row ends."""
+        has already ended), setting ``finish_reason`` when the row ends. ``lazy`` (no stop
+        strings, nobody streaming): decode once, when the row ends, not at every token."""
         if self.finish_reason is not None:
             return ""
+        if lazy and not stop:
+            if token in ends:
+                self.finish_reason, self.end_id = "eos", token
+            else:
+                self.ids.append(token)
+                self.finish_reason = "length" if len(self.ids) == max_new else None
+            if self.finish_reason is None:
+                return ""
+            self.text = tokenizer.decode(self.ids)
+            return self.text
         if token in ends:
             self.finish_reason, self.end_id = "eos", token
             full = tokenizer.decode(self.ids)
@@ -284,15 +306,7 @@ class _Stream:
                 model.train()
         if self.engine.n_valid < logits.size(-1):  # ids beyond the tokenizer's vocabulary
             logits[:, self.engine.n_valid :] = float("-inf")
-        if temperature == 0:
-            next_ids = logits.argmax(dim=-1)
-        else:
-            next_ids = torch.cat(
-                [
-                    sample_next(logits[i : i + 1], temperature, top_k, top_p, r.generator)
-                    for i, r in enumerate(self.rows)
-                ]
-            )
+        next_ids = sample_next(logits, temperature, top_k, top_p, [r.generator for r in self.rows])
         self.next_input = next_ids[:, None]  # (B, 1)
         return next_ids.tolist()
 
@@ -401,7 +415,7 @@ class Engine:
     # -- generation -------------------------------------------------------
 
     def _start(
-        self, prompts: Sequence[str], sampling: Sampling, truncate: bool
+        self, prompts: Sequence[str], sampling: Sampling, truncate: bool, lazy: bool = False
     ) -> tuple[list[_Row], Iterator[tuple[int, str]]]:
         """Check the seeds, encode the prompts, set up the rows and their stream; returns the
         rows and the (not yet started) iterator of their text pieces."""
@@ -413,7 +427,7 @@ class Engine:
                 generator = torch.Generator(device=self.device).manual_seed(sampling.seed + i)
             rows.append(_Row(i, ids, dropped, generator))
         stream, s = _Stream(self, rows, sampling.max_new_tokens), sampling
-        pieces = self._decode(stream, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.stop, s.ignore_eos)
+        pieces = self._decode(stream, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.stop, s.ignore_eos, lazy)  # fmt: skip # noqa: E501
         return rows, pieces
 
     def _decode(
@@ -425,12 +439,13 @@ class Engine:
         top_p: float | None,
         stop: list[str],
         ignore_eos: bool,
+        lazy: bool = False,
     ) -> Iterator[tuple[int, str]]:
         """Step the stream; yield (row, text piece) whenever a row's text grows."""
         ends = self.ends(ignore_eos)
         while not stream.done:
             for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
-                if piece := row.push(token, self.tokenizer, ends, stop, max_new_tokens):
+                if piece := row.push(token, self.tokenizer, ends, stop, max_new_tokens, lazy):
                     yield row.row, piece
 
     def ends(self, ignore_eos: bool = False) -> set[int]:
@@ -452,7 +467,7 @@ class Engine:
         ``<|end_turn|>`` or at a ``stop`` string (excluded from the text); row i samples with
         seed + i. A prompt that does not fit with ``max_new_tokens`` raises unless ``truncate``,
         which keeps its last tokens."""
-        rows, pieces = self._start(prompts, sampling or Sampling(), truncate)
+        rows, pieces = self._start(prompts, sampling or Sampling(), truncate, lazy=True)  # text at the end
         for _ in pieces:
             pass
         return [row.completion() for row in rows]
