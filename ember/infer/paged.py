@@ -23,13 +23,14 @@ sequence lives in slot ``table[p // block_size] * block_size + p % block_size``.
 **Attention: a gather, on every device.** ``plan`` packs the step's tokens (a prompt chunk for
 some sequences, one token for others) into one row of N tokens, so the model runs one forward
 over them whatever their lengths. Each layer writes the N new keys and values into their
-slots, then, sequence by sequence, gathers that sequence's slots (``index_select``) and runs
-SDPA of its queries over them, bottom-right causal. The gather copies a sequence's keys once
-per layer and step; a paged kernel (vLLM's, FlexAttention with a block mask) would read the
-blocks in place. ember gathers because it is plain PyTorch that runs the same on the 2-core
-CPU, where the copy is small against the matmuls, and on a GPU it is the readable baseline a
-kernel must be tested against. The per-sequence loop is the cost of readability: fine for the
-tens of sequences a CPU serves.
+slots, then gathers each sequence's slots (``index_select``) and runs SDPA of its queries over
+them: a prompt chunk alone, bottom-right causal; the sequences fed one token (decoding) all
+together, their keys gathered into one padded batch with a mask over the padding, so a step of
+many decoding sequences costs one SDPA per layer, not one per sequence. The gather copies a
+sequence's keys once per layer and step; a paged kernel (vLLM's, FlexAttention with a block
+mask) would read the blocks in place. ember gathers because it is plain PyTorch that runs the
+same on the 2-core CPU, where the copy is small against the matmuls, and on a GPU it is the
+readable baseline a kernel must be tested against.
 
 **Block manager.** A free list, a reference count per block, and a prefix cache. A block's
 reference count is the number of sequences whose table holds it; it returns to the free
@@ -219,6 +220,7 @@ class PagedKVCache:
         """The next forward feeds, for each ``(seq, n)``, ``seq.tokens[seq.computed : +n]``, in
         this order, as one row. Blocks must be reserved (``BlockManager.reserve``)."""
         bs, slots, positions, self.spans, offset = self.blocks.block_size, [], [], [], 0
+        decoding: list[tuple[int, Tensor]] = []  # (offset, slots) of sequences fed one token
         for seq, n in work:
             assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
             pos = torch.arange(seq.computed + n)
@@ -226,10 +228,22 @@ class PagedKVCache:
             seq_slots = table[pos // bs] * bs + pos % bs  # every slot it reads
             slots.append(seq_slots[seq.computed :])
             positions.append(pos[seq.computed :])
-            self.spans.append((offset, n, seq_slots.to(self.device)))
+            if n == 1:
+                decoding.append((offset, seq_slots))
+            else:
+                self.spans.append((offset, n, seq_slots.to(self.device)))
             offset += n
         self.slots = torch.cat(slots).to(self.device)  # (N,) where the new keys go
         self.positions = torch.cat(positions).to(self.device)[None]  # (1, N)
+        self.decode = None
+        if decoding:  # one query each: one SDPA over their gathered keys, padded to the longest
+            longest = max(len(s) for _, s in decoding)
+            padded = torch.zeros(len(decoding), longest, dtype=torch.long)
+            held = torch.zeros(len(decoding), 1, 1, longest, dtype=torch.bool)
+            for i, (_, s) in enumerate(decoding):
+                padded[i, : len(s)], held[i, ..., : len(s)] = s, True
+            at = torch.tensor([o for o, _ in decoding])
+            self.decode = (at.to(self.device), padded.view(-1).to(self.device), held.to(self.device), longest)
 
     def extend(self, T: int) -> Tensor:
         assert T == self.slots.numel(), f"planned {self.slots.numel()} tokens, fed {T}"
@@ -248,9 +262,16 @@ class PagedKVCache:
         keys, values = self.k[layer], self.v[layer]
         keys.index_copy_(0, self.slots, k[0].transpose(0, 1))  # (N, n_kv_head, hd) into their slots
         values.index_copy_(0, self.slots, v[0].transpose(0, 1))
-        out = []
-        for offset, n, seq_slots in self.spans:
+        out = torch.empty_like(q)  # (1, n_head, N, hd)
+        for offset, n, seq_slots in self.spans:  # prompt chunks, one by one, causal
             kk = keys.index_select(0, seq_slots).transpose(0, 1)[None]  # (1, n_kv_head, L, hd)
             vv = values.index_select(0, seq_slots).transpose(0, 1)[None]
-            out.append(sdpa_attention(q[:, :, offset : offset + n], kk, vv, 0.0))
-        return torch.cat(out, dim=2)  # (1, n_head, N, hd)
+            out[:, :, offset : offset + n] = sdpa_attention(q[:, :, offset : offset + n], kk, vv, 0.0)
+        if self.decode is not None:
+            at, slots, held, longest = self.decode
+            D = at.numel()
+            kk = keys.index_select(0, slots).view(D, longest, *keys.shape[1:]).transpose(1, 2)  # D, kv, L, d
+            vv = values.index_select(0, slots).view(D, longest, *values.shape[1:]).transpose(1, 2)
+            qq = q[0, :, at].transpose(0, 1)[:, :, None]  # (D, n_head, 1, hd)
+            out[0, :, at] = sdpa_attention(qq, kk, vv, 0.0, held)[:, :, 0].transpose(0, 1)
+        return out
