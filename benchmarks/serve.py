@@ -169,7 +169,7 @@ def main() -> None:
         [c] = engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
         assert len(c.token_ids) == n_out
 
-    torch.set_num_threads(args.threads)  # 1: the batch-1 engine's fastest on 2 cores (908 vs 868 tok/s)
+    torch.set_num_threads(args.threads)  # on 2 cores the batch-1 engine is no faster with 2 (RESULTS.md)
     with torch.inference_mode():
         seq = sequential(ours)
         per_s = len(requests) / out_tokens  # requests/s per output token/s

@@ -453,7 +453,7 @@ class ParallelConfig(_Section, key="parallel"):
 class ServeConfig(_Section, key="serve"):
     """`ember serve RUN`: the paged KV cache and the continuous-batching scheduler."""
 
-    block_size: int = opt(16, "tokens per KV-cache block", ge=1)
+    block_size: int = opt(8, "tokens per KV-cache block (8: half the waste of 16, no slower on CPU)", ge=1)
     kv_memory: float = opt(
         268435456, "KV-cache pool: bytes (> 1), or a fraction of the memory free at start (<= 1)", gt=0
     )

@@ -283,7 +283,7 @@ def test_faults_leave_the_server_serving(engine):
     """Special-token prompts, n × max_tokens beyond the pool, and a client that opens many
     streams and vanishes: each gets its status or is cleaned up, and the next request is served."""
     slow = Engine(Slow(engine.model), engine.tokenizer)
-    url, srv, thread = start(slow, max_seqs=4, kv_memory=2**19)  # 64 blocks of 16 tokens, 8 KiB each
+    url, srv, thread = start(slow, max_seqs=4, kv_memory=2**19, block_size=16)  # 64 blocks of 16 tokens, 8 KiB each  # fmt: skip # noqa: E501
     auth = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "tiny", "prompt": "The quick", "max_tokens": 60, "temperature": 0}
     try:

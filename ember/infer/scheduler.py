@@ -216,7 +216,7 @@ class Scheduler:
         logits = logits.float()  # (len(work), V)
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
-        events = []
+        answers = []  # (request, its logits) of every sequence that samples a token now
         for (request, n), row_logits in zip(work, logits, strict=True):
             seq = request.seq
             self.blocks.commit(seq, n)
@@ -225,18 +225,36 @@ class Scheduler:
             for fork in request.forks:  # n answers: the others share the prompt's blocks from here
                 fork.seq, fork.state = self.blocks.fork(seq), "running"
                 self.running.append(fork)
-            for answer in [request, *request.forks]:
-                events += self._sample(answer, row_logits)
+            answers += [(answer, row_logits) for answer in [request, *request.forks]]
             request.forks = []
+        events = []
+        for (request, row_logits), token in zip(answers, self._draw(answers), strict=True):
+            events += self._take(request, row_logits, token)
         for request in self.running:  # KV memory written by tokens, against the blocks the sequences hold
             self.slots_used += request.seq.computed
             self.slots_held += len(request.seq.table) * self.blocks.block_size
         return events
 
-    def _sample(self, request: Request, logits: torch.Tensor) -> list[tuple[Request, str]]:
-        """Sample ``request``'s next token from its logits (V,); its text event, if any."""
+    @staticmethod
+    def _draw(answers: list[tuple[Request, torch.Tensor]]) -> list[int]:
+        """Each sequence's next token: one ``sample_next`` per group of equal sampling settings,
+        each row with its own generator, so that a token does not depend on who else runs."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (request, _) in enumerate(answers):
+            s = request.sampling
+            groups.setdefault((s.temperature, s.top_k or None, s.top_p), []).append(i)
+        tokens = [0] * len(answers)
+        for (temperature, top_k, top_p), members in groups.items():
+            logits = torch.stack([answers[i][1] for i in members])
+            generators = [answers[i][0].row.generator for i in members]
+            drawn = sample_next(logits, temperature, top_k, top_p, generators).tolist()
+            for i, token in zip(members, drawn, strict=True):
+                tokens[i] = token
+        return tokens
+
+    def _take(self, request: Request, logits: torch.Tensor, token: int) -> list[tuple[Request, str]]:
+        """Append ``token``, drawn from ``request``'s logits (V,); its text event, if any."""
         s, row = request.sampling, request.row
-        token = int(sample_next(logits[None], s.temperature, s.top_k or None, s.top_p, row.generator))
         if request.logprobs_top is not None:  # the model's distribution, before temperature and filters
             logp = logits.log_softmax(-1)
             top = logp.topk(request.logprobs_top) if request.logprobs_top else None
