@@ -80,6 +80,47 @@ def cmd_data_stats(args) -> int:
     return 0
 
 
+def _bytes(text: str) -> int:
+    """'64K', '256M', '1G' or a plain number of bytes (powers of 1024)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 256M)") from None
+
+
+def cmd_bench_comm(args) -> int:
+    import os
+    import subprocess
+
+    from ember.parallel.comm import run
+
+    if args.min_bytes > args.max_bytes:
+        raise EmberError(f"--min-bytes {args.min_bytes:,} is above --max-bytes {args.max_bytes:,}")
+    if "LOCAL_RANK" in os.environ:  # a rank, under torchrun
+        run(args.min_bytes, args.max_bytes, Path(args.out) if args.out else None, args.seconds)
+        return 0
+    if args.nproc < 2:
+        raise EmberError(f"ember bench comm needs at least 2 ranks to talk; got --nproc {args.nproc}")
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.nproc:
+            raise EmberError(f"--nproc {args.nproc} with NCCL needs {args.nproc} GPUs; {torch.cuda.device_count()} visible")  # fmt: skip # noqa: E501
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "ember", "bench", "comm", f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}",
+           f"--seconds={args.seconds}", *([f"--out={args.out}"] if args.out else [])]  # fmt: skip
+    env = {**os.environ, "EMBER_COMM_DEVICE": device}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(cmd, env=env)
+
+
 def cmd_train(args) -> int:
     import os
     import subprocess
@@ -722,6 +763,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. data.)")
     p.set_defaults(func=cmd_config_keys)
+
+    bench = verbs.add_parser(
+        "bench", help="measure the machine: collectives between ranks", description="Measure the machine."
+    )
+    bench_verbs = bench.add_subparsers(dest="bench_verb", metavar="WHAT", required=True)
+    p = bench_verbs.add_parser(
+        "comm",
+        help="all-reduce, all-gather, reduce-scatter, all-to-all, send/recv: time and bandwidth by size",
+        description="Launch N ranks (gloo on CPU, NCCL on GPU) and time each collective over message "
+        "sizes growing 4x from --min-bytes to --max-bytes; print time per call (slowest rank), "
+        "algorithm bandwidth (bytes / time) and bus bandwidth (nccl-tests' definition: algbw × 2(n-1)/n "
+        "for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for send/recv), and "
+        "the count of wrong elements (each result is checked). --out DIR writes comm.json and comm.png.",
+        epilog="example: ember bench comm --nproc 4 --max-bytes 64M --out runs/comm",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cpu: gloo, cuda: NCCL")
+    p.add_argument("--min-bytes", type=_bytes, default=2**10, help="smallest message (default 1K)")
+    p.add_argument("--max-bytes", type=_bytes, default=2**28, help="largest message (default 256M)")
+    p.add_argument("--seconds", type=float, default=0.2, help="time spent per size, roughly (default 0.2)")
+    p.add_argument("--out", default=None, help="directory for comm.json and comm.png")
+    p.set_defaults(func=cmd_bench_comm)
 
     data = verbs.add_parser(
         "data",
