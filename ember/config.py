@@ -446,7 +446,9 @@ class ParallelConfig(_Section, key="parallel"):
 
     data: str = opt("ddp", "data parallelism across ranks: DDP or FSDP2", choices=("ddp", "fsdp"))
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
-    timeout_s: int = opt(600, "collective timeout in seconds", ge=1)
+    timeout_s: int = opt(
+        600, "every collective's limit in seconds; past it the rank stops and names the culprit", ge=1
+    )
 
 
 @dataclass

@@ -12,13 +12,18 @@ unset) and under ``torchrun``/``ember train --nproc N`` (gloo on CPU, nccl on CU
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 
 
 @dataclass
@@ -109,3 +114,135 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+
+
+# ---------------------------------------------------------------------------
+# Hangs that explain themselves
+# ---------------------------------------------------------------------------
+
+FAULT_ENV = "EMBER_FAULT"  # tests: "RANK:STEP:exit|sleep": that rank exits (code 1) or hangs at STEP
+_BEAT_S = 1.0  # a rank writes its heartbeat this often
+
+
+class Watchdog:
+    """Turns a collective that fails or times out (``parallel.timeout_s``, every collective's
+    limit) into an EmberError that says which rank is to blame and why.
+
+    Every rank publishes its host and pid in the launcher's key-value store (torchrun's agent
+    holds it, so it outlives any rank), and a heartbeat thread writes (time, step) every
+    second. The loop names what it is doing (``phase``). When a collective raises, the rank
+    reads the others' records: a rank on this host whose process is gone has exited; one not
+    heard from for several beats has died or lost its host; one still beating but at an
+    earlier step is behind; one beating at this step did not join the collective (stuck, or on
+    another code path). The error names this rank, the step, the phase and the verdict per rank,
+    so a hang ends in ``parallel.timeout_s`` with a reason instead of a stack of C++ frames;
+    torchrun then stops the remaining ranks."""
+
+    def __init__(self, env: DistEnv, timeout_s: float):
+        self.env, self.timeout_s, self.step, self.where = env, timeout_s, 0, "start-up"
+        self.store = None
+        self._stop = threading.Event()
+        if not env.distributed:
+            return
+        from torch.distributed import distributed_c10d
+
+        self.store = distributed_c10d._get_default_store()
+        self.store.set(f"ember/pid/{env.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._beat()
+        threading.Thread(target=self._beats, name="ember-heartbeat", daemon=True).start()
+        self.reported = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """torchrun stops every rank when one fails, often before the survivors' failed
+        collective has raised: say what this rank knows, then go."""
+        if self.reported:  # this rank's own error is on its way out: let it print
+            return
+        self.reported = True
+        others = [self._verdict(r, failed=False) for r in range(self.env.world_size) if r != self.env.rank]
+        print(f"ember: error: rank {self.env.rank}, step {self.step}: stopped by the launcher (SIGTERM) "
+              f"in {self.where}: " + "; ".join(others), file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(2)
+
+    def _beat(self) -> None:
+        self.store.set(f"ember/beat/{self.env.rank}", f"{time.time()} {self.step}")
+
+    def _beats(self) -> None:
+        while not self._stop.wait(_BEAT_S):
+            try:
+                self._beat()
+            except Exception:  # the store is gone: the job is ending
+                return
+
+    def at(self, step: int) -> None:
+        """Step ``step`` begins (and a test's injected fault, if it names this rank and step)."""
+        self.step, self.where = step, "the step's start (the clock all-reduce)"
+        if self.store is not None:
+            self._beat()  # (a store write: well under a millisecond against a step)
+        fault = os.environ.get(FAULT_ENV, "")
+        if fault and fault.split(":")[:2] == [str(self.env.rank), str(step)]:
+            print(f"ember: injected fault ({FAULT_ENV}={fault})", file=sys.stderr, flush=True)
+            if fault.endswith(":exit"):
+                os._exit(1)
+            time.sleep(10**6)
+
+    def phase(self, where: str) -> None:
+        self.where = where
+
+    def stop(self) -> None:
+        self._stop.set()
+        main = threading.current_thread() is threading.main_thread()
+        if self.store is not None and not self.reported and main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def explain(self, e: BaseException) -> EmberError | None:
+        """An EmberError for a failed collective, or None when ``e`` is something else."""
+        text = str(e)
+        comm = isinstance(e, dist.DistError) or any(
+            k in text for k in ("gloo", "NCCL", "Timed out", "timed out", "Connection", "connection")
+        )
+        if self.store is None or not isinstance(e, RuntimeError) or not comm:
+            return None
+        self.reported = True
+        verdicts = [self._verdict(r) for r in range(self.env.world_size) if r != self.env.rank]
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        first = first if len(first) <= 240 else first[:240] + "…"
+        return EmberError(
+            f"rank {self.env.rank}, step {self.step}: a collective in {self.where} failed "
+            f"(parallel.timeout_s={self.timeout_s:g}): {first}. " + "; ".join(verdicts) + ". "
+            "The other ranks are stopped; the culprit's own log says what it was doing"
+        )
+
+    def _verdict(self, rank: int, failed: bool = True) -> str:
+        try:
+            host, pid = self.store.get(f"ember/pid/{rank}").decode().split()
+            beat, step = self.store.get(f"ember/beat/{rank}").decode().split()
+        except Exception:
+            return f"rank {rank} never reported (it did not start, or the store is gone)"
+        age = time.time() - float(beat)
+        if host == socket.gethostname() and not _process_alive(int(pid)):
+            return f"rank {rank} has exited (pid {pid}, last at step {step})"
+        if age > 5 * _BEAT_S:
+            return f"rank {rank} has been silent for {age:.0f} s (last at step {step}): it died or its host is unreachable"  # fmt: skip # noqa: E501
+        if int(step) < self.step:
+            return f"rank {rank} is alive but behind, at step {step}"
+        if not failed:
+            return f"rank {rank} is alive at step {step}"
+        return f"rank {rank} is alive at step {step} but did not join the collective (stuck, or on another code path)"  # fmt: skip # noqa: E501
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not os.path.isdir("/proc")  # (with /proc, a missing entry means gone)

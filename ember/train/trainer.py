@@ -65,7 +65,7 @@ from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
 from ember.data.tokenizer import SPECIALS_FILE, Tokenizer, file_sha256
 from ember.errors import ConfigError, DataError, EmberError
 from ember.model.gpt import GPT, grow_vocab
-from ember.parallel.dist import all_reduce, barrier, destroy_distributed, init_distributed, print0
+from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
 from ember.train.checkpoint import (
     export_weights,
@@ -398,6 +398,7 @@ class Trainer:
         if not (t.max_steps or t.max_tokens or t.max_time):
             raise ConfigError("no training budget: set train.max_steps, train.max_tokens or train.max_time")
         self.env = env = init_distributed(cfg.parallel, t.device)
+        self.watch = Watchdog(env, cfg.parallel.timeout_s)  # a failed collective says who and why
         if t.precision != "fp32" and env.device.type == "cpu":
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
@@ -711,8 +712,10 @@ class Trainer:
         last = {}
         progress = self.progress(self.elapsed_before)
         batches = self.loader.iterate(self.step)  # background prefetch + pinned copies on CUDA
+        comm = {"ddp": "DDP's gradient all-reduce", "fsdp": "FSDP's all-gathers and reduce-scatters"}
         try:
             while progress < 1.0:
+                self.watch.at(self.step + 1)
                 t0 = time.perf_counter()
                 progress_after = self.progress(self._elapsed(start), steps_done=1)
                 lr = lr_at(self.step, progress_after, t)
@@ -720,6 +723,7 @@ class Trainer:
                     group["lr"] = lr_at(self.step, progress_after, t, peak=group["peak_lr"])
                 _, *batch = next(batches)  # (x, y), or (x, y, doc) for packed SFT
                 t1 = time.perf_counter()
+                self.watch.phase(f"the forward and backward ({comm[self.cfg.parallel.data]})")
                 loss, grad_norm, fwd_bwd_s = self.train_step(batch)
                 t3 = time.perf_counter()
                 self.step += 1
@@ -729,10 +733,18 @@ class Trainer:
                 last = self._log(bar, lr, loss, grad_norm, (t0, t1, t1 + fwd_bwd_s, t3), elapsed, progress)
                 final = progress >= 1.0
                 if (t.eval_every and self.step % t.eval_every == 0) or final:
+                    self.watch.phase("evaluation")
                     last.update(self._evaluate())
                 if (t.ckpt_every and self.step % t.ckpt_every == 0) or final:
+                    self.watch.phase("the checkpoint save")
                     self._checkpoint(elapsed)
+        except Exception as e:
+            explained = self.watch.explain(e)
+            if explained is None:
+                raise
+            raise explained from None
         finally:
+            self.watch.stop()
             bar.close()
             self.loader.close()
             self.metrics.close()
@@ -760,6 +772,7 @@ class Trainer:
                 if isinstance(value, torch.Tensor):
                     share = value.detach().float() / self.grad_accum
                     self.step_metrics[key] = self.step_metrics.get(key, 0) + share
+        self.watch.phase("the loss and metrics all-reduces")
         for value in self.step_metrics.values():
             all_reduce(value, "avg")
         fwd_bwd_s = time.perf_counter() - start
