@@ -129,8 +129,11 @@ def cmd_train(args) -> int:
     from ember.data.prepare import prepare
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
-    if "LOCAL_RANK" not in os.environ:  # once, before any rank starts: reuses prepared data
-        prepare(cfg, command=_command_line())
+    if "LOCAL_RANK" not in os.environ:
+        from ember.parallel.parallelize import check_layout
+
+        check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
+        prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         cmd = [
             sys.executable,

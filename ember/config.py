@@ -445,6 +445,9 @@ class ParallelConfig(_Section, key="parallel"):
     """How ranks share the work (launch with `ember train CONFIG --nproc N` or torchrun)."""
 
     data: str = opt("ddp", "data parallelism across ranks: DDP or FSDP2", choices=("ddp", "fsdp"))
+    tp: int = opt(
+        1, "tensor parallel: ranks that split each block's matrices (the rest is data parallel)", ge=1
+    )
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     timeout_s: int = opt(
         600, "every collective's limit in seconds; past it the rank stops and names the culprit", ge=1

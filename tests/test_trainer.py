@@ -236,7 +236,7 @@ def test_refuses_to_overwrite_an_existing_run(tiny_cfg):
 # ---------------------------------------------------------------- 2 processes (gloo)
 
 
-def _torchrun(tmp_path, name, *overrides, data_dir):
+def _torchrun(tmp_path, name, *overrides, data_dir, nproc=2):
     cmd = [
         sys.executable,
         "-m",
@@ -244,7 +244,7 @@ def _torchrun(tmp_path, name, *overrides, data_dir):
         "train",
         "tiny",
         "--nproc",
-        "2",
+        str(nproc),
         f"data.dir={data_dir}",
         "data.val_fraction=0.1",
         f"run.out_dir={tmp_path}",

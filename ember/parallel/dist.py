@@ -6,7 +6,8 @@
 
 Works unchanged as a single process (no process group is created when WORLD_SIZE is 1 or
 unset) and under ``torchrun``/``ember train --nproc N`` (gloo on CPU, nccl on CUDA). The
-1-D device mesh is what FSDP2 shards over; DDP uses the same group.
+device mesh is 1-D ("dp": what FSDP2 shards over; DDP uses the same group), or 2-D ("dp",
+"tp") with ``parallel.tp`` > 1; ``DistEnv.dp_rank``/``dp_size`` say which rows a rank reads.
 """
 
 from __future__ import annotations
@@ -32,7 +33,18 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: object | None = None  # torch.distributed.DeviceMesh when world_size > 1
+    mesh: object | None = None  # DeviceMesh when world_size > 1: 1-D ("dp"), or ("dp", "tp") with tp > 1
+    tp: int = 1  # ranks that split each block's matrices (tensor parallel)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: groups of ranks that see different rows of the batch."""
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: ranks r and r' read the same rows iff r // tp == r' // tp."""
+        return self.rank // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -77,8 +89,16 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
             )
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    _ENV = DistEnv(rank, world_size, local_rank, device, mesh)
+        tp = parallel_cfg.tp
+        if world_size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide the {world_size} ranks; use a divisor of {world_size}")  # fmt: skip # noqa: E501
+        if tp > 1:  # rank = dp_rank * tp + tp_rank: a tensor-parallel group is tp adjacent ranks
+            mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+    elif parallel_cfg.tp > 1:
+        raise ConfigError(f"parallel.tp={parallel_cfg.tp} needs that many ranks: launch with --nproc {parallel_cfg.tp}")  # fmt: skip # noqa: E501
+    _ENV = DistEnv(rank, world_size, local_rank, device, mesh, parallel_cfg.tp if world_size > 1 else 1)
     return _ENV
 
 

@@ -4,12 +4,15 @@
 
 Order (each step needs the one before it):
 
-1. tensor parallel           — not yet: lands with the TP capability;
+1. tensor parallel           — ``parallel.tp`` ranks split every block's matrices by a plan
+                               (``apply_tp``), on the mesh's "tp" dimension;
 2. activation checkpointing  — wrap each block, so backward recomputes its activations;
 3. compile                   — ``torch.compile`` per block (the blocks are identical, so one
                                graph is reused; a whole-model compile would retrace more);
 4. data parallel             — FSDP2 ``fully_shard`` on every block then the root, with a
-                               mixed-precision policy when not fp32; or DDP on the whole.
+                               mixed-precision policy when not fp32, on the "dp" dimension
+                               (with tensor parallel: 2-D, FSDP over TP's DTensors); or DDP
+                               on the whole.
 
 The model keeps its parameter names through all of it (the checkpoint wrapper and compile
 strip their prefixes from state dicts), so checkpoints move between layouts.
@@ -20,7 +23,69 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from ember.errors import ConfigError
+from ember.model.gpt import mlp_hidden_size
+
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_layout(cfg, world_size: int, model_cfg=None) -> None:
+    """A ConfigError, naming the numbers, for a layout that cannot run: called before torchrun
+    starts the ranks (``ember train --nproc N``) and again by each rank."""
+    tp, t = cfg.parallel.tp, cfg.train
+    if tp == 1:
+        return
+    if world_size % tp:
+        raise ConfigError(f"parallel.tp={tp} needs a multiple of {tp} ranks, not {world_size}: launch with --nproc {tp} (or a multiple)")  # fmt: skip # noqa: E501
+    m = model_cfg or cfg.model
+    n_kv = m.n_kv_head or m.n_head
+    split = (("model.n_head", m.n_head), ("model.n_kv_head", n_kv), ("the MLP width", mlp_hidden_size(m)))
+    for what, n in split:
+        if n % tp:
+            raise ConfigError(f"parallel.tp={tp} must divide {what} ({n}): each rank takes a tp-th of them")
+    if m.vocab_size and m.vocab_size % tp:
+        raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size ({m.vocab_size}): the embedding and head are split by rows")  # fmt: skip # noqa: E501
+    if world_size > tp and cfg.parallel.data == "ddp":
+        raise ConfigError(
+            f"parallel.tp={tp} on {world_size} ranks leaves {world_size // tp} data-parallel groups, "
+            "which shard with FSDP2 over the tensor-parallel DTensors: set parallel.data=fsdp"
+        )
+    unsupported = ((t.task != "lm", f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"))
+    for on, what in unsupported:
+        if on:
+            raise ConfigError(f"parallel.tp={tp} trains the language model only for now, not {what}")
+
+
+def apply_tp(model: torch.nn.Module, mesh) -> None:
+    """Tensor parallel (Megatron-LM, Shoeybi et al. 2019) by a plan over the model's own module
+    names: in each block q, k, v and the MLP's up (and gate) projections are split by output
+    columns (``ColwiseParallel``: each rank computes n_head / tp heads, or hidden / tp units,
+    locally), the attention output and the MLP's down projection by input rows
+    (``RowwiseParallel``: partial sums, one all-reduce), so a block costs two all-reduces
+    forward and two backward. The embedding is split by vocabulary rows (each rank looks up its
+    range, one all-reduce) and the head by vocabulary columns (logits all-gathered). Norms,
+    positions and everything else stay whole on every rank, computed identically. Activations
+    between modules are plain tensors (``use_local_output``), so the model's code, which reads
+    heads as ``-1`` from the shapes, runs unchanged. A tied head shares the embedding's
+    row-split weight (the same placement) and is tied again after the split."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tied = getattr(model.output, "weight", None) is model.tok_embeddings.weight
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+    parallelize_module(model, mesh, plan)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        names = {name for name, _ in block.named_modules()}
+        block_plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+        block_plan["attention.wo"] = RowwiseParallel()
+        block_plan |= {f"mlp.{w}": ColwiseParallel() for w in ("w1", "w3") if f"mlp.{w}" in names}
+        block_plan["mlp.w2"] = RowwiseParallel()
+        parallelize_module(block, mesh, block_plan)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -54,13 +119,15 @@ def apply_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 
 def parallelize(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
+    if env.tp > 1:
+        apply_tp(model, env.mesh["tp"])
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
         apply_compile(model)
-    if env.distributed:
+    if env.dp_size > 1:
         if cfg.parallel.data == "fsdp":
-            return apply_fsdp(model, env.mesh, cfg.train.precision)
+            return apply_fsdp(model, env.mesh["dp"] if env.tp > 1 else env.mesh, cfg.train.precision)
         return apply_ddp(model, env.device)
     return model
 

@@ -251,6 +251,8 @@ def build_optimizer(model: torch.nn.Module, train_cfg, device: torch.device) -> 
             eps=t.eps,
         )
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if len({type(p) for p in model.parameters()}) > 1:  # tensor parallel: DTensors beside plain
+        kind = {"foreach": False}  # tensors, which one multi-tensor kernel cannot take together
     return torch.optim.AdamW(param_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kind)
 
 

@@ -66,7 +66,7 @@ from ember.data.tokenizer import SPECIALS_FILE, Tokenizer, file_sha256
 from ember.errors import ConfigError, DataError, EmberError
 from ember.model.gpt import GPT, grow_vocab
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
-from ember.parallel.parallelize import parallelize, unwrap
+from ember.parallel.parallelize import check_layout, parallelize, unwrap
 from ember.train.checkpoint import (
     export_weights,
     latest_checkpoint,
@@ -205,6 +205,21 @@ def resolve_model_config(model_cfg, tokenizer):
             "set model.vocab_size=0 to take it from the tokenizer"
         )
     return replace(model_cfg, vocab_size=vocab)
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` that also takes a mix of DTensor and plain gradients (tensor parallel
+    splits the blocks' matrices and leaves norms whole): each norm as a plain number (a DTensor's
+    is reduced over its mesh), the total, then every gradient scaled in place."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norms = [g.norm(2.0) for g in grads]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
+    if max_norm < math.inf:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device) if not hasattr(g, "device_mesh") else coef.item())
+    return total
 
 
 def _batch_layout(train_cfg, world_size: int) -> tuple[int, int]:
@@ -417,7 +432,8 @@ class Trainer:
         if known is not None and 0 < model_cfg.vocab_size < self.tokenizer.vocab_size:
             model_cfg = replace(model_cfg, vocab_size=0)  # from the grown tokenizer, rounded up
         self.model_cfg = resolve_model_config(model_cfg, self.tokenizer)
-        self.global_rows, self.grad_accum = _batch_layout(t, env.world_size)
+        check_layout(cfg, env.world_size, self.model_cfg)
+        self.global_rows, self.grad_accum = _batch_layout(t, env.dp_size)
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.resume_from = self._resume_folder()
         if self.resume_from is not None:
@@ -468,8 +484,8 @@ class Trainer:
                 self.global_rows,
                 cfg.run.seed,
                 cfg.sft.packing,
-                env.rank,
-                env.world_size,
+                env.dp_rank,
+                env.dp_size,
                 env.device,
             )
             self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
@@ -480,14 +496,14 @@ class Trainer:
             pairs = encode_pairs(self.tokenizer, preferences, t.seq_len)
             self.task = DPOTask(cfg.dpo, self.tokenizer, self._reference(model))
             print0(f"dpo: {len(pairs):,} preference pairs from {cfg.dpo.data}")
-            where = (env.rank, env.world_size, env.device)
+            where = (env.dp_rank, env.dp_size, env.device)
             self.loader = PairLoader(pairs, t.seq_len, self.global_rows, t.micro_batch, cfg.run.seed, *where)
             self.val_loader = None
         elif t.task == "grpo":
             g = cfg.grpo
             self.task = GRPOTask(g, self.tokenizer)
             reference = self._reference(model, g.temperature) if g.beta else None
-            where = (env.rank, env.world_size, env.device)
+            where = (env.dp_rank, env.dp_size, env.device)
             self.loader = Rollouts(g, self.tokenizer, model, reference, self.global_rows, t.micro_batch,
                                    cfg.run.seed, *where)  # fmt: skip
             print0(
@@ -503,8 +519,8 @@ class Trainer:
                 t.seq_len,
                 self.global_rows,
                 cfg.run.seed,
-                env.rank,
-                env.world_size,
+                env.dp_rank,
+                env.dp_size,
                 mode=cfg.data.sampling,
                 device=env.device,
             )
@@ -546,7 +562,7 @@ class Trainer:
         except DataError as e:
             print0(f"ember: note: no evaluation: {e}")
             return None
-        usable = probe.n_windows_total // env.world_size * env.world_size
+        usable = probe.n_windows_total // env.dp_size * env.dp_size
         if not usable:
             print0("ember: note: fewer validation windows than ranks: no evaluation")
             return None
@@ -555,8 +571,8 @@ class Trainer:
             t.seq_len,
             t.micro_batch,
             max_windows=usable,
-            rank=env.rank,
-            world_size=env.world_size,
+            rank=env.dp_rank,
+            world_size=env.dp_size,
             device=env.device,
         )
 
@@ -778,8 +794,7 @@ class Trainer:
         fwd_bwd_s = time.perf_counter() - start
 
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or math.inf)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip or math.inf)
         all_reduce(loss_sum, "avg")
         bad = ~torch.isfinite(loss_sum)
         if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
