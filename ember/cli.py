@@ -131,8 +131,10 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
     if "LOCAL_RANK" not in os.environ:
         from ember.parallel.parallelize import check_layout
+        from ember.train.trainer import _batch_layout
 
         check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
+        _batch_layout(cfg.train, args.nproc // cfg.parallel.tp)
         prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         cmd = [

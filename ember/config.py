@@ -448,6 +448,12 @@ class ParallelConfig(_Section, key="parallel"):
     tp: int = opt(
         1, "tensor parallel: ranks that split each block's matrices (the rest is data parallel)", ge=1
     )
+    sequence_parallel: bool = opt(
+        False, "with parallel.tp: split the residual stream by position between the matrices (RoPE models)"
+    )
+    dp_replicate: int = opt(
+        1, "HSDP (parallel.data=fsdp): shard within groups, replicate across this many of them", ge=1
+    )
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     timeout_s: int = opt(
         600, "every collective's limit in seconds; past it the rank stops and names the culprit", ge=1

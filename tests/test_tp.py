@@ -1,7 +1,9 @@
-"""Tensor parallel on CPU (gloo, fp32): every layout's per-step losses equal one process's
-within 1e-5 over 5 steps on the same data (Llama layout with GQA, GPT-2 layout with tied
-embeddings, Muon, FSDP2 x TP on 4 ranks); a TP checkpoint resumes on one process with the
-same losses and its weights are read by `ember eval`; impossible layouts fail before launch."""
+"""Tensor parallel and HSDP on CPU (gloo, fp32): every layout's per-step losses equal one
+process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout and GQA, with
+the GPT-2 layout and tied embeddings, with Muon, with sequence parallel; FSDP2 x TP2 and HSDP
+2 x 2 on 4 ranks); a TP
+checkpoint resumes on one process with the same losses and its weights are read by `ember
+eval`; impossible layouts fail before launch."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ STEPS = ["train.max_steps=5", "train.eval_every=0"]
         ("tp2-gpt2-tied", 2, GPT2, ["parallel.tp=2"]),
         ("tp2-muon", 2, ["train.optimizer=muon"], ["parallel.tp=2"]),
         ("fsdp2xtp2", 4, [], ["parallel.tp=2", "parallel.data=fsdp"]),
+        ("tp2-sp", 2, [], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        ("hsdp-2x2", 4, [], ["parallel.dp_replicate=2", "parallel.data=fsdp", "train.micro_batch=2"]),
     ],
 )
 def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path, name, nproc, model, layout):
@@ -64,6 +68,16 @@ def test_a_tp_checkpoint_resumes_on_one_process_and_its_weights_evaluate(tiny_cf
         (["--nproc", "3", "parallel.tp=2"], "needs a multiple of 2 ranks, not 3"),
         (["--nproc", "4", "parallel.tp=2"], "set parallel.data=fsdp"),
         (["--nproc", "2", "parallel.tp=2", "train.task=sft"], "not train.task=sft"),
+        (["--nproc", "4", "parallel.dp_replicate=2"], "HSDP, a form of FSDP2: set parallel.data=fsdp"),
+        (
+            ["--nproc", "2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.pos=learned"],
+            "needs model.pos=rope",
+        ),
+        (["--nproc", "4", "parallel.data=fsdp"], "does not split into micro-batches of 4 on 4 rank(s)"),
+        (
+            ["--nproc", "6", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.data=fsdp"],
+            "multiple of 4 ranks, not 6",
+        ),
     ],
 )
 def test_impossible_layouts_fail_before_any_rank_starts(tmp_path, args, message):

@@ -35,6 +35,7 @@ class DistEnv:
     device: torch.device
     mesh: object | None = None  # DeviceMesh when world_size > 1: 1-D ("dp"), or ("dp", "tp") with tp > 1
     tp: int = 1  # ranks that split each block's matrices (tensor parallel)
+    dp_mesh: object | None = None  # data parallelism's: 1-D, or ("dp_replicate", "dp_shard") for HSDP
 
     @property
     def dp_size(self) -> int:
@@ -76,7 +77,7 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_name, local_rank)
-    mesh = None
+    mesh = dp_mesh = None
     if world_size > 1:
         backend = parallel_cfg.backend
         if backend == "auto":
@@ -89,16 +90,19 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
             )
         from torch.distributed.device_mesh import init_device_mesh
 
-        tp = parallel_cfg.tp
-        if world_size % tp:
-            raise ConfigError(f"parallel.tp={tp} does not divide the {world_size} ranks; use a divisor of {world_size}")  # fmt: skip # noqa: E501
-        if tp > 1:  # rank = dp_rank * tp + tp_rank: a tensor-parallel group is tp adjacent ranks
-            mesh = init_device_mesh(device.type, (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-        else:
-            mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+        tp, replicas = parallel_cfg.tp, parallel_cfg.dp_replicate
+        if world_size % (tp * replicas):
+            raise ConfigError(f"parallel.tp={tp} × parallel.dp_replicate={replicas} does not divide the {world_size} ranks")  # fmt: skip # noqa: E501
+        # rank = dp_rank * tp + tp_rank: a tensor-parallel group is tp adjacent ranks (one host)
+        dp = ("dp_replicate", "dp_shard") if replicas > 1 else ("dp",)
+        shape = (replicas, world_size // (replicas * tp)) if replicas > 1 else (world_size // tp,)
+        names = (*dp, "tp") if tp > 1 else dp
+        mesh = init_device_mesh(device.type, (*shape, tp) if tp > 1 else shape, mesh_dim_names=names)
+        dp_mesh = mesh[dp] if len(names) > 1 else mesh
     elif parallel_cfg.tp > 1:
         raise ConfigError(f"parallel.tp={parallel_cfg.tp} needs that many ranks: launch with --nproc {parallel_cfg.tp}")  # fmt: skip # noqa: E501
-    _ENV = DistEnv(rank, world_size, local_rank, device, mesh, parallel_cfg.tp if world_size > 1 else 1)
+    tp = parallel_cfg.tp if world_size > 1 else 1
+    _ENV = DistEnv(rank, world_size, local_rank, device, mesh, tp, dp_mesh)
     return _ENV
 
 

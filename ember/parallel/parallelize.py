@@ -11,8 +11,9 @@ Order (each step needs the one before it):
                                graph is reused; a whole-model compile would retrace more);
 4. data parallel             — FSDP2 ``fully_shard`` on every block then the root, with a
                                mixed-precision policy when not fp32, on the "dp" dimension
-                               (with tensor parallel: 2-D, FSDP over TP's DTensors); or DDP
-                               on the whole.
+                               (with tensor parallel: 2-D, FSDP over TP's DTensors; with
+                               ``parallel.dp_replicate`` > 1 a 2-D data mesh, HSDP: sharded
+                               within a group, replicated across groups); or DDP on the whole.
 
 The model keeps its parameter names through all of it (the checkpoint wrapper and compile
 strip their prefixes from state dicts), so checkpoints move between layouts.
@@ -32,7 +33,12 @@ PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def check_layout(cfg, world_size: int, model_cfg=None) -> None:
     """A ConfigError, naming the numbers, for a layout that cannot run: called before torchrun
     starts the ranks (``ember train --nproc N``) and again by each rank."""
-    tp, t = cfg.parallel.tp, cfg.train
+    tp, t, replicas = cfg.parallel.tp, cfg.train, cfg.parallel.dp_replicate
+    if replicas > 1:
+        if cfg.parallel.data != "fsdp":
+            raise ConfigError(f"parallel.dp_replicate={replicas} is HSDP, a form of FSDP2: set parallel.data=fsdp")  # fmt: skip # noqa: E501
+        if world_size % (replicas * tp):
+            raise ConfigError(f"parallel.dp_replicate={replicas} × parallel.tp={tp} needs a multiple of {replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
     if tp == 1:
         return
     if world_size % tp:
@@ -50,13 +56,15 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> None:
             f"parallel.tp={tp} on {world_size} ranks leaves {world_size // tp} data-parallel groups, "
             "which shard with FSDP2 over the tensor-parallel DTensors: set parallel.data=fsdp"
         )
+    if cfg.parallel.sequence_parallel and m.pos != "rope":
+        raise ConfigError("parallel.sequence_parallel needs model.pos=rope: learned positions are added to the whole sequence")  # fmt: skip # noqa: E501
     unsupported = ((t.task != "lm", f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"))
     for on, what in unsupported:
         if on:
             raise ConfigError(f"parallel.tp={tp} trains the language model only for now, not {what}")
 
 
-def apply_tp(model: torch.nn.Module, mesh) -> None:
+def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
     """Tensor parallel (Megatron-LM, Shoeybi et al. 2019) by a plan over the model's own module
     names: in each block q, k, v and the MLP's up (and gate) projections are split by output
     columns (``ColwiseParallel``: each rank computes n_head / tp heads, or hidden / tp units,
@@ -67,24 +75,50 @@ def apply_tp(model: torch.nn.Module, mesh) -> None:
     positions and everything else stay whole on every rank, computed identically. Activations
     between modules are plain tensors (``use_local_output``), so the model's code, which reads
     heads as ``-1`` from the shapes, runs unchanged. A tied head shares the embedding's
-    row-split weight (the same placement) and is tied again after the split."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    row-split weight (the same placement) and is tied again after the split.
 
+    ``sequence_parallel`` (Korthikanti et al. 2022): between the blocks' matrices the residual
+    stream is split by sequence position instead of copied, so each rank holds and normalises
+    T / tp positions; each all-reduce becomes a reduce-scatter (after the row-split linears)
+    and an all-gather (before the column-split ones): the same traffic, 1/tp of the activation
+    memory outside the matrices. RoPE only: learned positions are added to the whole sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    sp = sequence_parallel
     tied = getattr(model.output, "weight", None) is model.tok_embeddings.weight
+    stream = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
     plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "output": ColwiseParallel(output_layouts=Replicate()),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
+    if sp:
+        plan["norm"] = SequenceParallel()
     parallelize_module(model, mesh, plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         names = {name for name, _ in block.named_modules()}
         block_plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
-        block_plan["attention.wo"] = RowwiseParallel()
+        block_plan["attention.wo"] = RowwiseParallel(output_layouts=stream)
         block_plan |= {f"mlp.{w}": ColwiseParallel() for w in ("w1", "w3") if f"mlp.{w}" in names}
-        block_plan["mlp.w2"] = RowwiseParallel()
+        block_plan["mlp.w2"] = RowwiseParallel(output_layouts=stream)
+        if sp:  # norms on the positions a rank holds; the whole sequence gathered before q/k/v, the MLP
+            block_plan |= {"attention_norm": SequenceParallel(), "mlp_norm": SequenceParallel()}
+            block_plan["attention"] = PrepareModuleInput(  # (x, rope, cache): only x is a DTensor
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+                use_local_output=True,
+            )
+            block_plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
         parallelize_module(block, mesh, block_plan)
 
 
@@ -120,14 +154,14 @@ def apply_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 def parallelize(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
     if env.tp > 1:
-        apply_tp(model, env.mesh["tp"])
+        apply_tp(model, env.mesh["tp"], cfg.parallel.sequence_parallel)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
         apply_compile(model)
     if env.dp_size > 1:
         if cfg.parallel.data == "fsdp":
-            return apply_fsdp(model, env.mesh["dp"] if env.tp > 1 else env.mesh, cfg.train.precision)
+            return apply_fsdp(model, env.dp_mesh, cfg.train.precision)  # a 2-D dp_mesh: HSDP
         return apply_ddp(model, env.device)
     return model
 
