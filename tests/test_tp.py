@@ -1,9 +1,9 @@
 """Tensor parallel and HSDP on CPU (gloo, fp32): every layout's per-step losses equal one
 process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout and GQA, with
 the GPT-2 layout and tied embeddings, with Muon, with sequence parallel; FSDP2 x TP2 and HSDP
-2 x 2 on 4 ranks); a TP
-checkpoint resumes on one process with the same losses and its weights are read by `ember
-eval`; impossible layouts fail before launch."""
+2 x 2 on 4 ranks); checkpoints move between layouts (TP2 -> 1 process, 1 -> TP2, TP2 -> DDP2,
+FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes;
+impossible layouts fail before launch."""
 
 from __future__ import annotations
 
@@ -42,23 +42,44 @@ def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path, name, nproc, mo
     assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
 
 
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["parallel.tp=2"]),
+    "ddp2": (2, ["parallel.data=ddp"]),
+    "fsdp2xtp2": (4, ["parallel.tp=2", "parallel.data=fsdp"]),
+}
+
+
+def _leg(tiny_cfg, tmp_path, layout: str, *overrides) -> dict[int, float]:
+    """Steps of run tmp_path/ck under ``layout`` (in this process, or under torchrun)."""
+    nproc, extra = LAYOUTS[layout]
+    if nproc == 1:
+        cfg = tiny_cfg(*DET, *overrides, *extra)
+        cfg.run.out_dir, cfg.run.name = str(tmp_path), "ck"
+        train(cfg)
+        return losses(tmp_path / "ck")
+    return _torchrun(tmp_path, "ck", *overrides, *extra, data_dir=tiny_cfg().data.dir, nproc=nproc)
+
+
 @pytest.mark.slow
-def test_a_tp_checkpoint_resumes_on_one_process_and_its_weights_evaluate(tiny_cfg, tmp_path):
-    data_dir = tiny_cfg().data.dir
-    ck = ["train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0"]
-    got = _torchrun(tmp_path, "tp", *ck, "parallel.tp=2", data_dir=data_dir)
-    rd = tmp_path / "tp"
+@pytest.mark.parametrize(("saved", "resumed"), [("tp2", "single"), ("single", "tp2"), ("tp2", "ddp2"),
+                                                ("fsdp2xtp2", "single")])  # fmt: skip
+def test_checkpoints_move_between_layouts(tiny_cfg, tmp_path, saved, resumed):
+    ck = ["train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.micro_batch=2"]  # (4 ranks)
+    got = _leg(tiny_cfg, tmp_path, saved, *ck)
+    rd = tmp_path / "ck"
+    (rd / "model").rename(rd / "model-saved")  # (read by ember eval below)
     shutil.rmtree(rd / "checkpoints" / "step-000006")
     (rd / "metrics.jsonl").write_text("")
-    cfg = tiny_cfg(*DET, *ck, "train.resume=auto")
-    cfg.run.out_dir, cfg.run.name = str(tmp_path), "tp"
-    train(cfg)
-    resumed = losses(rd)
-    assert sorted(resumed) == [4, 5, 6]
-    assert all(abs(resumed[s] - got[s]) <= 1e-5 for s in resumed), (resumed, got)
-    r = subprocess.run([sys.executable, "-m", "ember", "eval", str(rd), "--split", "val"], env=_child_env(),
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0 and (rd / "eval.json").is_file(), r.stderr[-2000:]
+    again = _leg(tiny_cfg, tmp_path, resumed, *ck, "train.resume=auto")
+    assert sorted(again) == [4, 5, 6]
+    assert all(abs(again[s] - got[s]) <= 1e-5 for s in again), (again, got)
+    if saved == "tp2" and resumed == "single":  # the weights the TP run wrote at its end
+        shutil.rmtree(rd / "model")
+        (rd / "model-saved").rename(rd / "model")
+        cmd = [sys.executable, "-m", "ember", "eval", str(rd), "--split", "val"]
+        r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and (rd / "eval.json").is_file(), r.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -529,10 +529,12 @@ class Trainer:
         self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
         self.best_val, self.best_step, self.skipped = math.inf, -1, 0
         if self.resume_from is not None:
-            peaks = [group["peak_lr"] for group in self.optimizer.param_groups]
+            # the config's peaks win, and this layout's kernels (TP cannot take a 1-process run's foreach)
+            keys = ("peak_lr", "foreach", "fused")
+            mine = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
             meta = load_checkpoint(self.resume_from, self.model, self.optimizer, only=self.adapters)
-            for group, peak in zip(self.optimizer.param_groups, peaks, strict=True):  # config's peaks win
-                group["peak_lr"] = peak
+            for group, kept in zip(self.optimizer.param_groups, mine, strict=True):
+                group.update(kept)
             self.step, self.tokens = meta["step"], meta["tokens"]
             self.elapsed_before = meta["elapsed"]
             self.best_val, self.best_step = meta.get("best_val", math.inf), meta.get("best_step", -1)
