@@ -451,6 +451,9 @@ class ParallelConfig(_Section, key="parallel"):
     sequence_parallel: bool = opt(
         False, "with parallel.tp: split the residual stream by position between the matrices (RoPE models)"
     )
+    loss_parallel: bool = opt(
+        False, "with parallel.tp: cross-entropy on the vocabulary-split logits, never gathered whole"
+    )
     dp_replicate: int = opt(
         1, "HSDP (parallel.data=fsdp): shard within groups, replicate across this many of them", ge=1
     )

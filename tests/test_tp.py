@@ -1,6 +1,6 @@
 """Tensor parallel and HSDP on CPU (gloo, fp32): every layout's per-step losses equal one
 process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout and GQA, with
-the GPT-2 layout and tied embeddings, with Muon, with sequence parallel; FSDP2 x TP2 and HSDP
+the GPT-2 layout and tied embeddings, with Muon, with sequence and loss parallel; FSDP2 x TP2 and HSDP
 2 x 2 on 4 ranks); checkpoints move between layouts (TP2 -> 1 process, 1 -> TP2, TP2 -> DDP2,
 FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes;
 impossible layouts fail before launch."""
@@ -29,7 +29,12 @@ STEPS = ["train.max_steps=5", "train.eval_every=0"]
         ("tp2-gpt2-tied", 2, GPT2, ["parallel.tp=2"]),
         ("tp2-muon", 2, ["train.optimizer=muon"], ["parallel.tp=2"]),
         ("fsdp2xtp2", 4, [], ["parallel.tp=2", "parallel.data=fsdp"]),
-        ("tp2-sp", 2, [], ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+        (
+            "tp2-sp-lp",
+            2,
+            [],
+            ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
+        ),
         ("hsdp-2x2", 4, [], ["parallel.dp_replicate=2", "parallel.data=fsdp", "train.micro_batch=2"]),
     ],
 )
@@ -95,6 +100,10 @@ def test_checkpoints_move_between_layouts(tiny_cfg, tmp_path, saved, resumed):
             "needs model.pos=rope",
         ),
         (["--nproc", "4", "parallel.data=fsdp"], "does not split into micro-batches of 4 on 4 rank(s)"),
+        (
+            ["--nproc", "2", "parallel.tp=2", "parallel.loss_parallel=true", "train.z_loss=1e-4"],
+            "set train.z_loss=0",
+        ),
         (
             ["--nproc", "6", "parallel.dp_replicate=2", "parallel.tp=2", "parallel.data=fsdp"],
             "multiple of 4 ranks, not 6",

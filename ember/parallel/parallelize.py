@@ -56,6 +56,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> None:
             f"parallel.tp={tp} on {world_size} ranks leaves {world_size // tp} data-parallel groups, "
             "which shard with FSDP2 over the tensor-parallel DTensors: set parallel.data=fsdp"
         )
+    if cfg.parallel.loss_parallel and (t.z_loss or m.logit_softcap):
+        raise ConfigError("parallel.loss_parallel computes plain cross-entropy on split logits: set train.z_loss=0 and model.logit_softcap=0")  # fmt: skip # noqa: E501
     if cfg.parallel.sequence_parallel and m.pos != "rope":
         raise ConfigError("parallel.sequence_parallel needs model.pos=rope: learned positions are added to the whole sequence")  # fmt: skip # noqa: E501
     unsupported = ((t.task != "lm", f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"))
@@ -64,7 +66,7 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> None:
             raise ConfigError(f"parallel.tp={tp} trains the language model only for now, not {what}")
 
 
-def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> None:
+def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss_parallel: bool = False):
     """Tensor parallel (Megatron-LM, Shoeybi et al. 2019) by a plan over the model's own module
     names: in each block q, k, v and the MLP's up (and gate) projections are split by output
     columns (``ColwiseParallel``: each rank computes n_head / tp heads, or hidden / tp units,
@@ -81,7 +83,12 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> N
     stream is split by sequence position instead of copied, so each rank holds and normalises
     T / tp positions; each all-reduce becomes a reduce-scatter (after the row-split linears)
     and an all-gather (before the column-split ones): the same traffic, 1/tp of the activation
-    memory outside the matrices. RoPE only: learned positions are added to the whole sequence."""
+    memory outside the matrices. RoPE only: learned positions are added to the whole sequence.
+
+    ``loss_parallel``: the head's logits stay split by vocabulary (a DTensor) instead of being
+    gathered, and the cross-entropy is computed on the shards (``loss_parallel``: each rank's
+    max, sum of exponentials and target logit, combined by small all-reduces), so no rank ever
+    holds the (tokens × vocabulary) logits whole — the largest activation of a small model."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -96,7 +103,11 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False) -> N
     stream = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        "output": ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
     if sp:
         plan["norm"] = SequenceParallel()
@@ -154,7 +165,7 @@ def apply_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
 
 def parallelize(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
     if env.tp > 1:
-        apply_tp(model, env.mesh["tp"], cfg.parallel.sequence_parallel)
+        apply_tp(model, env.mesh["tp"], cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:

@@ -129,6 +129,8 @@ class LMTask:
         for x, y in val_loader:
             with autocast:
                 logits = model(x).float()
+            if hasattr(logits, "full_tensor"):  # split by vocabulary (parallel.loss_parallel): gathered
+                logits = logits.full_tensor()
             nats_per_token = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none")
             text = token_bytes[y.reshape(-1)] > 0  # <|eos|> and friends stand for no bytes of text
             nats = nats_per_token.sum()
@@ -464,6 +466,11 @@ class Trainer:
             if self.adapters is None and (t.task == "dpo" or cfg.grpo.beta):
                 self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
         self.model = parallelize(model, env, cfg)
+        self.loss_parallel = contextlib.nullcontext
+        if env.tp > 1 and cfg.parallel.loss_parallel:  # forward and backward of the loss on split logits
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            self.loss_parallel = loss_parallel
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
         dtype = AUTOCAST.get(t.precision)
@@ -780,11 +787,12 @@ class Trainer:
         self.step_metrics = {}
         for micro in range(self.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
-            with self._sync_grads(micro == self.grad_accum - 1):
+            with self._sync_grads(micro == self.grad_accum - 1), self.loss_parallel():
                 with self.autocast:
                     loss, info = self.task.loss(self.model, tuple(b[rows] for b in batch))
                     loss = loss / self.grad_accum
                 self.scaler.scale(loss).backward()
+            loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # (a replicated DTensor)
             loss_sum += loss.detach()
             for key, value in info.items():
                 if isinstance(value, torch.Tensor):
