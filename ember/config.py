@@ -457,10 +457,18 @@ class ParallelConfig(_Section, key="parallel"):
     dp_replicate: int = opt(
         1, "HSDP (parallel.data=fsdp): shard within groups, replicate across this many of them", ge=1
     )
+    dp_shard: int = opt(
+        -1, "FSDP2 (parallel.data=fsdp): ranks each parameter is split over; -1 = what the rest leave", ge=-1
+    )
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     timeout_s: int = opt(
         600, "every collective's limit in seconds; past it the rank stops and names the culprit", ge=1
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        message = "parallel.dp_shard must be -1 (fill) or at least 1; got 0"
+        _require(self.dp_shard != 0, "parallel.dp_shard", message)
 
 
 @dataclass

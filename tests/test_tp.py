@@ -35,7 +35,12 @@ STEPS = ["train.max_steps=5", "train.eval_every=0"]
             [],
             ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
         ),
-        ("hsdp-2x2", 4, [], ["parallel.dp_replicate=2", "parallel.data=fsdp", "train.micro_batch=2"]),
+        (
+            "hsdp-2x2",
+            4,
+            [],
+            ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.data=fsdp", "train.micro_batch=2"],
+        ),
     ],
 )
 def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path, name, nproc, model, layout):
@@ -94,7 +99,11 @@ def test_checkpoints_move_between_layouts(tiny_cfg, tmp_path, saved, resumed):
         (["--nproc", "3", "parallel.tp=2"], "needs a multiple of 2 ranks, not 3"),
         (["--nproc", "4", "parallel.tp=2"], "set parallel.data=fsdp"),
         (["--nproc", "2", "parallel.tp=2", "train.task=sft"], "not train.task=sft"),
-        (["--nproc", "4", "parallel.dp_replicate=2"], "HSDP, a form of FSDP2: set parallel.data=fsdp"),
+        (["--nproc", "4", "parallel.dp_replicate=2"], "(HSDP when both > 1): set parallel.data=fsdp"),
+        (
+            ["--nproc", "4", "parallel.data=fsdp", "parallel.dp_shard=3"],
+            "= 1 × 3 × 1 = 3, but there are 4 ranks",
+        ),
         (
             ["--nproc", "2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.pos=learned"],
             "needs model.pos=rope",

@@ -33,12 +33,13 @@ PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def check_layout(cfg, world_size: int, model_cfg=None) -> None:
     """A ConfigError, naming the numbers, for a layout that cannot run: called before torchrun
     starts the ranks (``ember train --nproc N``) and again by each rank."""
-    tp, t, replicas = cfg.parallel.tp, cfg.train, cfg.parallel.dp_replicate
-    if replicas > 1:
-        if cfg.parallel.data != "fsdp":
-            raise ConfigError(f"parallel.dp_replicate={replicas} is HSDP, a form of FSDP2: set parallel.data=fsdp")  # fmt: skip # noqa: E501
-        if world_size % (replicas * tp):
-            raise ConfigError(f"parallel.dp_replicate={replicas} × parallel.tp={tp} needs a multiple of {replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
+    tp, t, replicas, shard = cfg.parallel.tp, cfg.train, cfg.parallel.dp_replicate, cfg.parallel.dp_shard
+    if cfg.parallel.data != "fsdp" and (replicas > 1 or shard > 1):
+        raise ConfigError(f"parallel.dp_replicate={replicas} and parallel.dp_shard={shard} shape FSDP2 (HSDP when both > 1): set parallel.data=fsdp")  # fmt: skip # noqa: E501
+    if shard != -1 and replicas * shard * tp != world_size:
+        raise ConfigError(f"parallel.dp_replicate × dp_shard × tp = {replicas} × {shard} × {tp} = {replicas * shard * tp}, but there are {world_size} ranks; set parallel.dp_shard=-1 to fill")  # fmt: skip # noqa: E501
+    if world_size % (replicas * tp):
+        raise ConfigError(f"parallel.dp_replicate={replicas} × parallel.tp={tp} needs a multiple of {replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
     if tp == 1:
         return
     if world_size % tp:
