@@ -210,10 +210,16 @@ def resolve_model_config(model_cfg, tokenizer):
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_`` that also takes a mix of DTensor and plain gradients (tensor parallel
-    splits the blocks' matrices and leaves norms whole): each norm as a plain number (a DTensor's
-    is reduced over its mesh), the total, then every gradient scaled in place."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """``clip_grad_norm_`` that also takes a mix of DTensor and plain gradients, or DTensors on
+    different meshes (tensor parallel splits the blocks' matrices and leaves norms whole; FSDP2
+    over it puts the two on a 2-D and a 1-D mesh): each norm as a plain number (a DTensor's is
+    reduced over its mesh), the total, then every gradient scaled in place. Gradients of one
+    kind (one device, DDP, FSDP2 alone) take torch's own batched path."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if len({(type(g), getattr(g, "device_mesh", None)) for g in grads}) <= 1:  # one kind: torch's own
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
     norms = [g.norm(2.0) for g in grads]
     norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
     total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
