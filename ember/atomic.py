@@ -28,16 +28,26 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # our own leftovers from an earlier attempt in this process
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    return not os.path.isdir("/proc")  # (with /proc, a missing entry means gone)
+
+
+def _leftover_owner_alive(pid: int) -> bool:
+    """Whether the process that named a staging folder still runs (our own pid: an earlier
+    attempt in this process, so its leftovers are ours to remove)."""
+    return pid != os.getpid() and process_alive(pid)
 
 
 def staging_dir(target: str | os.PathLike) -> Path:
@@ -48,7 +58,7 @@ def staging_dir(target: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     for leftover in sorted(target.parent.glob(f".{target.name}.*-*")):
         kind, _, pid = leftover.name[len(target.name) + 2 :].partition("-")
-        if kind not in ("tmp", "old") or not pid.isdigit() or _pid_alive(int(pid)):
+        if kind not in ("tmp", "old") or not pid.isdigit() or _leftover_owner_alive(int(pid)):
             continue
         if kind == "old" and not target.exists():
             os.replace(leftover, target)

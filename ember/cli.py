@@ -90,6 +90,13 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 256M)") from None
 
 
+def _torchrun_cmd(nproc: int, *ember_args: str) -> list[str]:
+    """``ember ARGS`` as ``nproc`` ranks on this host, under torchrun (which restarts nothing:
+    one rank failing stops the others)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "ember", *ember_args]  # fmt: skip
+
+
 def cmd_bench_comm(args) -> int:
     import os
     import subprocess
@@ -113,9 +120,9 @@ def cmd_bench_comm(args) -> int:
 
         if torch.cuda.device_count() < args.nproc:
             raise EmberError(f"--nproc {args.nproc} with NCCL needs {args.nproc} GPUs; {torch.cuda.device_count()} visible")  # fmt: skip # noqa: E501
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "ember", "bench", "comm", f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}",
-           f"--seconds={args.seconds}", *([f"--out={args.out}"] if args.out else [])]  # fmt: skip
+    sizes = (f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}")
+    cmd = _torchrun_cmd(args.nproc, "bench", "comm", *sizes,
+                        f"--seconds={args.seconds}", *([f"--out={args.out}"] if args.out else []))  # fmt: skip # noqa: E501
     env = {**os.environ, "EMBER_COMM_DEVICE": device}
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, env=env)
@@ -134,21 +141,10 @@ def cmd_train(args) -> int:
         from ember.train.trainer import _batch_layout
 
         check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
-        _batch_layout(cfg.train, args.nproc // cfg.parallel.tp)
+        _batch_layout(cfg.train, args.nproc // (cfg.parallel.tp * cfg.parallel.pp))
         prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={args.nproc}",
-            "-m",
-            "ember",
-            "train",
-            args.config,
-            *args.overrides,
-        ]
+        cmd = _torchrun_cmd(args.nproc, "train", args.config, *args.overrides)
         print(f"launching {args.nproc} processes: {shlex.join(cmd)}", flush=True)
         return subprocess.call(cmd)
     from ember.train.trainer import train

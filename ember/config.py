@@ -460,6 +460,16 @@ class ParallelConfig(_Section, key="parallel"):
     dp_shard: int = opt(
         -1, "FSDP2 (parallel.data=fsdp): ranks each parameter is split over; -1 = what the rest leave", ge=-1
     )
+    pp: int = opt(1, "pipeline parallel: stages, each a contiguous range of blocks on its own ranks", ge=1)
+    pp_schedule: str = opt(
+        "1f1b", "with parallel.pp: the order of micro-batches", choices=("gpipe", "1f1b", "interleaved-1f1b")
+    )
+    pp_microbatches: int = opt(
+        0, "with parallel.pp: micro-batches per step; 0 = rows per rank / train.micro_batch", ge=0
+    )
+    pp_virtual_stages: int = opt(
+        0, "with parallel.pp: stages per rank; 0 = 2 for interleaved-1f1b, else 1", ge=0
+    )
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     timeout_s: int = opt(
         600, "every collective's limit in seconds; past it the rank stops and names the culprit", ge=1

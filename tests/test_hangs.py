@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from ember.parallel.dist import FAULT_ENV, _process_alive
+from ember.atomic import process_alive
+from ember.parallel.dist import FAULT_ENV
 
 TIMEOUT_S = 5
 
@@ -26,7 +27,7 @@ def _alive_under(path) -> list[str]:
                 line = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if str(path) in line and _process_alive(int(pid)):
+        if str(path) in line and process_alive(int(pid)):
             out.append(line)
     return out
 

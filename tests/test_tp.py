@@ -102,7 +102,7 @@ def test_checkpoints_move_between_layouts(tiny_cfg, tmp_path, saved, resumed):
         (["--nproc", "4", "parallel.dp_replicate=2"], "(HSDP when both > 1): set parallel.data=fsdp"),
         (
             ["--nproc", "4", "parallel.data=fsdp", "parallel.dp_shard=3"],
-            "= 1 × 3 × 1 = 3, but there are 4 ranks",
+            "= 1 × 1 × 3 × 1 = 3, but there are 4 ranks",
         ),
         (
             ["--nproc", "2", "parallel.tp=2", "parallel.sequence_parallel=true", "model.pos=learned"],

@@ -377,6 +377,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token embedding, positions, ``n_layer`` blocks, final norm, output head."""
 
+    stream_shards = 1  # a later pipeline stage under sequence parallel: its input holds T / tp positions
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.vocab_size <= 0:
@@ -407,17 +409,22 @@ class GPT(nn.Module):
         (B, T) bool mask: only those positions' logits, (N, vocab_size), as a loss that reads
         a few positions needs (SFT's trained tokens; the head is much of a small model's cost,
         as with transformers' ``logits_to_keep``)."""
-        T = idx.size(1)
+        T = idx.size(1) if self.tok_embeddings is not None else idx.size(1) * self.stream_shards
         if T > self.cfg.max_seq_len and cache is None:  # a cache gives positions: a packed row may be longer
             raise ConfigError(
                 f"a sequence of {T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}; "
                 "shorten the input or use a model with a larger max_seq_len"
             )
         positions = torch.arange(T, device=idx.device) if cache is None else cache.extend(T)  # (T,) or (B, T)
-        x, rope = self.pos(self.tok_embeddings(idx), positions)  # (B, T, C)
-        x = self.dropout(x)
+        # a later pipeline stage (ember.parallel.pipeline) has no embedding: idx is the residual
+        # stream (B, T, C) the stage before sent; it has positions only as RoPE tables, if any
+        x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)
+        x, rope = self.pos(x, positions) if self.pos is not None else (x, None)  # (B, T, C)
+        x = self.dropout(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
             x = layer(x, rope, cache)
+        if self.output is None:  # an earlier pipeline stage: the stream goes on to the next
+            return x
         if keep is not None:
             x = x[keep]  # (N, C)
         return self.softcap(self.output(self.norm(x)).float())  # (B, T, vocab_size) or (N, vocab_size)

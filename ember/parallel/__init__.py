@@ -1,2 +1,3 @@
-"""Scaling across ranks: process group and mesh (dist.py), layouts applied to a model
-(parallelize.py), and the collectives' speed between ranks (comm.py, ``ember bench comm``)."""
+"""Scaling across ranks: process group, mesh and the hang watchdog (dist.py), layouts applied
+to a model (parallelize.py), and the collectives' speed between ranks (comm.py,
+``ember bench comm``)."""

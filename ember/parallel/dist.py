@@ -6,8 +6,11 @@
 
 Works unchanged as a single process (no process group is created when WORLD_SIZE is 1 or
 unset) and under ``torchrun``/``ember train --nproc N`` (gloo on CPU, nccl on CUDA). The
-device mesh is 1-D ("dp": what FSDP2 shards over; DDP uses the same group), or 2-D ("dp",
-"tp") with ``parallel.tp`` > 1; ``DistEnv.dp_rank``/``dp_size`` say which rows a rank reads.
+device mesh has one named dimension per layout > 1: "pp" (pipeline stages), "dp" (what FSDP2
+shards over and DDP averages across; "dp_replicate" × "dp_shard" for HSDP) and "tp";
+``DistEnv.dp_rank``/``dp_size`` say which rows a rank reads, ``pp_rank`` which stage it runs.
+``Watchdog`` turns a collective that fails or times out into an EmberError naming the rank
+to blame, the step and what the loop was doing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ember.atomic import process_alive
 from ember.errors import ConfigError, EmberError
 
 
@@ -33,19 +37,25 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: object | None = None  # DeviceMesh when world_size > 1: 1-D ("dp"), or ("dp", "tp") with tp > 1
+    mesh: object | None = None  # DeviceMesh when world_size > 1: ("pp"?, data dims..., "tp"?)
     tp: int = 1  # ranks that split each block's matrices (tensor parallel)
     dp_mesh: object | None = None  # data parallelism's: 1-D, or ("dp_replicate", "dp_shard") for HSDP
+    pp: int = 1  # pipeline stages' ranks: each holds a contiguous range of blocks
 
     @property
     def dp_size(self) -> int:
         """Data-parallel degree: groups of ranks that see different rows of the batch."""
-        return self.world_size // self.tp
+        return self.world_size // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel group: ranks r and r' read the same rows iff r // tp == r' // tp."""
-        return self.rank // self.tp
+        """This rank's data-parallel group (rank = (pp_rank * dp_size + dp_rank) * tp + tp_rank)."""
+        return self.rank // self.tp % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline position: it runs stages pp_rank, pp_rank + pp, ..."""
+        return self.rank // (self.world_size // self.pp)
 
     @property
     def is_main(self) -> bool:
@@ -90,19 +100,24 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
             )
         from torch.distributed.device_mesh import init_device_mesh
 
-        tp, replicas = parallel_cfg.tp, parallel_cfg.dp_replicate
-        if world_size % (tp * replicas):
-            raise ConfigError(f"parallel.tp={tp} × parallel.dp_replicate={replicas} does not divide the {world_size} ranks")  # fmt: skip # noqa: E501
-        # rank = dp_rank * tp + tp_rank: a tensor-parallel group is tp adjacent ranks (one host)
+        tp, replicas, pp = parallel_cfg.tp, parallel_cfg.dp_replicate, parallel_cfg.pp
+        if world_size % (tp * replicas * pp):
+            raise ConfigError(f"parallel.pp × dp_replicate × tp = {pp} × {replicas} × {tp} does not divide the {world_size} ranks")  # fmt: skip # noqa: E501
+        # rank = (pp_rank * dp + dp_rank) * tp + tp_rank: a tensor-parallel group is tp adjacent
+        # ranks (one host), a pipeline stage's ranks a contiguous block of them
         dp = ("dp_replicate", "dp_shard") if replicas > 1 else ("dp",)
-        shape = (replicas, world_size // (replicas * tp)) if replicas > 1 else (world_size // tp,)
-        names = (*dp, "tp") if tp > 1 else dp
-        mesh = init_device_mesh(device.type, (*shape, tp) if tp > 1 else shape, mesh_dim_names=names)
-        dp_mesh = mesh[dp] if len(names) > 1 else mesh
-    elif parallel_cfg.tp > 1:
-        raise ConfigError(f"parallel.tp={parallel_cfg.tp} needs that many ranks: launch with --nproc {parallel_cfg.tp}")  # fmt: skip # noqa: E501
+        n_dp = world_size // (replicas * tp * pp)
+        shape = (replicas, n_dp) if replicas > 1 else (n_dp,)
+        names = (*(("pp",) if pp > 1 else ()), *dp, *(("tp",) if tp > 1 else ()))
+        shape = (*((pp,) if pp > 1 else ()), *shape, *((tp,) if tp > 1 else ()))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+        dp_mesh = mesh[dp] if len(names) > len(dp) else mesh
+    elif parallel_cfg.tp > 1 or parallel_cfg.pp > 1:
+        n = parallel_cfg.tp * parallel_cfg.pp
+        raise ConfigError(f"parallel.tp={parallel_cfg.tp} × parallel.pp={parallel_cfg.pp} needs {n} ranks: launch with --nproc {n}")  # fmt: skip # noqa: E501
     tp = parallel_cfg.tp if world_size > 1 else 1
-    _ENV = DistEnv(rank, world_size, local_rank, device, mesh, tp, dp_mesh)
+    pp = parallel_cfg.pp if world_size > 1 else 1
+    _ENV = DistEnv(rank, world_size, local_rank, device, mesh, tp, dp_mesh, pp)
     return _ENV
 
 
@@ -245,7 +260,7 @@ class Watchdog:
         except Exception:
             return f"rank {rank} never reported (it did not start, or the store is gone)"
         age = time.time() - float(beat)
-        if host == socket.gethostname() and not _process_alive(int(pid)):
+        if host == socket.gethostname() and not process_alive(int(pid)):
             return f"rank {rank} has exited (pid {pid}, last at step {step})"
         if age > 5 * _BEAT_S:
             return f"rank {rank} has been silent for {age:.0f} s (last at step {step}): it died or its host is unreachable"  # fmt: skip # noqa: E501
@@ -254,19 +269,3 @@ class Watchdog:
         if not failed:
             return f"rank {rank} is alive at step {step}"
         return f"rank {rank} is alive at step {step} but did not join the collective (stuck, or on another code path)"  # fmt: skip # noqa: E501
-
-
-def _process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs on this host (a zombie, exited but not yet reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not os.path.isdir("/proc")  # (with /proc, a missing entry means gone)

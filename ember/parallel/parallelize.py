@@ -4,6 +4,8 @@
 
 Order (each step needs the one before it):
 
+0. pipeline parallel         — ``parallel.pp`` > 1: the blocks cut into stages, this rank's kept
+                               (ember/parallel/pipeline.py), and steps 1-4 applied to each stage;
 1. tensor parallel           — ``parallel.tp`` ranks split every block's matrices by a plan
                                (``apply_tp``), on the mesh's "tp" dimension;
 2. activation checkpointing  — wrap each block, so backward recomputes its activations;
@@ -33,18 +35,23 @@ PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def check_layout(cfg, world_size: int, model_cfg=None) -> None:
     """A ConfigError, naming the numbers, for a layout that cannot run: called before torchrun
     starts the ranks (``ember train --nproc N``) and again by each rank."""
-    tp, t, replicas, shard = cfg.parallel.tp, cfg.train, cfg.parallel.dp_replicate, cfg.parallel.dp_shard
+    tp, t, replicas, shard, pp = (cfg.parallel.tp, cfg.train, cfg.parallel.dp_replicate,
+                                  cfg.parallel.dp_shard, cfg.parallel.pp)  # fmt: skip
     if cfg.parallel.data != "fsdp" and (replicas > 1 or shard > 1):
         raise ConfigError(f"parallel.dp_replicate={replicas} and parallel.dp_shard={shard} shape FSDP2 (HSDP when both > 1): set parallel.data=fsdp")  # fmt: skip # noqa: E501
-    if shard != -1 and replicas * shard * tp != world_size:
-        raise ConfigError(f"parallel.dp_replicate × dp_shard × tp = {replicas} × {shard} × {tp} = {replicas * shard * tp}, but there are {world_size} ranks; set parallel.dp_shard=-1 to fill")  # fmt: skip # noqa: E501
-    if world_size % (replicas * tp):
-        raise ConfigError(f"parallel.dp_replicate={replicas} × parallel.tp={tp} needs a multiple of {replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
+    if shard != -1 and pp * replicas * shard * tp != world_size:
+        raise ConfigError(f"parallel.pp × dp_replicate × dp_shard × tp = {pp} × {replicas} × {shard} × {tp} = {pp * replicas * shard * tp}, but there are {world_size} ranks; set parallel.dp_shard=-1 to fill")  # fmt: skip # noqa: E501
+    if world_size % (pp * replicas * tp):
+        sizes = (("pp", pp), ("dp_replicate", replicas), ("tp", tp))
+        what = " × ".join(f"parallel.{k}={v}" for k, v in sizes if v > 1)
+        raise ConfigError(f"{what} needs a multiple of {pp * replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
+    m = model_cfg or cfg.model
+    if pp > 1:
+        from ember.parallel.pipeline import check_pipeline
+
+        check_pipeline(cfg, world_size, m)
     if tp == 1:
         return
-    if world_size % tp:
-        raise ConfigError(f"parallel.tp={tp} needs a multiple of {tp} ranks, not {world_size}: launch with --nproc {tp} (or a multiple)")  # fmt: skip # noqa: E501
-    m = model_cfg or cfg.model
     n_kv = m.n_kv_head or m.n_head
     split = (("model.n_head", m.n_head), ("model.n_kv_head", n_kv), ("the MLP width", mlp_hidden_size(m)))
     for what, n in split:
@@ -52,9 +59,10 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> None:
             raise ConfigError(f"parallel.tp={tp} must divide {what} ({n}): each rank takes a tp-th of them")
     if m.vocab_size and m.vocab_size % tp:
         raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size ({m.vocab_size}): the embedding and head are split by rows")  # fmt: skip # noqa: E501
-    if world_size > tp and cfg.parallel.data == "ddp":
+    if world_size // pp > tp and cfg.parallel.data == "ddp":
         raise ConfigError(
-            f"parallel.tp={tp} on {world_size} ranks leaves {world_size // tp} data-parallel groups, "
+            f"parallel.tp={tp} on {world_size // pp} ranks per stage leaves {world_size // pp // tp} "
+            "data-parallel groups, "
             "which shard with FSDP2 over the tensor-parallel DTensors: set parallel.data=fsdp"
         )
     if cfg.parallel.loss_parallel and (t.z_loss or m.logit_softcap):
@@ -100,7 +108,8 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss
     )
 
     sp = sequence_parallel
-    tied = getattr(model.output, "weight", None) is model.tok_embeddings.weight
+    ends = (model.tok_embeddings, model.output)  # a pipeline stage lacks one or both (None)
+    tied = None not in ends and getattr(model.output, "weight", None) is model.tok_embeddings.weight
     stream = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
@@ -112,6 +121,7 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss
     }
     if sp:
         plan["norm"] = SequenceParallel()
+    plan = {name: how for name, how in plan.items() if getattr(model, name) is not None}  # (a pipeline stage)
     parallelize_module(model, mesh, plan)
     if tied:
         model.output.weight = model.tok_embeddings.weight
@@ -158,13 +168,23 @@ def apply_fsdp(model: torch.nn.Module, mesh, precision: str) -> torch.nn.Module:
     return model
 
 
-def apply_ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def apply_ddp(model: torch.nn.Module, device: torch.device, mesh) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group())
 
 
 def parallelize(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
+    if env.pp > 1:  # first the cut into stages; each stage then gets apply_layout
+        from ember.parallel.pipeline import pipeline_parallelize
+
+        return pipeline_parallelize(model, env, cfg)
+    return apply_layout(model, env, cfg)
+
+
+def apply_layout(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
+    """Steps 1-4 of the order above on a whole model or on one pipeline stage."""
     if env.tp > 1:
         apply_tp(model, env.mesh["tp"], cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel)
     if cfg.train.activation_checkpointing:
@@ -174,7 +194,7 @@ def parallelize(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
     if env.dp_size > 1:
         if cfg.parallel.data == "fsdp":
             return apply_fsdp(model, env.dp_mesh, cfg.train.precision)  # a 2-D dp_mesh: HSDP
-        return apply_ddp(model, env.device)
+        return apply_ddp(model, env.device, env.dp_mesh)
     return model
 
 

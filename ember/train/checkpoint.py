@@ -14,7 +14,9 @@ scaler state), and last of all the ``COMMITTED`` marker. A folder without the ma
 a save that was killed — is ignored on resume and removed at the next save.
 
 A checkpoint written before a param-group setting existed still loads: the setting keeps
-the value the optimizer was built with (tensors and state must all be there).
+the value the optimizer was built with (tensors and state must all be there). Optimizer state
+is keyed by parameter name (``FLAT``), so pipeline stages, which hold different param groups,
+save and load it; checkpoints from before, keyed by group position, still load.
 
 Nothing is loaded with ``weights_only=False``: DCP reads tensors, the RNG files hold
 only tensors, everything else is JSON.
@@ -47,6 +49,10 @@ from ember.model.gpt import GPT
 from ember.parallel.dist import barrier, get_rank
 
 MARKER = "COMMITTED"
+# optimizer state keyed by parameter name, not by position in the param groups: a pipeline stage
+# has only some groups (the embedding's on the first stage, the head's on the last), so positions
+# would differ from rank to rank, and layouts could not load each other's checkpoints
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -116,7 +122,7 @@ def save_checkpoint(
         shutil.rmtree(folder, ignore_errors=True)  # leftovers of an uncommitted earlier attempt
         folder.mkdir()
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     if only is not None:
         model_sd = {k: v for k, v in model_sd.items() if k in only}
     with _quiet_single_process():
@@ -141,13 +147,23 @@ def _prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _drop_unsaved_group_settings(optim_sd: dict, folder: Path) -> None:
+def _drop_unsaved_group_settings(optim_sd: dict, folder: Path) -> dict:
     """Param-group settings newer than the checkpoint (e.g. ``peak_lr``, added with per-group
-    learning rates) are not asked of it; they keep the values the optimizer was built with."""
+    learning rates) are not asked of it; they keep the values the optimizer was built with,
+    which are returned to be put back after the load (the flat form asks for every one)."""
     saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    for i, group in enumerate(optim_sd.get("param_groups", [])):
+    for i, group in enumerate(optim_sd.get("param_groups", [])):  # the nested form
         for key in [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]:
             del group[key]
+    flat = [k for k in optim_sd if k.startswith("param_groups.") and f"optim.{k}" not in saved]
+    return {k: optim_sd.pop(k) for k in flat}
+
+
+def _is_flat(folder: Path) -> bool:
+    """Whether the checkpoint keys optimizer state by parameter name (``FLAT``), as every
+    checkpoint since pipeline parallel does, or by position in the param groups (before)."""
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optim.param_groups.0.") for k in saved)
 
 
 def load_checkpoint(
@@ -172,19 +188,21 @@ def load_checkpoint(
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
                 set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
             else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
+                flat = _is_flat(folder)
+                model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))  # fmt: skip # noqa: E501
                 if only is not None:
                     model_sd = {k: v for k, v in model_sd.items() if k in only}
                 built = [dict(group) for group in optimizer.param_groups]
-                _drop_unsaved_group_settings(optim_sd, folder)
+                kept = _drop_unsaved_group_settings(optim_sd, folder)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
+                state["optim"].update(kept)
                 set_state_dict(
                     model,
                     optimizer,
                     model_state_dict=state["model"],
                     optim_state_dict=state["optim"],
-                    options=StateDictOptions(strict=only is None),
+                    options=StateDictOptions(strict=only is None, flatten_optimizer_state_dict=flat),
                 )
                 for group, before in zip(optimizer.param_groups, built, strict=True):
                     for key, value in before.items():
@@ -215,7 +233,16 @@ def export_weights(
     atomically. Collective under FSDP (gathers the full state); rank 0 writes."""
     from safetensors.torch import save_file
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    pipeline = getattr(model, "schedule", None) is not None
+    # (cpu_offload gives the state to rank 0 only; a pipeline stage's first rank needs its own)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not pipeline)
+    full = get_model_state_dict(model, options=options)
+    if pipeline:  # pipeline stages: rank 0 gathers their layers
+        mine = 0 in torch.distributed.get_process_group_ranks(model.group)  # one copy of each stage
+        full = {k: v.cpu() for k, v in full.items()} if mine else {}
+        parts = [None] * torch.distributed.get_world_size() if get_rank() == 0 else None
+        torch.distributed.gather_object(full, parts, dst=0)
+        full = {k: v for part in parts or [] for k, v in part.items()}
     if get_rank() != 0:
         return
     tmp = staging_dir(out)

@@ -128,7 +128,10 @@ class LMTask:
         model.eval()
         for x, y in val_loader:
             with autocast:
-                logits = model(x).float()
+                logits = model(x)
+            if logits is None:  # a pipeline rank without the last stage
+                continue
+            logits = logits.float()
             if hasattr(logits, "full_tensor"):  # split by vocabulary (parallel.loss_parallel): gathered
                 logits = logits.full_tensor()
             nats_per_token = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none")
@@ -209,20 +212,26 @@ def resolve_model_config(model_cfg, tokenizer):
     return replace(model_cfg, vocab_size=vocab)
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     """``clip_grad_norm_`` that also takes a mix of DTensor and plain gradients, or DTensors on
     different meshes (tensor parallel splits the blocks' matrices and leaves norms whole; FSDP2
     over it puts the two on a 2-D and a 1-D mesh): each norm as a plain number (a DTensor's is
     reduced over its mesh), the total, then every gradient scaled in place. Gradients of one
-    kind (one device, DDP, FSDP2 alone) take torch's own batched path."""
+    kind (one device, DDP, FSDP2 alone) take torch's own batched path. Under pipeline parallel
+    (``pipeline``: the rank's PipelineGPT) the norm sums every stage's gradients."""
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    if len({(type(g), getattr(g, "device_mesh", None)) for g in grads}) <= 1:  # one kind: torch's own
+    if pipeline is not None:
+        from ember.parallel.pipeline import pipeline_grad_norm
+
+        total = pipeline_grad_norm(params, pipeline.group)
+    elif len({(type(g), getattr(g, "device_mesh", None)) for g in grads}) <= 1:  # one kind: torch's own
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return total.full_tensor() if hasattr(total, "full_tensor") else total
-    norms = [g.norm(2.0) for g in grads]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-    total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
+    else:
+        norms = [g.norm(2.0) for g in grads]
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+        total = torch.stack(norms).norm(2.0) if norms else torch.zeros(())
     if max_norm < math.inf:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -744,6 +753,8 @@ class Trainer:
         progress = self.progress(self.elapsed_before)
         batches = self.loader.iterate(self.step)  # background prefetch + pinned copies on CUDA
         comm = {"ddp": "DDP's gradient all-reduce", "fsdp": "FSDP's all-gathers and reduce-scatters"}
+        if self.env.pp > 1:
+            comm = dict.fromkeys(comm, f"the pipeline's sends and receives ({self.cfg.parallel.pp_schedule})")
         try:
             while progress < 1.0:
                 self.watch.at(self.step + 1)
@@ -791,7 +802,12 @@ class Trainer:
         start = time.perf_counter()
         loss_sum = torch.zeros((), device=self.env.device)
         self.step_metrics = {}
-        for micro in range(self.grad_accum):
+        pipeline = getattr(self.model, "schedule", None) is not None
+        if pipeline:  # the schedule runs every micro-batch's forward and backward
+            with self.autocast:
+                loss_sum = self.model.train_step(*batch)
+            loss_sum *= self.env.pp  # only the last stage's ranks hold it: the average below is right
+        for micro in range(0 if pipeline else self.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with self._sync_grads(micro == self.grad_accum - 1), self.loss_parallel():
                 with self.autocast:
@@ -810,7 +826,8 @@ class Trainer:
         fwd_bwd_s = time.perf_counter() - start
 
         self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip or math.inf)
+        max_norm = t.grad_clip or math.inf
+        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.model if pipeline else None)
         all_reduce(loss_sum, "avg")
         bad = ~torch.isfinite(loss_sum)
         if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
@@ -883,7 +900,9 @@ class Trainer:
                 f"update skipped ({self.skipped} so far)"
             )
             return
-        module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
+        module = "not located under pipeline parallel"
+        if getattr(self.model, "schedule", None) is None:
+            module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
         raise NonFiniteError(
             f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip"
