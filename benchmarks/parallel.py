@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/parallel.py                                   # CPU, cpu-quick, gloo
     .venv/bin/python benchmarks/parallel.py --layouts single ddp2 tp2 fsdp2xtp2
+    .venv/bin/python benchmarks/parallel.py --layouts single-untied pp2xfsdp2xtp2    # 3-D, 8 ranks
     python benchmarks/parallel.py --config gpt2-small --device cuda --steps 30  # GPU: MFU per layout
 
 Each layout is one `ember train CONFIG --nproc N ...` run of ``--steps`` steps on the same
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from printing import cpu_model, print_table
 
+PP = ["parallel.pp=2", "model.tie_embeddings=false"]
 LAYOUTS = {  # name: (ranks, overrides)
     "single": (1, []),
     "ddp2": (2, ["parallel.data=ddp"]),
@@ -41,6 +43,14 @@ LAYOUTS = {  # name: (ranks, overrides)
     "hsdp2x2": (4, ["parallel.data=fsdp", "parallel.dp_replicate=2"]),
     "fsdp2xtp2": (4, ["parallel.data=fsdp", "parallel.tp=2"]),
     "tp4": (4, ["parallel.tp=4"]),
+    # pipeline parallel needs an untied head (it lives on the last stage, the embedding on the first)
+    "single-untied": (1, ["model.tie_embeddings=false"]),
+    "pp2": (2, ["parallel.pp=2", "model.tie_embeddings=false"]),
+    "pp2-gpipe": (2, [*PP, "parallel.pp_schedule=gpipe"]),
+    "pp2-interleaved": (2, [*PP, "parallel.pp_schedule=interleaved-1f1b"]),
+    "pp2xfsdp2": (4, [*PP, "parallel.data=fsdp"]),
+    "pp2xtp2": (4, [*PP, "parallel.tp=2"]),
+    "pp2xfsdp2xtp2": (8, [*PP, "parallel.tp=2", "parallel.data=fsdp"]),
 }
 
 
@@ -76,9 +86,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="cpu-quick")
     parser.add_argument("--device", default="cpu")
-    every = [k for k in LAYOUTS if k != "tp4"]
+    every = [k for k in LAYOUTS if k not in ("tp4", "pp2xfsdp2xtp2")]
     parser.add_argument("--layouts", nargs="+", default=every, choices=list(LAYOUTS),
-                        help="default: all but tp4 (cpu-quick has 2 heads)")  # fmt: skip
+                        help="default: all but tp4 (cpu-quick has 2 heads) and the 8-rank 3-D")  # fmt: skip
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the median")
     parser.add_argument("--micro-batch", type=int, default=4, help="rows per forward (splits on 4 ranks)")

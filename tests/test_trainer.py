@@ -599,3 +599,40 @@ def test_muon_two_ranks_match_one_process(tiny_cfg, tmp_path):
         got = _torchrun(tmp_path, layout, *MUON, *steps, f"parallel.data={layout}", data_dir=single.data.dir)
         assert sorted(got) == [1, 2, 3, 4]
         assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (layout, got, want)
+
+
+def test_checkpoint_of_the_nested_optimizer_format_still_loads(tmp_path):
+    """Checkpoints written before pipeline parallel keyed optimizer state by param-group position;
+    they load into the name-keyed (flat) form that ember writes now, values unchanged."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from ember.config import load_config
+    from ember.model.gpt import GPT
+    from ember.train.checkpoint import _rng_state, load_checkpoint
+    from ember.train.optim import build_optimizer
+
+    cfg = load_config("tiny", ["model.vocab_size=512"])
+
+    def model_and_optimizer(seed):
+        torch.manual_seed(seed)
+        model = GPT.build(cfg.model)
+        return model, build_optimizer(model, cfg.train, torch.device("cpu"))
+
+    model, opt = model_and_optimizer(0)
+    model(torch.randint(0, 512, (2, 8))).sum().backward()
+    opt.step()
+    folder = tmp_path / "step-000001"
+    model_sd, optim_sd = get_state_dict(model, opt)  # the nested form, as before
+    assert "param_groups" in optim_sd and isinstance(optim_sd["param_groups"], list)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder), no_dist=True)
+    torch.save(_rng_state(), folder / "rng-rank0.pt")
+    (folder / "meta.json").write_text('{"step": 1}')
+    (folder / MARKER).write_text("{}")
+
+    fresh, fresh_opt = model_and_optimizer(1)
+    load_checkpoint(folder, fresh, fresh_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], fresh_opt.state[q]["exp_avg_sq"])
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in fresh_opt.param_groups]
