@@ -128,6 +128,97 @@ def cmd_bench_comm(args) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def cmd_plan(args) -> int:
+    import json
+    import os
+    import subprocess
+
+    from ember.config import load_config
+    from ember.parallel import plan
+    from ember.parallel.parallelize import check_layout
+    from ember.train.trainer import _batch_layout
+
+    cfg = load_config(args.config, args.overrides)
+    ranked = "LOCAL_RANK" in os.environ
+    if args.measure and not ranked:
+        from ember.data.prepare import prepare
+
+        prepare(cfg, command=_command_line())  # the measured steps read the data, as training would
+    model_cfg = plan.model_config_for(cfg)
+    if not ranked:
+        check_layout(cfg, args.nproc, model_cfg)
+        _batch_layout(cfg.train, args.nproc // (cfg.parallel.tp * cfg.parallel.pp))
+    world = int(os.environ.get("WORLD_SIZE", args.nproc))
+    predicted = plan.predict(cfg, model_cfg, world)
+    measured = None
+    if args.measure and args.nproc > 1 and not ranked:
+        flags = ["--measure", f"--steps={args.steps}", "--json"]  # (the ranks read WORLD_SIZE)
+        cmd = _torchrun_cmd(args.nproc, "plan", args.config, *args.overrides, *flags)
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith('{"measured"')]
+        if proc.returncode or not lines:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+            raise EmberError(f"the measured run failed (exit {proc.returncode}):\n{tail}")
+        measured = json.loads(lines[-1])["measured"]
+    elif args.measure:
+        measured = plan.measure_config(cfg, args.steps)
+        if measured is None:  # not rank 0
+            return 0
+        if ranked:
+            print(json.dumps({"measured": measured}), flush=True)
+            return 0
+    flops = plan.step_flops(model_cfg, cfg)
+    if args.json:
+        print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops}))
+        return 0
+    _print_plan(cfg, predicted, measured, flops, args)
+    return 0
+
+
+def _print_plan(cfg, predicted, measured, flops, args) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ember.parallel import plan
+    from ember.parallel.plan import COMPONENTS
+
+    mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
+    p = cfg.parallel
+    layout = [f"{k}={getattr(p, k)}" for k in ("pp", "dp_replicate", "tp") if getattr(p, k) > 1]
+    first = predicted[0]
+    layout += [f"dp={first['dp']} ({'FSDP2' if first['fsdp'] else 'replicas'})"] if first["dp"] > 1 else []
+    if p.pp > 1:
+        layout.append(f"{p.pp_schedule}, {first['microbatches']} micro-batches of {first['rows']} rows")
+    t = cfg.train
+    print(f"{args.config} on {len(predicted)} rank(s): {', '.join(layout) or 'one process'}; "
+          f"{t.precision}, {t.optimizer}, micro-batch {first['rows']} × {t.seq_len}")  # fmt: skip
+    table = Table(title="predicted bytes per rank (MiB)")
+    for col in ("rank", "stages", "params", "grads", "optimizer", "activations", "with AC", "peak"):
+        table.add_column(col, justify="right")
+    for r in predicted:
+        sizes = [mib(r[k]) for k in ("params", "grads", "optimizer", "activations", "activations_ac", "peak")]
+        table.add_row(str(r["rank"]), ",".join(map(str, r["stages"])), *sizes)
+    Console().print(table)
+    step_s = ""
+    if args.peak_tflops:
+        step_s = f"; at {args.mfu:.0%} MFU of {args.peak_tflops:g} TFLOP/s per rank: {flops / (args.mfu * args.peak_tflops * 1e12 * len(predicted)):.3g} s a step"  # fmt: skip # noqa: E501
+    print(f"FLOPs per step: {flops:.3e} (6N + attention, × {cfg.train.batch_tokens:,} tokens){step_s}")
+    if measured is None:
+        return
+    table = Table(title=f"predicted vs measured (MiB), the last of {args.steps} steps")
+    for col in ("rank", "component", "predicted", "measured", "ratio"):
+        table.add_column(col, justify="right")
+    worst = 0.0
+    for pred, meas in zip(predicted, measured, strict=True):
+        for key in COMPONENTS:
+            a, b = pred[key], meas[key]
+            ratio = a / b if b else (1.0 if a == 0 else float("inf"))
+            worst = max(worst, plan.difference(a, b, meas["peak"]))
+            table.add_row(str(pred["rank"]), key.replace("_", " "), mib(a), mib(b), f"{ratio:.3f}")
+    Console().print(table)
+    print(f"largest difference: {worst:.1%} (relative; under 5% of the peak, as a share of the peak)")
+
+
 def cmd_train(args) -> int:
     import os
     import subprocess
@@ -764,6 +855,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prefix", nargs="?", default="", help="only keys starting with this (e.g. data.)")
     p.set_defaults(func=cmd_config_keys)
+
+    p = verbs.add_parser(
+        "plan",
+        help="will it fit? bytes per rank of parameters, gradients, optimizer state, activations, peak",
+        description="Predict, for CONFIG under its layout on --nproc ranks, each rank's bytes of "
+        "parameters, gradients, optimizer state and activations (as configured, and with activation "
+        "checkpointing; per pipeline stage and micro-batch count) and the peak of a step; FLOPs per step "
+        "and, with --peak-tflops, the step time at --mfu. --measure runs a few real steps (torchrun for "
+        "N > 1) and prints predicted / measured per component, from a tracker of live tensor storages.",
+        epilog="examples: ember plan cpu-quick | ember plan tiny --nproc 2 parallel.tp=2 --measure | "
+        "ember plan gpt2-small --nproc 8 parallel.data=fsdp --peak-tflops 989",
+    )
+    p.add_argument("config", metavar="CONFIG", help=CONFIG_HELP)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
+    p.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks (default 1)")
+    p.add_argument("--measure", action="store_true", help="run --steps real steps and compare")
+    p.add_argument("--steps", type=int, default=3, help="steps of --measure; the last is tracked (default 3)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=0.0, help="a rank's peak TFLOP/s (an H100: 989 in bf16)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=cmd_plan)
 
     bench = verbs.add_parser(
         "bench", help="measure the machine: collectives between ranks", description="Measure the machine."

@@ -1,0 +1,434 @@
+"""``ember plan CONFIG [--nproc N]``: will it fit? Bytes per rank, predicted from the config and
+the layout before anything runs, and (``--measure``) set against a few real steps.
+
+    plans = predict(cfg, world_size)        # one dict per rank: params, grads, optimizer, ...
+    measured = measure(trainer, steps=3)    # the same components, from a live storage tracker
+
+A rank holds, in a step of fp32 training with AdamW:
+
+- **parameters**: its share of each tensor. Tensor parallel splits the block matrices (q, k, v
+  and the MLP's up/gate by output rows, the attention output and the MLP's down by input
+  columns) and the embedding and head by vocabulary rows by ``tp``; FSDP2 then cuts dim 0 of
+  what is left into ``dp_shard`` chunks, each padded to the largest (its shards are equal-sized);
+  a pipeline stage holds only its blocks, the first the embedding, the last the norm and head.
+- **gradients**: the same shapes as the parameters.
+- **optimizer**: AdamW's two moments (2 × the parameters) and a 4-byte step per tensor; Muon
+  one momentum for the block matrices.
+- **activations**: what autograd saves for the backward, found by tracing the rank's model (its
+  stage, with its tensor-parallel widths) on fake tensors (``FakeTensorMode``: shapes and dtypes,
+  no data, and the same attention kernel as the real device) at the micro-batch's shape, and
+  summing the distinct storages the saved-tensor hook sees. With activation checkpointing a
+  block keeps only its input, and the backward recomputes one block at a time. A pipeline stage
+  holds several micro-batches' at once: M under GPipe, min(M, S - stage) under 1F1B, the warm-up
+  count of torch's interleaved schedule under interleaved 1F1B.
+- **peak**: the largest sum over the backward pass, layer by layer: activations still to be
+  consumed, gradients already made (all of them from the start when gradients accumulate over
+  micro-batches or micro-batches flow through a pipeline), two logits-sized buffers (the
+  gradient of the loss and of the logits) when the backward starts, and under FSDP2 the
+  gathered (unsharded) parameters of the root and of two blocks (the one computed and the one
+  prefetched) with one block's unsharded gradient before its reduce-scatter.
+
+The measurement (``StorageTracker``, a ``TorchDispatchMode``) records every storage an operation
+creates and when it dies (a weak reference), on top of the parameters, gradients and optimizer
+state present when it starts; at the largest total it splits the live bytes into parameters,
+gradients, optimizer state and the rest (activations and temporaries). The prediction is a
+model of the same quantities, so the two are comparable term by term (``tests/test_plan.py``
+holds them within 10%). Bytes of the process itself (Python, torch, communication buffers) are
+in neither: they are what `peak_mem_mb` adds on a CPU.
+
+FLOPs per step are the trainer's (6N + attention, PaLM appendix B) times the tokens of a step;
+the expected step time divides them by the device's peak at ``--mfu``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ember.model.gpt import GPT, mlp_hidden_size
+
+COLUMN = ("attention.wq", "attention.wk", "attention.wv", "mlp.w1", "mlp.w3")  # split by output rows
+ROW = ("attention.wo", "mlp.w2")  # split by input columns
+
+
+def coordinates(cfg, world_size: int, rank: int) -> dict:
+    """Where ``rank`` sits in the mesh (rank = (pp_rank × dp + dp_rank) × tp + tp_rank)."""
+    p = cfg.parallel
+    pp, tp = p.pp, p.tp
+    dp = world_size // (pp * tp)
+    fsdp = p.data == "fsdp" and dp > 1
+    shard = dp // p.dp_replicate if fsdp else 1
+    return {"pp_rank": rank // (dp * tp), "dp": dp, "dp_rank": rank // tp % dp, "tp": tp, "shard": shard,
+            "fsdp": fsdp}  # fmt: skip
+
+
+def _local_shape(name: str, shape: tuple, tp: int, shard: int) -> tuple:
+    """A parameter's shape on one rank: split by tensor parallel, then FSDP2's padded chunk."""
+    shape = list(shape)
+    module = name.rsplit(".", 1)[0]
+    if tp > 1:
+        if module.endswith(COLUMN) or module in ("tok_embeddings", "output"):
+            shape[0] //= tp
+        elif module.endswith(ROW) and name.endswith("weight"):
+            shape[1] //= tp
+    if shard > 1:
+        shape[0] = math.ceil(shape[0] / shard)
+    return tuple(shape)
+
+
+def _stage_model(model: GPT, cfg, pp_rank: int) -> tuple[GPT, list[int]]:
+    from ember.parallel.pipeline import _part, stage_layers, virtual_stages
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return model, [0]
+    n_stages = p.pp * virtual_stages(p)
+    ranges = stage_layers(model.cfg.n_layer, n_stages)
+    ids = list(range(pp_rank, n_stages, p.pp))
+    return _part(model, [i for s in ids for i in ranges[s]], 0 in ids, n_stages - 1 in ids), ids
+
+
+def _narrow(model: GPT, tp: int) -> None:
+    """Give each block the widths one tensor-parallel rank computes (the model reads its head
+    count from the shapes); the embedding and head stay whole, as their outputs are gathered."""
+    for block in model.layers.values():
+        for name, module in list(block.named_modules()):
+            if name.endswith(COLUMN + ROW):
+                parent = block.get_submodule(name.rsplit(".", 1)[0])
+                i, o = module.in_features, module.out_features
+                i, o = (i, o // tp) if name.endswith(COLUMN) else (i // tp, o)
+                bias = module.bias is not None
+                setattr(parent, name.rsplit(".", 1)[1], torch.nn.Linear(i, o, bias=bias))
+
+
+def trace_activations(model_cfg, cfg, rows: int, pp_rank: int = 0) -> dict:
+    """Bytes autograd saves in one forward of ``rows`` × seq_len on the rank's model: in total,
+    per block, and what a checkpointed block keeps (its input)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    T = cfg.train.seq_len
+    with FakeTensorMode():
+        model, _ = _stage_model(GPT(model_cfg), cfg, pp_rank)
+        if cfg.parallel.tp > 1:
+            _narrow(model, cfg.parallel.tp)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: dict[int, int] = {}
+        per_block: dict[str, int] = {}
+        where = ["other"]
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in params and key not in seen:
+                seen[key] = t.untyped_storage().nbytes()
+                per_block[where[0]] = per_block.get(where[0], 0) + seen[key]
+            return t
+
+        hooks = []
+        for name, block in model.layers.items():
+            hooks.append(block.register_forward_pre_hook(lambda m, a, name=name: where.__setitem__(0, name)))
+            hooks.append(block.register_forward_hook(lambda m, a, o: where.__setitem__(0, "other")))
+        if model.tok_embeddings is not None:
+            x = torch.randint(0, model_cfg.vocab_size, (rows, T))
+        else:
+            x = torch.randn(rows, T, model_cfg.d_model, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+            if model.output is not None:
+                F.cross_entropy(out.flatten(0, 1), torch.randint(0, model_cfg.vocab_size, (rows * T,)))
+        for h in hooks:
+            h.remove()
+    blocks = [per_block.get(name, 0) for name in model.layers]
+    return {"total": sum(seen.values()), "blocks": blocks, "other": per_block.get("other", 0),
+            "block_input": rows * T * model_cfg.d_model * 4, "logits": rows * T * model_cfg.vocab_size * 4
+            if model.output is not None else 0}  # fmt: skip
+
+
+def _in_flight(cfg, stage: int, microbatches: int) -> int:
+    """Micro-batches whose activations a pipeline rank holds at once."""
+    from ember.parallel.pipeline import virtual_stages
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return 1
+    if p.pp_schedule == "gpipe":
+        return microbatches
+    if p.pp_schedule == "1f1b":
+        return min(microbatches, p.pp - stage)
+    v = virtual_stages(p)  # torch's interleaved warm-up: (v - 1) rounds, then 2 per later rank
+    per_round = microbatches // max(1, microbatches // p.pp)
+    warmup = (v - 1) * per_round + 2 * (p.pp - 1 - stage)
+    return min(warmup + 1, microbatches * v)  # (counted in a stage's micro-batches)
+
+
+def predict(cfg, model_cfg, world_size: int) -> list[dict]:
+    """One dict per rank: bytes of parameters, gradients, optimizer state, activations (as run,
+    without and with activation checkpointing) and the peak; see the module docstring."""
+    from ember.parallel.pipeline import microbatches, virtual_stages
+
+    t = cfg.train
+    with torch.device("meta"):
+        whole = GPT(model_cfg)
+    plans = []
+    for rank in range(world_size):
+        c = coordinates(cfg, world_size, rank)
+        model, ids = _stage_model(whole, cfg, c["pp_rank"])
+        shapes = {
+            n: _local_shape(n, tuple(p.shape), c["tp"], c["shard"]) for n, p in model.named_parameters()
+        }
+        sizes = {n: math.prod(s) * 4 for n, s in shapes.items()}
+        params = sum(sizes.values())
+        if t.optimizer == "muon":
+            hidden = [n for n in sizes if "layers" in n.split(".") and len(shapes[n]) == 2]  # one momentum
+            rest = params - sum(sizes[n] for n in hidden)  # AdamW's
+            optimizer = sum(sizes[n] for n in hidden) + 2 * rest + 4 * (len(sizes) - len(hidden))
+        else:
+            optimizer = 2 * params + 4 * len(sizes)
+        rows_per_rank = t.batch_tokens // t.seq_len // c["dp"]
+        m = microbatches(cfg, c["dp"]) if cfg.parallel.pp > 1 else rows_per_rank // t.micro_batch
+        rows = rows_per_rank // m if cfg.parallel.pp > 1 else t.micro_batch
+        act = trace_activations(model_cfg, cfg, rows, c["pp_rank"])
+        flight = _in_flight(cfg, c["pp_rank"], m)
+        ac_total = act["other"] + len(act["blocks"]) * act["block_input"] + max(act["blocks"], default=0)
+        used = ac_total if t.activation_checkpointing else act["total"]
+        # the backward, step by step from the loss: the head, the blocks from the last, the embedding;
+        # at each: activations saved and not yet used, gradients made so far (all of them from the start
+        # when micro-batches accumulate into them), and at the start two logits-sized temporaries
+        head = sum(b for n, b in sizes.items() if n.split(".")[0] in ("norm", "output"))
+        order = [head] + [
+            sum(b for n, b in sizes.items() if n.startswith(f"layers.{i}.")) for i in model.layers
+        ][::-1]
+        order.append(params - sum(order))  # the embedding (and learned positions)
+        gathered = block_grad = 0
+        if c["fsdp"]:  # gathered parameters: the root's and two blocks' (computed, prefetched)
+            full = {n: math.prod(_local_shape(n, tuple(p.shape), c["tp"], 1)) * 4 for n, p in model.named_parameters()}  # fmt: skip # noqa: E501
+            full_blocks = [
+                sum(b for n, b in full.items() if n.startswith(f"layers.{i}.")) for i in model.layers
+            ]
+            gathered = sum(full.values()) - sum(full_blocks) + 2 * max(full_blocks, default=0)
+            block_grad = max(full_blocks, default=0)  # a block's whole gradient, before its reduce-scatter
+        stream = rows * t.seq_len * model_cfg.d_model * 4  # one micro-batch of the residual stream
+        buffers = 0
+        if (
+            cfg.parallel.pp > 1
+        ):  # receive buffers, one per micro-batch: inputs (not first), their gradients (not last)
+            buffers = m * stream * ((model.tok_embeddings is None) + (model.output is None))
+        kept = (
+            act["logits"] if cfg.parallel.pp > 1 else 0
+        )  # the last stage keeps its output until its backward
+        # a block's backward works on gradients of its MLP's hidden units (three for SwiGLU's two
+        # branches and product, two otherwise) and of the stream coming in and going out
+        hidden = rows * t.seq_len * mlp_hidden_size(model_cfg) // cfg.parallel.tp * 4
+        working = (3 if model_cfg.mlp == "swiglu" else 2) * hidden + 2 * stream
+        blocks = (
+            act["blocks"] if not t.activation_checkpointing else [act["block_input"]] * len(act["blocks"])
+        )
+        n = len(blocks)
+        peak = (0, 0, 0)  # (total, gradients then, activations and temporaries then)
+        for k in range(n + 2):  # k of the steps done
+            saved = (flight - 1) * used + sum(blocks[: n - max(0, k - 1)])
+            saved += act["other"] - (act["logits"] if k else 0)  # the loss's log-probabilities go first
+            if t.activation_checkpointing and 0 < k <= n:
+                saved += max(act["blocks"], default=0)  # the block being recomputed
+            # gradients exist whole from the start once a micro-batch's backward has run before this one
+            grads = params if m > 1 and (cfg.parallel.pp == 1 or flight < m) else sum(order[:k])
+            temps = (2 * act["logits"] + kept) if k == 0 else working if k <= n else 0
+            extra = gathered + (block_grad if 1 < k <= n else 0) + buffers
+            peak = max(
+                peak, (params + optimizer + grads + saved + temps + extra, grads, saved + temps + extra)
+            )
+        plans.append({
+            "rank": rank, **c, "stages": ids, "microbatches": m, "rows": rows, "in_flight": flight,
+            "params": params, "grads": params, "optimizer": optimizer,
+            "activations": flight * act["total"], "activations_ac": flight * ac_total,
+            "peak": peak[0], "grads_at_peak": peak[1], "activations_at_peak": peak[2],
+            "fsdp_gathered": gathered,
+            "virtual_stages": virtual_stages(cfg.parallel) if cfg.parallel.pp > 1 else 1,
+        })  # fmt: skip
+    return plans
+
+
+def step_flops(model_cfg, cfg) -> float:
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return model.flops_per_token(cfg.train.seq_len) * cfg.train.batch_tokens
+
+
+# ---------------------------------------------------------------- measuring
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live tensor bytes by storage: every storage an operation returns is counted until its
+    last reference dies (weak reference); ``start`` counts what exists already. At the largest
+    total, ``at_peak`` splits it into parameters, gradients, optimizer state and the rest."""
+
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        self.live: dict[int, int] = {}
+        self.refs: dict[int, weakref.ref] = {}
+        self.total = self.peak = 0
+        self.at_peak: dict[str, int] = {}
+
+    def _add(self, t) -> None:
+        if not isinstance(t, torch.Tensor):
+            return
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor is what holds memory
+            for attr in t.__tensor_flatten__()[0]:
+                self._add(getattr(t, attr))
+            return
+        if t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.live:
+            return
+        self.live[key] = st.nbytes()
+        self.total += st.nbytes()
+        self.refs[key] = weakref.ref(st, lambda _, key=key: self._drop(key))
+
+    def _drop(self, key: int) -> None:
+        self.total -= self.live.pop(key, 0)
+        self.refs.pop(key, None)
+
+    def _keys(self, tensors) -> set[int]:
+        keys = set()
+        for t in tensors:
+            if t is None:
+                continue
+            t = t.to_local() if hasattr(t, "to_local") else t
+            keys.add(t.untyped_storage()._cdata)
+        return keys
+
+    def _split(self) -> dict[str, int]:
+        params = self._keys(self.params)
+        grads = self._keys(p.grad for p in self.params)
+        optim = self._keys(v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        split = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
+        for key, n in self.live.items():
+            kind = "params" if key in params else "grads" if key in grads else "optimizer" if key in optim else "activations"  # fmt: skip # noqa: E501
+            split[kind] += n
+        return split
+
+    def __enter__(self):
+        # the parameters as they stand between steps (FSDP2: the shards; the gathered copies it
+        # makes in the step count as activations, as ``predict`` counts them)
+        self.params = list(self.model.parameters())
+        for p in self.params:
+            self._add(p)
+            self._add(p.grad)
+        for s in self.optimizer.state.values():
+            for v in s.values():
+                self._add(v)
+        for b in self.model.buffers():
+            self._add(b)
+        self.peak = self.total
+        self.at_peak = self._split()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            self._add(t)
+        if self.total > self.peak:
+            self.peak = self.total
+            self.at_peak = self._split()
+        return out
+
+
+def measure(trainer, steps: int = 3) -> dict:
+    """Run ``steps`` training steps and track the last one: the bytes of the parameters,
+    gradients and optimizer state (this rank's), the peak of the step, and the gradients and
+    the rest (activations and temporaries) live at that peak."""
+    from ember.train.optim import lr_at
+
+    def local_bytes(tensors) -> int:
+        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+        return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+
+    grads = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.append(local_bytes(p.grad for p in trainer.model.parameters()))
+    )
+    batches = trainer.loader.iterate(trainer.step)
+    try:
+        for i in range(steps):
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lr_at(i, 0.0, trainer.cfg.train, peak=group["peak_lr"])
+            _, *batch = next(batches)
+            if i < steps - 1:
+                trainer.train_step(batch)
+                continue
+            gc.collect()  # garbage of earlier steps, freed at a moment of Python's choosing, goes first
+            tracker = StorageTracker(trainer.model, trainer.optimizer)
+            with tracker:
+                trainer.train_step(batch)
+    finally:
+        trainer.loader.close()
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    params = local_bytes(trainer.model.parameters())
+    return {
+        "params": params,
+        "grads": grads[-1],
+        "optimizer": local_bytes(state),
+        "peak": tracker.peak,
+        "grads_at_peak": tracker.at_peak["grads"],
+        "activations_at_peak": tracker.at_peak["activations"],
+    }
+
+
+def model_config_for(cfg):
+    """The model config with ``vocab_size`` resolved as the trainer will: from the prepared
+    tokenizer if data.dir holds one, else data.vocab_size rounded up to model.vocab_multiple."""
+    from ember.data.manifest import load_tokenizer
+    from ember.errors import EmberError
+    from ember.train.trainer import resolve_model_config
+
+    if cfg.model.vocab_size:
+        return cfg.model
+    try:
+        return resolve_model_config(cfg.model, load_tokenizer(cfg.data.dir))
+    except (EmberError, OSError):
+        m = cfg.model.vocab_multiple
+        return replace(cfg.model, vocab_size=(cfg.data.vocab_size + m - 1) // m * m)
+
+
+COMPONENTS = ("params", "grads", "optimizer", "grads_at_peak", "activations_at_peak", "peak")
+
+
+def difference(predicted: int, measured: int, peak: int) -> float:
+    """How far a prediction is off: relative to the measured value, or for a component under 5%
+    of the peak, as a share of the peak (the peak can fall inside a block's backward, after some
+    of its gradients exist: the prediction counts a block's gradients when its backward is done)."""
+    if max(predicted, measured) < 0.05 * peak:
+        return abs(predicted - measured) / peak
+    return abs(predicted - measured) / max(measured, 1)
+
+
+def measure_config(cfg, steps: int = 3) -> list[dict] | None:
+    """On every rank of the launch (or alone): train ``steps`` steps of ``cfg`` in a scratch run
+    directory and measure the last; rank 0 gets every rank's figures (others: None)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from ember.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
+        cfg = replace(cfg, run=replace(cfg.run, out_dir=tmp, name="plan"), train=replace(cfg.train, max_steps=steps, eval_every=0, ckpt_every=0))  # fmt: skip # noqa: E501
+        trainer = Trainer(cfg)
+        try:
+            mine = measure(trainer, steps)
+        finally:
+            trainer.watch.stop()
+            trainer.metrics.close()
+    if not dist.is_initialized():
+        return [mine]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every if dist.get_rank() == 0 else None
