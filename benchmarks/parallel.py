@@ -102,7 +102,8 @@ def main() -> None:
         for name in args.layouts:
             results.append(run(name, args, Path(tmp)))
             print(json.dumps(results[-1]), flush=True)
-    base = next((r["tokens_per_s"] for r in results if r["name"] == "single" and "error" not in r), None)
+    singles = [r for r in results if r["name"] in ("single", "single-untied") and "error" not in r]
+    base = singles[0]["tokens_per_s"] if singles else None  # (the PP rows: against the untied model)
     rows = []
     for r in results:
         if "error" in r:

@@ -215,6 +215,9 @@ def _print_plan(cfg, predicted, measured, flops, args) -> None:
             ratio = a / b if b else (1.0 if a == 0 else float("inf"))
             worst = max(worst, plan.difference(a, b, meas["peak"]))
             table.add_row(str(pred["rank"]), key.replace("_", " "), mib(a), mib(b), f"{ratio:.3f}")
+        if "allocator_peak" in meas:  # CUDA
+            a, b = pred["peak"], meas["allocator_peak"]
+            table.add_row(str(pred["rank"]), "peak (allocator)", mib(a), mib(b), f"{a / b:.3f}")
     Console().print(table)
     print(f"largest difference: {worst:.1%} (relative; under 5% of the peak, as a share of the peak)")
 

@@ -1,6 +1,6 @@
 """Pipeline parallel on CPU (gloo, fp32), against one process on the same data: GPipe, 1F1B and
 interleaved 1F1B on 2 ranks, PP2 x FSDP2, PP2 x TP2 (with sequence parallel) and interleaved x
-FSDP2 on 4, each with per-step losses and the evaluation's loss within 1e-5 over 6 steps;
+FSDP2 on 4, PP2 x FSDP2 x TP2 on 8, each with per-step losses and the evaluation's loss within 1e-5 over 6 steps;
 checkpoints move PP2 -> 1 process and 1 process -> PP2; `ember eval` reads the weights a PP run
 writes; impossible pipelines fail before launch. One torchrun launch runs several layouts
 (tests/legs.py)."""
@@ -34,6 +34,7 @@ FOUR = {
     "pp2xtp2-sp": [*PP2, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "interleavedxfsdp2": [*PP2, *FSDP, "parallel.pp_schedule=interleaved-1f1b"],
 }
+EIGHT = {"pp2xfsdp2xtp2": [*PP2, *FSDP, "parallel.tp=2"]}  # 3-D: 8 processes on the 2 cores, ~25 s
 
 
 def _launch(tmp_path: Path, nproc: int, legs: dict[str, list[str]], tiny_cfg) -> None:
@@ -82,7 +83,8 @@ def test_pipeline_layouts_and_checkpoints_match_one_process(tiny_cfg, tmp_path):
     _cut_at_3(tmp_path / "1-to-pp2")
     _launch(tmp_path, 2, TWO | {"1-to-pp2": [*TWO["interleaved"], "train.resume=auto"]}, tiny_cfg)
     _launch(tmp_path, 4, FOUR, tiny_cfg)
-    for name in [*TWO, *FOUR]:
+    _launch(tmp_path, 8, EIGHT, tiny_cfg)
+    for name in [*TWO, *FOUR, *EIGHT]:
         _close(losses(tmp_path / name), want, [1, 2, 3, 4, 5, 6])
         _close(_val(tmp_path / name), want_val, [3, 6])  # the evaluation's forward, stage to stage
     _close(losses(tmp_path / "1-to-pp2"), want, [4, 5, 6])

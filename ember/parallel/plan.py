@@ -4,7 +4,8 @@ the layout before anything runs, and (``--measure``) set against a few real step
     plans = predict(cfg, world_size)        # one dict per rank: params, grads, optimizer, ...
     measured = measure(trainer, steps=3)    # the same components, from a live storage tracker
 
-A rank holds, in a step of fp32 training with AdamW:
+A rank holds, in a step of training with AdamW (fp32 master weights, gradients and moments;
+with ``train.precision`` bf16 or fp16 the trace runs under autocast, as the trainer does):
 
 - **parameters**: its share of each tensor. Tensor parallel splits the block matrices (q, k, v
   and the MLP's up/gate by output rows, the attention output and the MLP's down by input
@@ -28,13 +29,14 @@ A rank holds, in a step of fp32 training with AdamW:
   gathered (unsharded) parameters of the root and of two blocks (the one computed and the one
   prefetched) with one block's unsharded gradient before its reduce-scatter.
 
-The measurement (``StorageTracker``, a ``TorchDispatchMode``) records every storage an operation
-creates and when it dies (a weak reference), on top of the parameters, gradients and optimizer
-state present when it starts; at the largest total it splits the live bytes into parameters,
-gradients, optimizer state and the rest (activations and temporaries). The prediction is a
-model of the same quantities, so the two are comparable term by term (``tests/test_plan.py``
-holds them within 10%). Bytes of the process itself (Python, torch, communication buffers) are
-in neither: they are what `peak_mem_mb` adds on a CPU.
+The measurement (``StorageTracker``, a ``TorchDispatchMode``) records every storage an
+operation creates and when it dies (a weak reference), on top of the parameters, gradients and
+optimizer state present when it starts; at the largest total it splits the live bytes into
+parameters, gradients, optimizer state and the rest (activations and temporaries). On CUDA the
+caching allocator's peak is reported beside it (``allocator_peak``: with its rounding to
+blocks). The prediction is a model of the same quantities, so the two are comparable term by
+term (``tests/test_plan.py`` holds them within 10%). Bytes of the process itself (Python,
+torch, communication buffers) are in neither: they are what ``peak_mem_mb`` adds on a CPU.
 
 FLOPs per step are the trainer's (6N + attention, PaLM appendix B) times the tokens of a step;
 the expected step time divides them by the device's peak at ``--mfu``.
@@ -42,6 +44,7 @@ the expected step time divides them by the device's peak at ``--mfu``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import weakref
@@ -137,7 +140,9 @@ def trace_activations(model_cfg, cfg, rows: int, pp_rank: int = 0) -> dict:
             x = torch.randint(0, model_cfg.vocab_size, (rows, T))
         else:
             x = torch.randn(rows, T, model_cfg.d_model, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+        autocast = torch.autocast("cpu", dtype=half) if half else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:  # (as the trainer casts)
             out = model(x)
             if model.output is not None:
                 F.cross_entropy(out.flatten(0, 1), torch.randint(0, model_cfg.vocab_size, (rows * T,)))
@@ -211,6 +216,8 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
                 sum(b for n, b in full.items() if n.startswith(f"layers.{i}.")) for i in model.layers
             ]
             gathered = sum(full.values()) - sum(full_blocks) + 2 * max(full_blocks, default=0)
+            if t.precision != "fp32":  # FSDP2's mixed precision gathers 16-bit copies
+                gathered //= 2
             block_grad = max(full_blocks, default=0)  # a block's whole gradient, before its reduce-scatter
         stream = rows * t.seq_len * model_cfg.d_model * 4  # one micro-batch of the residual stream
         buffers = 0
@@ -365,6 +372,10 @@ def measure(trainer, steps: int = 3) -> dict:
                 trainer.train_step(batch)
                 continue
             gc.collect()  # garbage of earlier steps, freed at a moment of Python's choosing, goes first
+            cuda = trainer.env.device.type == "cuda"
+            if cuda:  # the caching allocator's own count, beside the tracker's
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             tracker = StorageTracker(trainer.model, trainer.optimizer)
             with tracker:
                 trainer.train_step(batch)
@@ -379,6 +390,7 @@ def measure(trainer, steps: int = 3) -> dict:
         "peak": tracker.peak,
         "grads_at_peak": tracker.at_peak["grads"],
         "activations_at_peak": tracker.at_peak["activations"],
+        **({"allocator_peak": torch.cuda.max_memory_allocated()} if cuda else {}),
     }
 
 
