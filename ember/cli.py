@@ -138,6 +138,8 @@ def cmd_plan(args) -> int:
     from ember.parallel.parallelize import check_layout
     from ember.train.trainer import _batch_layout
 
+    if args.steps < 2:
+        raise EmberError(f"--steps {args.steps}: --measure tracks the last two steps; give at least 2")
     cfg = load_config(args.config, args.overrides)
     ranked = "LOCAL_RANK" in os.environ
     if args.measure and not ranked:
@@ -205,7 +207,7 @@ def _print_plan(cfg, predicted, measured, flops, args) -> None:
     print(f"FLOPs per step: {flops:.3e} (6N + attention, × {cfg.train.batch_tokens:,} tokens){step_s}")
     if measured is None:
         return
-    table = Table(title=f"predicted vs measured (MiB), the last of {args.steps} steps")
+    table = Table(title=f"predicted vs measured (MiB), the lower of the last two of {args.steps} steps")
     for col in ("rank", "component", "predicted", "measured", "ratio"):
         table.add_column(col, justify="right")
     worst = 0.0
@@ -874,7 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help=OVERRIDES_HELP)
     p.add_argument("--nproc", type=int, default=1, metavar="N", help="ranks (default 1)")
     p.add_argument("--measure", action="store_true", help="run --steps real steps and compare")
-    p.add_argument("--steps", type=int, default=3, help="steps of --measure; the last is tracked (default 3)")
+    p.add_argument("--steps", type=int, default=4, help="steps of --measure; the last 2 tracked (default 4)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)")
     p.add_argument(
         "--peak-tflops", type=float, default=0.0, help="a rank's peak TFLOP/s (an H100: 989 in bf16)"

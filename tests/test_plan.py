@@ -16,6 +16,7 @@ import torch
 
 from ember.config import load_config
 from ember.parallel import plan
+from tests.test_pp import _launch_legs
 from tests.test_trainer import _child_env
 
 # cpu-quick's model and batch (d 128, 4 layers, 2 heads, vocabulary 4096, 16 × 256 a micro-batch)
@@ -55,13 +56,7 @@ def test_fsdp2_tp2_pp2_predictions_are_within_10_percent(tiny_cfg, tmp_path):
         for name, layout in LAYOUTS.items():
             overrides = [f"data.dir={tiny_cfg().data.dir}", "train.device=cpu", *extra, *layout]
             legs[f"{config}-{name}"] = {"config": config, "overrides": overrides, "plan": str(tmp_path / f"{config}-{name}.json")}  # fmt: skip # noqa: E501
-    spec = tmp_path / "legs.json"
-    spec.write_text(json.dumps(legs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(Path(__file__).with_name("legs.py")), str(spec)]  # fmt: skip
-    env = _child_env() | {"PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _launch_legs(tmp_path, 2, legs)
     for name, leg in legs.items():
         result = json.loads(Path(leg["plan"]).read_text())
         assert len(result["measured"]) == 2

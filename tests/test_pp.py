@@ -1,6 +1,7 @@
 """Pipeline parallel on CPU (gloo, fp32), against one process on the same data: GPipe, 1F1B and
 interleaved 1F1B on 2 ranks, PP2 x FSDP2, PP2 x TP2 (with sequence parallel) and interleaved x
-FSDP2 on 4, PP2 x FSDP2 x TP2 on 8, each with per-step losses and the evaluation's loss within 1e-5 over 6 steps;
+FSDP2 on 4, PP2 x FSDP2 x TP2 on 8, each with per-step losses and the evaluation's loss within
+1e-5 over 6 steps;
 checkpoints move PP2 -> 1 process and 1 process -> PP2; `ember eval` reads the weights a PP run
 writes; impossible pipelines fail before launch. One torchrun launch runs several layouts
 (tests/legs.py)."""
@@ -40,8 +41,13 @@ EIGHT = {"pp2xfsdp2xtp2": [*PP2, *FSDP, "parallel.tp=2"]}  # 3-D: 8 processes on
 def _launch(tmp_path: Path, nproc: int, legs: dict[str, list[str]], tiny_cfg) -> None:
     common = [f"data.dir={tiny_cfg().data.dir}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}",
               "train.device=cpu", *BASE]  # fmt: skip
+    _launch_legs(tmp_path, nproc, {name: [*common, f"run.name={name}", *o] for name, o in legs.items()})
+
+
+def _launch_legs(tmp_path: Path, nproc: int, legs: dict) -> None:
+    """One torchrun launch of ``nproc`` ranks running every leg (tests/legs.py)."""
     spec = tmp_path / f"legs-{nproc}.json"
-    spec.write_text(json.dumps({name: [*common, f"run.name={name}", *o] for name, o in legs.items()}))
+    spec.write_text(json.dumps(legs))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).with_name("legs.py")), str(spec)]  # fmt: skip
     env = _child_env() | {"PYTHONPATH": str(Path(__file__).parents[1])}

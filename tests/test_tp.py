@@ -3,7 +3,8 @@ process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout a
 the GPT-2 layout and tied embeddings, with Muon, with sequence and loss parallel; FSDP2 x TP2 and HSDP
 2 x 2 on 4 ranks); checkpoints move between layouts (TP2 -> 1 process, 1 -> TP2, TP2 -> DDP2,
 FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes;
-impossible layouts fail before launch."""
+impossible layouts fail before launch. The parity layouts of one world size run in one torchrun
+launch (tests/legs.py)."""
 
 from __future__ import annotations
 
@@ -14,42 +15,50 @@ import sys
 import pytest
 
 from ember.train.trainer import train
-from tests.test_trainer import DET, _child_env, _torchrun, losses, run_dir
+from tests.test_trainer import DET, _child_env, _torchrun, losses
 
 GPT2 = ["model.pos=learned", "model.norm=layernorm", "model.mlp=gelu", "model.bias=true",
         "model.tie_embeddings=true", "model.n_kv_head=0"]  # fmt: skip
 STEPS = ["train.max_steps=5", "train.eval_every=0"]
 
 
+TWO = {  # name: (model overrides, layout)
+    "tp2-llama-gqa": ([], ["parallel.tp=2"]),
+    "tp2-gpt2-tied": (GPT2, ["parallel.tp=2"]),
+    "tp2-muon": (["train.optimizer=muon"], ["parallel.tp=2"]),
+    "tp2-sp-lp": ([], ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"]),
+}
+FOUR = {
+    "fsdp2xtp2": ([], ["parallel.tp=2", "parallel.data=fsdp"]),
+    "hsdp-2x2": (
+        [],
+        ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.data=fsdp", "train.micro_batch=2"],
+    ),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "nproc", "model", "layout"),
-    [
-        ("tp2-llama-gqa", 2, [], ["parallel.tp=2"]),
-        ("tp2-gpt2-tied", 2, GPT2, ["parallel.tp=2"]),
-        ("tp2-muon", 2, ["train.optimizer=muon"], ["parallel.tp=2"]),
-        ("fsdp2xtp2", 4, [], ["parallel.tp=2", "parallel.data=fsdp"]),
-        (
-            "tp2-sp-lp",
-            2,
-            [],
-            ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
-        ),
-        (
-            "hsdp-2x2",
-            4,
-            [],
-            ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.data=fsdp", "train.micro_batch=2"],
-        ),
-    ],
-)
-def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path, name, nproc, model, layout):
-    single = tiny_cfg(*DET, *STEPS, *model, "run.name=single")
-    train(single)
-    want = losses(run_dir(single))
-    got = _torchrun(tmp_path, name, *STEPS, *model, *layout, data_dir=single.data.dir, nproc=nproc)
-    assert sorted(got) == [1, 2, 3, 4, 5]
-    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path):
+    """The layouts of one world size run in one torchrun launch (tests/legs.py)."""
+    from tests.test_pp import _launch_legs
+
+    want = {}
+    for model in ([], GPT2, ["train.optimizer=muon"]):
+        single = tiny_cfg(*DET, *STEPS, *model, f"run.out_dir={tmp_path}", f"run.name=single-{len(want)}")
+        train(single)
+        want[tuple(model)] = losses(tmp_path / single.run.name)
+    data = tiny_cfg().data.dir
+    common = [*DET, *STEPS, f"data.dir={data}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}"]
+    common.append("train.device=cpu")
+    for nproc, legs in ((2, TWO), (4, FOUR)):
+        spec = {
+            name: [*common, f"run.name={name}", *model, *layout] for name, (model, layout) in legs.items()
+        }
+        _launch_legs(tmp_path, nproc, spec)
+        for name, (model, _) in legs.items():
+            got = losses(tmp_path / name)
+            assert sorted(got) == [1, 2, 3, 4, 5], name
+            assert all(abs(got[s] - want[tuple(model)][s]) <= 1e-5 for s in got), (name, got, want)
 
 
 LAYOUTS = {
