@@ -224,6 +224,59 @@ def _print_plan(cfg, predicted, measured, flops, args) -> None:
     print(f"largest difference: {worst:.1%} (relative; under 5% of the peak, as a share of the peak)")
 
 
+def _ckpts(run: Path, spec: str) -> list[str]:
+    """``last``, ``best``, ``all`` (every committed checkpoint, then ``last``) or a list of
+    steps/names, as ``load_run`` takes them."""
+    if spec == "all":
+        import json
+
+        from ember.train.checkpoint import _steps
+
+        found = [(s, p.name) for s, p, done in _steps(run / "checkpoints") if done]
+        summary = run / "summary.json"
+        final = json.loads(summary.read_text()).get("step") if summary.is_file() else None
+        last = (
+            [] if final in {s for s, _ in found} else ["last"]
+        )  # the final weights, if no checkpoint has them
+        return [name for _, name in found] + last
+    return [c.strip() for c in spec.split(",") if c.strip()]
+
+
+def cmd_analyze(args) -> int:
+    run = Path(args.run)
+    ckpts = _ckpts(run, args.ckpt)
+    if args.instrument == "hessian":
+        from ember.analysis.curvature import analyze
+
+        r = analyze(run, ckpts, args.batch, args.k, args.iters, args.samples, args.seed)
+        for row in r["rows"]:
+            lr = f"; lr {row['lr']:.2e}, 2/lr {row['two_over_lr']:.3g}" if row["lr"] else ""
+            print(f"{row['ckpt']} (step {row['step']}): loss {row['loss']:.4f}; top eigenvalues "
+                  + ", ".join(f"{e:.4g}" for e in row["eigenvalues"])
+                  + f"; trace {row['trace']:.4g} ± {row['trace_stderr']:.2g}{lr} ({row['hvp_calls']} H·v products)")  # fmt: skip # noqa: E501
+    else:
+        from ember.analysis.grads import analyze
+
+        try:
+            r = analyze(run, ckpts, args.batch, args.seed, args.text, args.top)
+        except ValueError as e:
+            raise EmberError(str(e)) from None
+        for row in r["rows"]:
+            norms = row["norms"]["total"]
+            b = row["b_simple"]
+            print(f"{row['ckpt']} (step {row['step']}): gradient norm per window "
+                  f"{min(norms):.3g}–{max(norms):.3g}; tr(Σ) {row['trace_sigma']:.4g}, "
+                  f"|G|² {row['g2_unbiased']:.4g} (unbiased); "
+                  f"B_simple {b:.4g} windows = {b * row['seq_len']:,.0f} tokens")  # fmt: skip
+        if r["influence"]:
+            for key in ("most_aligned", "least_aligned"):
+                print(f"{key.replace('_', ' ')} with {args.text!r}:")
+                for item in r["influence"][key]:
+                    print(f"  {item['dot']:+.4g}  window {item['window']}: {item['text'][:100]!r}")
+    print(f"results: {r['out']}")
+    return 0
+
+
 def cmd_train(args) -> int:
     import os
     import subprocess
@@ -883,6 +936,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=cmd_plan)
+
+    p = verbs.add_parser(
+        "analyze",
+        help="instruments on a run: per-example gradients and noise scale, Hessian curvature",
+        description="Read RUN (its config, data and weights or checkpoints) and write RUN/analysis/"
+        "INSTRUMENT/results.json (and a plot). grads: per-example gradients by torch.func (vmap of grad), "
+        "their norms per layer, the gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018), "
+        "and with --text the training windows whose gradients agree most and least with the text's "
+        "(TracIn). hessian: the top --k eigenvalues of the loss's Hessian on a fixed batch by Lanczos on "
+        "Hessian-vector products, the trace by Hutchinson's estimator, and across checkpoints "
+        "(--ckpt all) the sharpness against 2/lr.",
+        epilog="examples: ember analyze runs/tiny grads --batch 16 --text 'def main():' | "
+        "ember analyze runs/tiny hessian --ckpt all --k 3",
+    )
+    p.add_argument("run", metavar="RUN", help="a run directory")
+    p.add_argument("instrument", choices=["grads", "hessian"], help="what to measure")
+    p.add_argument("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)")
+    p.add_argument("--batch", type=int, default=16, help="training windows, each seq_len long (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="which windows, and the random vectors (default 0)")
+    p.add_argument(
+        "--text", default=None, help="grads: rank the windows by agreement with this text's gradient"
+    )
+    p.add_argument("--top", type=int, default=5, help="grads: windows shown each way (default 5)")
+    p.add_argument("--k", type=int, default=3, help="hessian: eigenvalues (default 3)")
+    p.add_argument("--iters", type=int, default=30, help="hessian: Lanczos steps (default 30)")
+    p.add_argument(
+        "--samples", type=int, default=20, help="hessian: Hutchinson vectors (default 20; 0: none)"
+    )
+    p.set_defaults(func=cmd_analyze)
 
     bench = verbs.add_parser(
         "bench", help="measure the machine: collectives between ranks", description="Measure the machine."

@@ -183,7 +183,9 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def _plot(path: Path, series: list[tuple], title: str, xlabel: str, ylabel: str) -> bool:
+def _plot(
+    path: Path, series: list[tuple], title: str, xlabel: str, ylabel: str, yscale: str = "linear"
+) -> bool:
     """Draw ``series`` of (label, xs, ys, line style) into one PNG; False if there is nothing to draw."""
     series = [s for s in series if s[1]]
     if not series:
@@ -194,7 +196,7 @@ def _plot(path: Path, series: list[tuple], title: str, xlabel: str, ylabel: str)
     ax = fig.add_subplot()
     for label, xs, ys, style in series:
         ax.plot(xs, ys, label=label, **style)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale=yscale)
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend()

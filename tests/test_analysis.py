@@ -1,0 +1,106 @@
+"""`ember analyze`: each instrument against a slow exact computation on a tiny model: Lanczos'
+top eigenvalues against the eigenvalues of the dense Hessian (a 300-parameter model, float64),
+Hutchinson's trace against the dense trace; per-example gradients against a loop of backward
+passes, their norms, the noise scale written out, influence dot products; the CLI on a run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from ember.analysis import curvature, grads
+from ember.config import ModelConfig
+from ember.model.gpt import GPT
+from ember.train.trainer import train
+from tests.test_trainer import DET, _child_env
+
+SMALL = dict(vocab_size=8, n_layer=1, n_head=2, d_model=4, max_seq_len=8, init_std=0.5)
+
+
+def _small(**layout):
+    model = GPT.build(ModelConfig(**SMALL, **layout), seed=0).set_attention("reference").double()
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, SMALL["vocab_size"], (4, 7), generator=gen)
+    return model, idx[:, :-1], idx[:, 1:]
+
+
+def _dense_hessian(model, x, y) -> torch.Tensor:
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def loss(flat):
+        parts = torch.split(flat, [s.numel() for s in shapes])
+        params = {n: t.view(s) for n, t, s in zip(names, parts, shapes, strict=True)}
+        return F.cross_entropy(functional_call(model, params, (x,)).flatten(0, 1), y.flatten())
+
+    return torch.autograd.functional.hessian(loss, flat)
+
+
+LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "mlp_hidden": 12, "tie_embeddings": False}
+
+
+@pytest.mark.parametrize("layout", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_lanczos_and_hutchinson_equal_the_dense_hessian(layout):
+    model, x, y = _small(**layout)
+    op = curvature.HessianOperator(model, x, y)
+    assert 100 <= op.n <= 400  # a few hundred parameters: the dense Hessian is cheap
+    dense = torch.linalg.eigvalsh(_dense_hessian(model, x, y)).flip(0)
+    top = curvature.lanczos(op, k=3, iters=40)
+    assert torch.allclose(torch.tensor(top, dtype=torch.float64), dense[:3], atol=1e-4), (top, dense[:3])
+    exact = torch.linalg.eigvalsh(_dense_hessian(model, x, y)).sum().item()  # the trace
+    trace, stderr = curvature.hutchinson(op, samples=400)
+    assert abs(trace - exact) <= 4 * stderr, (trace, stderr, exact)
+    hv = op(torch.ones(op.n, dtype=torch.float64))  # one product, against the dense matrix (the
+    ones = torch.ones(op.n, dtype=torch.float64)  # model's logits are fp32 by design: ~1e-8)
+    assert torch.allclose(hv, _dense_hessian(model, x, y) @ ones, atol=1e-6)
+
+
+def test_per_example_gradients_norms_noise_scale_and_influence_equal_a_loop():
+    model, x, y = _small()
+    g = grads.per_example_grads(model, x, y)
+    loop = []
+    for i in range(x.size(0)):
+        loop.append(grads.flat_grad(model, x[i : i + 1], y[i : i + 1]))
+    loop = torch.stack(loop)  # (B, n)
+    flat = torch.cat([t.flatten(1) for t in g.values()], dim=1)
+    assert torch.allclose(flat, loop, atol=1e-7)
+    norms = grads.grad_norms(g)
+    assert torch.allclose(torch.tensor(norms["total"], dtype=torch.float64), loop.norm(dim=1))
+    emb = [n for n in g if n.startswith("tok_embeddings")][0]
+    assert torch.allclose(
+        torch.tensor(norms["layers"]["tok_embeddings"], dtype=torch.float64), g[emb].flatten(1).norm(dim=1)
+    )
+    # the noise scale written out: tr(Σ) from the deviations, |G|² less its bias tr(Σ)/B
+    B, mean = loop.size(0), loop.mean(0)
+    trace = sum(((row - mean) ** 2).sum().item() for row in loop) / (B - 1)
+    scale = grads.noise_scale(g)
+    assert scale["trace_sigma"] == pytest.approx(trace, rel=1e-9)
+    assert scale["b_simple"] == pytest.approx(trace / (mean.pow(2).sum().item() - trace / B), rel=1e-9)
+    # influence: a text's gradient dotted with each window's, as the instrument ranks them
+    target = grads.flat_grad(model, x[:1, :3], y[:1, :3])
+    assert torch.allclose(flat @ target, torch.stack([row @ target for row in loop]), atol=1e-7)
+
+
+def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
+    cfg = tiny_cfg(*DET, "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0",
+                   f"run.out_dir={tmp_path}", "run.name=r")  # fmt: skip
+    train(cfg)
+    run = tmp_path / "r"
+    for args in (["grads", "--batch", "4", "--text", "def main():", "--top", "2"], ["hessian", "--batch", "2", "--iters", "8"]):  # fmt: skip # noqa: E501
+        cmd = [sys.executable, "-m", "ember", "analyze", str(run), *args, "--ckpt", "all"]
+        r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        results = json.loads((run / "analysis" / args[0] / "results.json").read_text())
+        assert [row["step"] for row in results["rows"]] == [2, 4] and results["seconds"] > 0
+    assert (run / "analysis" / "hessian" / "sharpness.png").is_file()
+    assert len(results["rows"][0]["eigenvalues"]) == 3 and results["rows"][0]["two_over_lr"] > 0
+    bad = subprocess.run([sys.executable, "-m", "ember", "analyze", str(tmp_path / "nope"), "grads"],
+                         env=_child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
