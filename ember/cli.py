@@ -244,8 +244,18 @@ def _ckpts(run: Path, spec: str) -> list[str]:
 
 def cmd_analyze(args) -> int:
     run = Path(args.run)
+    if not run.is_dir():
+        raise EmberError(f"run directory {run} does not exist")
     ckpts = _ckpts(run, args.ckpt)
-    if args.instrument == "hessian":
+    if args.instrument == "memory":
+        from ember.analysis.memory import analyze
+
+        r = analyze(run, steps=args.steps)
+        mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+        print(f"{r['operations']:,} operations in the tracked step; peak {mib(r['peak'])}: parameters "
+              f"{mib(r['params'])}, gradients {mib(r['grads_at_peak'])}, optimizer {mib(r['optimizer'])}, "
+              f"activations and temporaries {mib(r['activations_at_peak'])}")  # fmt: skip
+    elif args.instrument == "hessian":
         from ember.analysis.curvature import analyze
 
         r = analyze(run, ckpts, args.batch, args.k, args.iters, args.samples, args.seed)
@@ -946,12 +956,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and with --text the training windows whose gradients agree most and least with the text's "
         "(TracIn). hessian: the top --k eigenvalues of the loss's Hessian on a fixed batch by Lanczos on "
         "Hessian-vector products, the trace by Hutchinson's estimator, and across checkpoints "
-        "(--ckpt all) the sharpness against 2/lr.",
+        "(--ckpt all) the sharpness against 2/lr. memory: live bytes of parameters, gradients, optimizer "
+        "state and activations after every operation of a training step of the run's config (and on "
+        "CUDA the allocator's history, for PyTorch's memory visualiser).",
         epilog="examples: ember analyze runs/tiny grads --batch 16 --text 'def main():' | "
         "ember analyze runs/tiny hessian --ckpt all --k 3",
     )
     p.add_argument("run", metavar="RUN", help="a run directory")
-    p.add_argument("instrument", choices=["grads", "hessian"], help="what to measure")
+    p.add_argument("instrument", choices=["grads", "hessian", "memory"], help="what to measure")
     p.add_argument("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)")
     p.add_argument("--batch", type=int, default=16, help="training windows, each seq_len long (default 16)")
     p.add_argument("--seed", type=int, default=0, help="which windows, and the random vectors (default 0)")
@@ -964,6 +976,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--samples", type=int, default=20, help="hessian: Hutchinson vectors (default 20; 0: none)"
     )
+    p.add_argument("--steps", type=int, default=3, help="memory: steps trained, the last tracked (default 3)")
     p.set_defaults(func=cmd_analyze)
 
     bench = verbs.add_parser(

@@ -1,7 +1,8 @@
 """`ember analyze`: each instrument against a slow exact computation on a tiny model: Lanczos'
 top eigenvalues against the eigenvalues of the dense Hessian (a 300-parameter model, float64),
 Hutchinson's trace against the dense trace; per-example gradients against a loop of backward
-passes, their norms, the noise scale written out, influence dot products; the CLI on a run."""
+passes, their norms, the noise scale written out, influence dot products; the CLI on a run,
+the memory timeline agreeing with the tracker's peak."""
 
 from __future__ import annotations
 
@@ -101,6 +102,16 @@ def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
         assert [row["step"] for row in results["rows"]] == [2, 4] and results["seconds"] > 0
     assert (run / "analysis" / "hessian" / "sharpness.png").is_file()
     assert len(results["rows"][0]["eigenvalues"]) == 3 and results["rows"][0]["two_over_lr"] > 0
+    cmd = [sys.executable, "-m", "ember", "analyze", str(run), "memory"]
+    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    memory = json.loads((run / "analysis" / "memory" / "results.json").read_text())
+    line = memory["timeline"]
+    assert memory["every"] == 1 and len(line["params"]) == memory["operations"] > 100
+    totals = [sum(parts) for parts in zip(*line.values(), strict=True)]
+    assert max(totals) == memory["peak"]  # the timeline and the tracker's peak agree, byte for byte
+    assert max(line["grads"]) == memory["grads"] == memory["params"]  # gradients grow to the weights' size
+    assert (run / "analysis" / "memory" / "memory.png").is_file()
     bad = subprocess.run([sys.executable, "-m", "ember", "analyze", str(tmp_path / "nope"), "grads"],
                          env=_child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

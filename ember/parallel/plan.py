@@ -274,13 +274,14 @@ class StorageTracker(TorchDispatchMode):
     last reference dies (weak reference); ``start`` counts what exists already. At the largest
     total, ``at_peak`` splits it into parameters, gradients, optimizer state and the rest."""
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, timeline: bool = False):
         super().__init__()
         self.model, self.optimizer = model, optimizer
         self.live: dict[int, int] = {}
         self.refs: dict[int, weakref.ref] = {}
         self.total = self.peak = 0
         self.at_peak: dict[str, int] = {}
+        self.timeline: list[dict] | None = [] if timeline else None  # the split after every operation
 
     def _add(self, t) -> None:
         if not isinstance(t, torch.Tensor):
@@ -345,10 +346,12 @@ class StorageTracker(TorchDispatchMode):
         if self.total > self.peak:
             self.peak = self.total
             self.at_peak = self._split()
+        if self.timeline is not None:
+            self.timeline.append(self._split())
         return out
 
 
-def measure(trainer, steps: int = 4, tracked: int = 2) -> dict:
+def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -> dict:
     """Run ``steps`` training steps and track the last ``tracked``: the bytes of the parameters,
     gradients and optimizer state (this rank's), and of the tracked step with the lower peak,
     that peak and the gradients and the rest (activations and temporaries) live at it. (A
@@ -379,7 +382,7 @@ def measure(trainer, steps: int = 4, tracked: int = 2) -> dict:
             if cuda:  # the caching allocator's own count, beside the tracker's
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            tracker = StorageTracker(trainer.model, trainer.optimizer)
+            tracker = StorageTracker(trainer.model, trainer.optimizer, timeline)
             with tracker:
                 trainer.train_step(batch)
             if best is None or tracker.peak < best.peak:
@@ -398,6 +401,7 @@ def measure(trainer, steps: int = 4, tracked: int = 2) -> dict:
         "grads_at_peak": tracker.at_peak["grads"],
         "activations_at_peak": tracker.at_peak["activations"],
         **({"allocator_peak": tracker.allocator} if cuda else {}),
+        **({"timeline": tracker.timeline} if timeline else {}),
     }
 
 
@@ -429,7 +433,7 @@ def difference(predicted: int, measured: int, peak: int) -> float:
     return abs(predicted - measured) / max(measured, 1)
 
 
-def measure_config(cfg, steps: int = 4) -> list[dict] | None:
+def measure_config(cfg, steps: int = 4, timeline: bool = False) -> list[dict] | None:
     """On every rank of the launch (or alone): train ``steps`` steps of ``cfg`` in a scratch run
     directory and measure the last; rank 0 gets every rank's figures (others: None)."""
     import tempfile
@@ -442,7 +446,7 @@ def measure_config(cfg, steps: int = 4) -> list[dict] | None:
         cfg = replace(cfg, run=replace(cfg.run, out_dir=tmp, name="plan"), train=replace(cfg.train, max_steps=steps, eval_every=0, ckpt_every=0))  # fmt: skip # noqa: E501
         trainer = Trainer(cfg)
         try:
-            mine = measure(trainer, steps)
+            mine = measure(trainer, steps, timeline=timeline)
         finally:
             trainer.watch.stop()
             trainer.metrics.close()
