@@ -243,6 +243,8 @@ def _ckpts(run: Path, spec: str) -> list[str]:
 
 
 def cmd_analyze(args) -> int:
+    import json
+
     run = Path(args.run)
     if not run.is_dir():
         raise EmberError(f"run directory {run} does not exist")
@@ -258,7 +260,7 @@ def cmd_analyze(args) -> int:
     elif args.instrument == "hessian":
         from ember.analysis.curvature import analyze
 
-        r = analyze(run, ckpts, args.batch, args.k, args.iters, args.samples, args.seed)
+        r = analyze(run, ckpts, args.batch or 4, args.k, args.iters, args.samples, args.seed)
         for row in r["rows"]:
             lr = f"; lr {row['lr']:.2e}, 2/lr {row['two_over_lr']:.3g}" if row["lr"] else ""
             print(f"{row['ckpt']} (step {row['step']}): loss {row['loss']:.4f}; top eigenvalues "
@@ -268,7 +270,7 @@ def cmd_analyze(args) -> int:
         from ember.analysis.grads import analyze
 
         try:
-            r = analyze(run, ckpts, args.batch, args.seed, args.text, args.top)
+            r = analyze(run, ckpts, args.batch or 16, args.seed, args.text, args.top)
         except ValueError as e:
             raise EmberError(str(e)) from None
         for row in r["rows"]:
@@ -283,7 +285,8 @@ def cmd_analyze(args) -> int:
                 print(f"{key.replace('_', ' ')} with {args.text!r}:")
                 for item in r["influence"][key]:
                     print(f"  {item['dot']:+.4g}  window {item['window']}: {item['text'][:100]!r}")
-    print(f"results: {r['out']}")
+    took = json.loads((Path(r["out"]) / "results.json").read_text())["seconds"]
+    print(f"results: {r['out']} ({took:.1f} s)")
     return 0
 
 
@@ -965,16 +968,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="a run directory")
     p.add_argument("instrument", choices=["grads", "hessian", "memory"], help="what to measure")
     p.add_argument("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)")
-    p.add_argument("--batch", type=int, default=16, help="training windows, each seq_len long (default 16)")
+    p.add_argument(
+        "--batch", type=int, default=0, help="windows of seq_len tokens (default: grads 16, hessian 4)"
+    )
     p.add_argument("--seed", type=int, default=0, help="which windows, and the random vectors (default 0)")
     p.add_argument(
         "--text", default=None, help="grads: rank the windows by agreement with this text's gradient"
     )
     p.add_argument("--top", type=int, default=5, help="grads: windows shown each way (default 5)")
     p.add_argument("--k", type=int, default=3, help="hessian: eigenvalues (default 3)")
-    p.add_argument("--iters", type=int, default=30, help="hessian: Lanczos steps (default 30)")
+    p.add_argument("--iters", type=int, default=20, help="hessian: Lanczos steps (default 20)")
     p.add_argument(
-        "--samples", type=int, default=20, help="hessian: Hutchinson vectors (default 20; 0: none)"
+        "--samples", type=int, default=10, help="hessian: Hutchinson vectors (default 10; 0: none)"
     )
     p.add_argument("--steps", type=int, default=3, help="memory: steps trained, the last tracked (default 3)")
     p.set_defaults(func=cmd_analyze)
