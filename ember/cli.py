@@ -249,7 +249,20 @@ def cmd_analyze(args) -> int:
     if not run.is_dir():
         raise EmberError(f"run directory {run} does not exist")
     ckpts = _ckpts(run, args.ckpt)
-    if args.instrument == "memory":
+    if args.instrument == "profile":
+        from ember.analysis.profile import analyze
+
+        r = analyze(run, steps=args.steps, stack=args.stack)
+        split = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in r["split_s"].items())
+        ms = r["step_s"] * 1e3
+        print(f"{r['steps']} steps of {ms:,.1f} ms on {r['device']} ({r['threads']} threads): {split}")
+        print(f"{'operator':<44} {'calls':>7} {'self ms':>10} {'total ms':>10}")
+        for op in r["top_ops"][:10]:
+            print(f"{op['op'][:44]:<44} {op['calls']:>7} {op['self_ms']:>10.1f} {op['total_ms']:>10.1f}")
+        print(f"achieved {r['achieved_flops'] / 1e9:,.2f} GFLOP/s of the model's FLOPs; a large fp32 matmul "
+              f"here: {r['matmul_peak_flops'] / 1e9:,.2f} GFLOP/s ({r['fraction_of_peak']:.1%}); "
+              f"trace: {Path(r['out']) / 'trace.json'}")  # fmt: skip
+    elif args.instrument == "memory":
         from ember.analysis.memory import analyze
 
         r = analyze(run, steps=args.steps)
@@ -952,10 +965,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = verbs.add_parser(
         "analyze",
-        help="instruments on a run: per-example gradients and noise scale, Hessian curvature",
+        help="instruments on a run: profile, per-example gradients, Hessian curvature, memory",
         description="Read RUN (its config, data and weights or checkpoints) and write RUN/analysis/"
-        "INSTRUMENT/results.json (and a plot). grads: per-example gradients by torch.func (vmap of grad), "
-        "their norms per layer, the gradient noise scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018), "
+        "INSTRUMENT/results.json (and a plot). profile: torch.profiler over --steps training steps: a "
+        "Chrome/Perfetto trace, the top operators by self time, the step split (data, forward, backward, "
+        "optimizer, communication) and achieved FLOP/s against a matmul peak measured on the spot. grads: "
+        "per-example gradients by torch.func (vmap of grad), their norms per layer, the gradient noise "
+        "scale B_simple = tr(Σ)/|G|² (McCandlish et al. 2018), "
         "and with --text the training windows whose gradients agree most and least with the text's "
         "(TracIn). hessian: the top --k eigenvalues of the loss's Hessian on a fixed batch by Lanczos on "
         "Hessian-vector products, the trace by Hutchinson's estimator, and across checkpoints "
@@ -966,7 +982,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ember analyze runs/tiny hessian --ckpt all --k 3",
     )
     p.add_argument("run", metavar="RUN", help="a run directory")
-    p.add_argument("instrument", choices=["grads", "hessian", "memory"], help="what to measure")
+    p.add_argument("instrument", choices=["profile", "grads", "hessian", "memory"], help="what to measure")
     p.add_argument("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)")
     p.add_argument(
         "--batch", type=int, default=0, help="windows of seq_len tokens (default: grads 16, hessian 4)"
@@ -981,7 +997,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--samples", type=int, default=10, help="hessian: Hutchinson vectors (default 10; 0: none)"
     )
-    p.add_argument("--steps", type=int, default=3, help="memory: steps trained, the last tracked (default 3)")
+    p.add_argument(
+        "--steps", type=int, default=3, help="profile: steps profiled; memory: steps, the last tracked (3)"
+    )
+    p.add_argument(
+        "--stack", action="store_true", help="profile: record Python stacks (slower, larger trace)"
+    )
     p.set_defaults(func=cmd_analyze)
 
     bench = verbs.add_parser(

@@ -112,6 +112,20 @@ def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
     assert max(totals) == memory["peak"]  # the timeline and the tracker's peak agree, byte for byte
     assert max(line["grads"]) == memory["grads"] == memory["params"]  # gradients grow to the weights' size
     assert (run / "analysis" / "memory" / "memory.png").is_file()
+    cmd = [sys.executable, "-m", "ember", "analyze", str(run), "profile", "--steps", "2"]
+    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    prof = json.loads((run / "analysis" / "profile" / "results.json").read_text())
+    trace = json.loads((run / "analysis" / "profile" / "trace.json").read_text())
+    assert any(e.get("name") == "ember/backward" for e in trace["traceEvents"])
+    split = prof["split_s"]
+    assert min(split["forward"], split["backward"], split["optimizer"]) > 0 and split["communication"] == 0
+    phases = split["data"] + split["forward"] + split["backward"] + split["optimizer"]
+    assert 0.6 * prof["step_s"] <= phases <= 1.01 * prof["step_s"]  # the labelled phases are the step
+    model = GPT.build(ModelConfig(**json.loads((run / "model" / "model_config.json").read_text())))
+    assert prof["flops_per_step"] == model.flops_per_token(cfg.train.seq_len) * cfg.train.batch_tokens
+    assert prof["achieved_flops"] == pytest.approx(prof["flops_per_step"] / prof["step_s"])
+    assert prof["top_ops"][0]["self_ms"] >= prof["top_ops"][-1]["self_ms"] > 0
     bad = subprocess.run([sys.executable, "-m", "ember", "analyze", str(tmp_path / "nope"), "grads"],
                          env=_child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

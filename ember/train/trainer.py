@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import yaml
+from torch.profiler import record_function
 
 import ember
 from ember.config import config_to_yaml
@@ -810,10 +811,11 @@ class Trainer:
         for micro in range(0 if pipeline else self.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with self._sync_grads(micro == self.grad_accum - 1), self.loss_parallel():
-                with self.autocast:
+                with self.autocast, record_function("ember/forward"):  # (labels for a profiler, if one runs)
                     loss, info = self.task.loss(self.model, tuple(b[rows] for b in batch))
                     loss = loss / self.grad_accum
-                self.scaler.scale(loss).backward()
+                with record_function("ember/backward"):
+                    self.scaler.scale(loss).backward()
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # (a replicated DTensor)
             loss_sum += loss.detach()
             for key, value in info.items():
@@ -825,19 +827,20 @@ class Trainer:
             all_reduce(value, "avg")
         fwd_bwd_s = time.perf_counter() - start
 
-        self.scaler.unscale_(self.optimizer)
-        max_norm = t.grad_clip or math.inf
-        grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.model if pipeline else None)
-        all_reduce(loss_sum, "avg")
-        bad = ~torch.isfinite(loss_sum)
-        if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
-            bad |= ~torch.isfinite(grad_norm)
-        if all_reduce(bad.float(), "max").item():
-            self._on_nonfinite(tuple(b[: t.micro_batch] for b in batch))
-        else:
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("ember/optimizer"):
+            self.scaler.unscale_(self.optimizer)
+            max_norm = t.grad_clip or math.inf
+            grad_norm = clip_grad_norm(self.model.parameters(), max_norm, self.model if pipeline else None)
+            all_reduce(loss_sum, "avg")
+            bad = ~torch.isfinite(loss_sum)
+            if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
+                bad |= ~torch.isfinite(grad_norm)
+            if all_reduce(bad.float(), "max").item():
+                self._on_nonfinite(tuple(b[: t.micro_batch] for b in batch))
+            else:
+                self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, fwd_bwd_s
 
     def _log(self, bar, lr: float, loss, grad_norm, times: tuple, elapsed: float, progress: float) -> dict:

@@ -1,0 +1,101 @@
+"""Where a training step's time goes: ``torch.profiler`` over a few steps of the run's config.
+
+    ember analyze RUN profile [--steps 3] [--stack]   # RUN/analysis/profile/: trace.json, results.json
+
+The run's config trains in a scratch directory (one step to warm up, then ``--steps`` profiled;
+fresh weights: the time of a step does not depend on their values). The trainer labels its
+phases (``ember/forward``, ``ember/backward``, ``ember/optimizer``; ``ember/data`` here for the
+batch), so the step splits into them; communication is the time of the collectives
+(``c10d``/gloo/NCCL operations) inside. Also: the operators by self time (the time in an
+operator itself, not in the operators it calls), the Chrome trace (open it in Perfetto,
+https://ui.perfetto.dev, or chrome://tracing), and the achieved FLOP/s — the model's training
+FLOPs per token (6N + attention, as the trainer counts them) times the tokens, over the wall
+time — against the device's matmul peak, measured on the spot with a large matrix product.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+PHASES = ("ember/data", "ember/forward", "ember/backward", "ember/optimizer")
+COMM = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+def matmul_peak(device: torch.device, size: int = 2048, seconds: float = 1.0) -> float:
+    """FLOP/s of repeated (size × size) @ (size × size) products in fp32 on ``device``."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    (a @ b).sum().item()  # warm up
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        c = a @ b
+        n += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    c.sum().item()
+    return 2 * size**3 * n / (time.perf_counter() - start)
+
+
+def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict:
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from ember.analysis import run_config, write_results
+    from ember.train.optim import lr_at
+    from ember.train.trainer import Trainer
+
+    started = time.perf_counter()
+    cfg = run_config(run_dir)
+    out = Path(run_dir) / "analysis" / "profile"
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ember-profile-") as tmp:
+        train = replace(cfg.train, max_steps=steps + 1, eval_every=0, ckpt_every=0)
+        trainer = Trainer(replace(cfg, run=replace(cfg.run, out_dir=tmp, name="profile"), train=train))
+        device = trainer.env.device
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        batches = trainer.loader.iterate(0)
+        try:
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lr_at(0, 0.0, cfg.train, peak=group["peak_lr"])
+            trainer.train_step(next(batches)[1:])  # warm-up: first-call costs stay out of the profile
+            with profile(
+                activities=activities, record_shapes=True, profile_memory=True, with_stack=stack
+            ) as prof:
+                wall = time.perf_counter()
+                for _ in range(steps):
+                    with record_function("ember/data"):
+                        batch = next(batches)[1:]
+                    trainer.train_step(batch)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                wall = time.perf_counter() - wall
+        finally:
+            trainer.loader.close()
+            trainer.watch.stop()
+            trainer.metrics.close()
+        flops = trainer.flops_per_token * cfg.train.batch_tokens * steps
+    prof.export_chrome_trace(str(out / "trace.json"))
+    events = prof.key_averages()
+    use_cuda = device.type == "cuda"
+    split = {}
+    for e in events:
+        if e.key in PHASES:
+            split[e.key.split("/")[1]] = (e.device_time_total if use_cuda else e.cpu_time_total) / 1e6 / steps
+    comm = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMM)) / 1e6 / steps
+    split["communication"] = comm
+    ops = sorted((e for e in events if not e.key.startswith("ember/")), key=lambda e: e.self_cpu_time_total, reverse=True)  # fmt: skip # noqa: E501
+    table = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+              "total_ms": e.cpu_time_total / 1e3} for e in ops[:top]]  # fmt: skip
+    peak = matmul_peak(device)
+    achieved = flops / wall
+    results = {"steps": steps, "step_s": wall / steps, "split_s": split, "top_ops": table,
+               "flops_per_step": flops / steps, "achieved_flops": achieved, "matmul_peak_flops": peak,
+               "fraction_of_peak": achieved / peak, "device": str(device),
+               "threads": torch.get_num_threads()}  # fmt: skip
+    write_results(run_dir, "profile", results, started)
+    return {**results, "out": str(out)}
