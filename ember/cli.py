@@ -245,11 +245,43 @@ def _ckpts(run: Path, spec: str) -> list[str]:
 def cmd_analyze(args) -> int:
     import json
 
+    if args.instrument == "determinism":
+        from ember.analysis.replay import determinism
+        from ember.config import load_config
+
+        cfg = load_config(args.run, args.set)
+        r = determinism(cfg, steps=args.steps)
+        if r["identical"]:
+            n = r["tensors_compared"]
+            print(f"{args.run}: two runs of {r['steps']} steps are identical: {n:,} tensors (module outputs, "
+                  "their gradients, parameter gradients, parameters) equal bit for bit")  # fmt: skip
+            return 0
+        diff = r["max_difference"]
+        print(f"{args.run}: the runs part at step {r['step']}, {r['phase']} {r['name']}"
+              + (f": largest difference {diff:.3g}" if diff is not None else ""))  # fmt: skip
+        return 1
     run = Path(args.run)
     if not run.is_dir():
         raise EmberError(f"run directory {run} does not exist")
     ckpts = _ckpts(run, args.ckpt)
-    if args.instrument == "profile":
+    if args.instrument == "nonfinite":
+        from ember.analysis.replay import check_step, nonfinite
+
+        if args.step is None:
+            raise EmberError("nonfinite replays one step: give --step S (the step the run stopped at)")
+        check_step(args.step)
+        r = nonfinite(run, args.step)
+        first = r["first_nonfinite"]
+        if first is None:
+            print(f"step {args.step} (replayed from {r['from']}): every output and gradient is finite")
+        else:
+            t, fed = first["tensor"], first["before"] or {}
+            print(f"step {args.step} (replayed from {r['from']}): first non-finite: {first['phase']} of "
+                  f"{first['name']} ({t['nonfinite']} of {t['shape']} entries)")  # fmt: skip
+            if fed:
+                print(f"  just before it, {fed['phase']} {fed['name']}: absmax {fed['absmax']:.4g}, "
+                      f"mean {fed['mean']:.4g}, {fed['nonfinite']} non-finite")  # fmt: skip
+    elif args.instrument == "profile":
         from ember.analysis.profile import analyze
 
         r = analyze(run, steps=args.steps, stack=args.stack)
@@ -981,8 +1013,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples: ember analyze runs/tiny grads --batch 16 --text 'def main():' | "
         "ember analyze runs/tiny hessian --ckpt all --k 3",
     )
-    p.add_argument("run", metavar="RUN", help="a run directory")
-    p.add_argument("instrument", choices=["profile", "grads", "hessian", "memory"], help="what to measure")
+    p.add_argument("run", metavar="RUN", help="a run directory (determinism: a CONFIG)")
+    instruments = ["profile", "grads", "hessian", "memory", "nonfinite", "determinism"]
+    p.add_argument("instrument", choices=instruments, help="what to measure (determinism: of a CONFIG)")
     p.add_argument("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)")
     p.add_argument(
         "--batch", type=int, default=0, help="windows of seq_len tokens (default: grads 16, hessian 4)"
@@ -1002,6 +1035,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stack", action="store_true", help="profile: record Python stacks (slower, larger trace)"
+    )
+    p.add_argument("--step", type=int, default=None, help="nonfinite: the step to replay")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="determinism: a config override"
     )
     p.set_defaults(func=cmd_analyze)
 

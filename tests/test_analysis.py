@@ -129,3 +129,56 @@ def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ember", "analyze", str(tmp_path / "nope"), "grads"],
                          env=_child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _nan_at(module_name: str, backward: bool):
+    """A fault for the replayed step: NaN in the output of ``module_name`` (forward), or infinity
+    in the gradient arriving there (backward)."""
+
+    def inject(trainer):
+        module = trainer.model.get_submodule(module_name)
+
+        def hook(mod, args, out):
+            if backward:
+                out.register_hook(lambda g: g + float("inf"))
+                return out
+            out = out.clone()
+            out[0, 0, 0] = float("nan")
+            return out
+
+        module.register_forward_hook(hook)
+
+    return inject
+
+
+def test_nonfinite_names_the_module_where_a_step_first_goes_wrong(tiny_cfg, tmp_path):
+    from ember.analysis.replay import nonfinite
+
+    cfg = tiny_cfg(*DET, "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0",
+                   f"run.out_dir={tmp_path}", "run.name=r")  # fmt: skip
+    train(cfg)
+    run = tmp_path / "r"
+    clean = nonfinite(run, 3)
+    assert clean["from"] == "step-000002" and clean["first_nonfinite"] is None
+    first = nonfinite(run, 3, inject=_nan_at("layers.0.attention.wo", backward=False))["first_nonfinite"]
+    assert (first["phase"], first["name"]) == ("forward", "layers.0.attention.wo")
+    assert first["tensor"]["nonfinite"] == 1 and first["before"]["nonfinite"] == 0  # its input was fine
+    first = nonfinite(run, 3, inject=_nan_at("layers.1.mlp", backward=True))["first_nonfinite"]
+    assert (first["phase"], first["name"]) == ("backward", "layers.1.mlp")
+    assert (run / "analysis" / "nonfinite" / "results.json").is_file()
+
+
+def test_determinism_finds_no_difference_or_the_first_one(tiny_cfg):
+    from ember.analysis.replay import determinism
+
+    cfg = tiny_cfg(*DET, "train.max_steps=2")
+    same = determinism(cfg, steps=2)
+    assert same["identical"] and same["tensors_compared"] > 300
+
+    def perturb(trainer):  # the second run's MLP output in layer 1 moves by 1e-6
+        trainer.model.get_submodule("layers.1.mlp").register_forward_hook(lambda m, a, out: out + 1e-6)
+
+    differ = determinism(cfg, steps=2, perturb=perturb)
+    assert not differ["identical"] and differ["step"] == 1
+    assert (differ["phase"], differ["name"]) == ("forward", "layers.1.mlp")
+    assert differ["max_difference"] == pytest.approx(1e-6, rel=0.1)

@@ -908,7 +908,8 @@ class Trainer:
             module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
         raise NonFiniteError(
             f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
-            "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip"
+            "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip; the backward too: "
+            f"`ember analyze {self.run_dir} nonfinite --step {self.step + 1}`"
         )
 
     def _evaluate(self) -> dict:

@@ -1,0 +1,191 @@
+"""Replaying training steps with every tensor in view: where a step first goes non-finite, and
+where two runs of one config first part.
+
+    ember analyze RUN nonfinite --step S          # replay step S from the checkpoint before it
+    ember analyze CONFIG determinism [--steps N]  # run the config twice, find the first difference
+
+``Recorder`` hooks every module of the model: in the forward, each module's output (in execution
+order); in the backward, the gradient arriving at each module's output (a hook on that tensor:
+robust where module backward hooks are not) and each parameter's gradient once accumulated, in
+the order autograd computes them. ``nonfinite`` names the first of these that holds a
+NaN or an infinity, with the statistics of what came just before it (in the forward the
+module's input; in the backward the tensor autograd produced before it). ``determinism`` records two runs of the same
+config from the same seed and reports the first step and the first tensor, in that order, whose
+values differ, with the largest difference; on CPU in fp32 with ``train.deterministic=true``
+there should be none.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ember.errors import EmberError
+
+
+def stats(t: torch.Tensor) -> dict:
+    t = t.detach().float()
+    finite = t[torch.isfinite(t)]
+    return {"shape": list(t.shape), "nonfinite": int((~torch.isfinite(t)).sum()),
+            "absmax": finite.abs().max().item() if finite.numel() else math.nan,
+            "mean": finite.mean().item() if finite.numel() else math.nan}  # fmt: skip
+
+
+class Recorder:
+    """Module outputs (forward), gradients at module outputs and parameter gradients (backward),
+    in order, as ``(phase, name, tensor)``; ``keep`` clones them (for
+    comparing runs), else only the first non-finite one and what came before it are kept."""
+
+    def __init__(self, model: torch.nn.Module, keep: bool):
+        self.keep, self.events, self.first = keep, [], None
+        self.last_input: dict[str, dict] = {}
+        self.previous: dict | None = None  # statistics of the tensor seen before the current one
+        self.handles = []
+        for name, module in model.named_modules():
+            self.handles.append(module.register_forward_hook(self._forward(name or "<model>")))
+        for name, p in model.named_parameters():
+            if p.requires_grad:  # after each backward has added to p.grad
+                self.handles.append(p.register_post_accumulate_grad_hook(self._grad(name)))
+
+    def _see(self, phase: str, name: str, t, fed: dict | None = None) -> None:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return
+        if self.keep:
+            self.events.append((phase, name, t.detach().clone()))
+        elif self.first is None and not torch.isfinite(t).all():
+            self.first = {"phase": phase, "name": name, "tensor": stats(t), "before": fed or self.previous}
+        self.previous = {"phase": phase, "name": name, **stats(t)} if not self.keep else None
+
+    def _forward(self, name: str):
+        def hook(module, args, out):
+            t = out[0] if isinstance(out, tuple) else out
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            fed = {"phase": "forward", "name": f"{name} (its input)", **stats(x)} if x is not None and x.is_floating_point() and not self.keep else None  # fmt: skip # noqa: E501
+            self._see("forward", name, t, fed)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g: self._see("backward", name, g))
+
+        return hook
+
+    def _grad(self, name: str):
+        return lambda p: self._see("parameter gradient", name, p.grad)
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _trainer(cfg, tmp: str, resume: Path | None = None):
+    from ember.train.trainer import Trainer
+
+    # (only cadences and the non-finite policy differ from the run's config)
+    train = replace(cfg.train, eval_every=0, ckpt_every=0, resume=str(resume) if resume else "never",
+                    resume_allow_changes=True)  # fmt: skip
+    return Trainer(replace(cfg, run=replace(cfg.run, out_dir=tmp, name="replay"), train=train))
+
+
+def _step(trainer, batches, recorder_keep: bool | None = None):
+    """One training step as ``Trainer.run`` takes it (its learning rates, its batch); with a
+    Recorder when ``recorder_keep`` is not None."""
+    from ember.train.optim import lr_at
+
+    t = trainer.cfg.train
+    progress = trainer.progress(0.0, steps_done=1)
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr_at(trainer.step, progress, t, peak=group["peak_lr"])
+    batch = next(batches)[1:]
+    rec = None if recorder_keep is None else Recorder(trainer.model, recorder_keep)
+    try:
+        trainer.train_step(batch)
+    finally:
+        if rec is not None:
+            rec.close()
+    trainer.step += 1
+    trainer.tokens += t.batch_tokens
+    return rec
+
+
+def nonfinite(run_dir, step: int, inject=None) -> dict:
+    """Replay step ``step`` of the run from its last committed checkpoint before it (or from the
+    start) and name the first non-finite tensor. ``inject(trainer)``: a test's fault, installed
+    before the replayed step."""
+    import tempfile
+
+    from ember.analysis import run_config, write_results
+    from ember.train.checkpoint import _steps
+
+    started = time.perf_counter()
+    cfg = run_config(run_dir)
+    cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
+    before = [p for s, p, done in _steps(Path(run_dir) / "checkpoints") if done and s < step]
+    with tempfile.TemporaryDirectory(prefix="ember-replay-") as tmp:
+        trainer = _trainer(cfg, tmp, before[-1].resolve() if before else None)
+        batches = trainer.loader.iterate(trainer.step)
+        try:
+            while trainer.step < step - 1:
+                _step(trainer, batches)
+            if inject is not None:
+                inject(trainer)
+            rec = _step(trainer, batches, recorder_keep=False)
+        finally:
+            trainer.loader.close()
+            trainer.watch.stop()
+            trainer.metrics.close()
+    result = {"step": step, "from": before[-1].name if before else "the start", "first_nonfinite": rec.first}
+    out = write_results(run_dir, "nonfinite", result, started)
+    return {**result, "out": str(out)}
+
+
+def determinism(cfg, steps: int = 3, perturb=None) -> dict:
+    """Train ``cfg`` twice for ``steps`` steps, recording every tensor; the first step and tensor
+    where the second run differs from the first. ``perturb(trainer)``: a test's non-determinism,
+    installed in the second run only."""
+    import tempfile
+
+    runs = []
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
+            trainer = _trainer(cfg, tmp)
+            if attempt == 1 and perturb is not None:
+                perturb(trainer)
+            batches = trainer.loader.iterate(0)
+            try:
+                records = []
+                for _ in range(steps):
+                    rec = _step(trainer, batches, recorder_keep=True)
+                    params = trainer.model.named_parameters()
+                    after = [("parameter after the step", n, p.detach().clone()) for n, p in params]
+                    records.append(rec.events + after)
+            finally:
+                trainer.loader.close()
+                trainer.watch.stop()
+                trainer.metrics.close()
+        runs.append(records)
+    compared = 0
+    for s, (a, b) in enumerate(zip(*runs, strict=True), start=1):
+        if len(a) != len(b):
+            count = f"{len(a)} tensors recorded against {len(b)}"
+            return {
+                "steps": steps,
+                "identical": False,
+                "step": s,
+                "phase": count,
+                "name": "",
+                "max_difference": None,
+            }
+        for (phase, name, x), (_, _, y) in zip(a, b, strict=True):
+            compared += 1
+            if x.shape != y.shape or not torch.equal(x, y):
+                diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
+                return {"steps": steps, "identical": False, "step": s, "phase": phase, "name": name,
+                        "max_difference": diff, "tensors_compared": compared}  # fmt: skip
+    return {"steps": steps, "identical": True, "tensors_compared": compared}
+
+
+def check_step(step: int) -> None:
+    if step < 1:
+        raise EmberError(f"--step {step}: steps count from 1")
