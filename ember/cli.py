@@ -264,7 +264,20 @@ def cmd_analyze(args) -> int:
     if not run.is_dir():
         raise EmberError(f"run directory {run} does not exist")
     ckpts = _ckpts(run, args.ckpt)
-    if args.instrument == "nonfinite":
+    if args.instrument == "lens":
+        from ember.analysis.lens import analyze
+
+        if not args.text:
+            raise EmberError("lens reads a text through every layer: give --text '...'")
+        try:
+            r = analyze(run, args.text, ckpts[-1])
+        except ValueError as e:
+            raise EmberError(str(e)) from None
+        print(f"{'layer':<11} {'loss':>7} {'= final':>8}  top token at each position of {r['tokens']!r}")
+        for row in r["layers"]:
+            tops = " ".join(repr(t)[1:-1] or "·" for t in row["top_tokens"])
+            print(f"{row['layer']:<11} {row['loss']:>7.3f} {row['agrees_with_final']:>8.0%}  {tops[:80]}")
+    elif args.instrument == "nonfinite":
         from ember.analysis.replay import check_step, nonfinite
 
         if args.step is None:
@@ -1014,7 +1027,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ember analyze runs/tiny hessian --ckpt all --k 3",
     )
     p.add_argument("run", metavar="RUN", help="a run directory (determinism: a CONFIG)")
-    instruments = ["profile", "grads", "hessian", "memory", "nonfinite", "determinism"]
+    instruments = ["profile", "grads", "hessian", "memory", "nonfinite", "lens", "determinism"]
     p.add_argument("instrument", choices=instruments, help="what to measure (determinism: of a CONFIG)")
     p.add_argument("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)")
     p.add_argument(

@@ -112,6 +112,12 @@ def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
     assert max(totals) == memory["peak"]  # the timeline and the tracker's peak agree, byte for byte
     assert max(line["grads"]) == memory["grads"] == memory["params"]  # gradients grow to the weights' size
     assert (run / "analysis" / "memory" / "memory.png").is_file()
+    cmd = [sys.executable, "-m", "ember", "analyze", str(run), "lens", "--text", "def main(): return 0"]
+    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "block 1" in r.stdout, r.stderr[-2000:]
+    lens = json.loads((run / "analysis" / "lens" / "results.json").read_text())
+    assert [row["layer"] for row in lens["layers"]] == ["embedding", "block 0", "block 1"]
+    assert lens["layers"][-1]["agrees_with_final"] == 1.0
     cmd = [sys.executable, "-m", "ember", "analyze", str(run), "profile", "--steps", "2"]
     r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -182,3 +188,21 @@ def test_determinism_finds_no_difference_or_the_first_one(tiny_cfg):
     assert not differ["identical"] and differ["step"] == 1
     assert (differ["phase"], differ["name"]) == ("forward", "layers.1.mlp")
     assert differ["max_difference"] == pytest.approx(1e-6, rel=0.1)
+
+
+@pytest.mark.parametrize("layout", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_logit_lens_equals_the_model_cut_after_each_layer(layout):
+    import copy
+
+    from ember.analysis.lens import lens
+
+    cfg = ModelConfig(**{**SMALL, "n_layer": 3, "max_seq_len": 16}, **layout)
+    model = GPT.build(cfg, seed=0).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (12,), generator=torch.Generator().manual_seed(1))
+    readings = lens(model, ids)
+    assert len(readings) == 4
+    for n in range(4):  # the model with only its first n blocks, whole otherwise
+        cut = copy.deepcopy(model)
+        for name in [str(i) for i in range(n, 3)]:
+            del cut.layers[name]
+        assert torch.equal(readings[n], cut(ids[None])[0]), n

@@ -9,10 +9,10 @@ order); in the backward, the gradient arriving at each module's output (a hook o
 robust where module backward hooks are not) and each parameter's gradient once accumulated, in
 the order autograd computes them. ``nonfinite`` names the first of these that holds a
 NaN or an infinity, with the statistics of what came just before it (in the forward the
-module's input; in the backward the tensor autograd produced before it). ``determinism`` records two runs of the same
-config from the same seed and reports the first step and the first tensor, in that order, whose
-values differ, with the largest difference; on CPU in fp32 with ``train.deterministic=true``
-there should be none.
+module's input; in the backward the tensor autograd produced before it). ``determinism``
+records two runs of the same config from the same seed and reports the first step and the first
+tensor, in that order, whose values differ, with the largest difference; on CPU in fp32 with
+``train.deterministic=true`` there should be none.
 """
 
 from __future__ import annotations
