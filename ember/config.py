@@ -301,6 +301,11 @@ class TrainConfig(_Section, key="train"):
     eval_every: int = opt(100, "evaluate every this many steps (0 = only at the end)", ge=0)
     eval_windows: int = opt(256, "at most this many validation windows per evaluation", ge=1)
     log_every: int = opt(10, "print a log line every this many steps", ge=1)
+    log_dynamics: int = opt(
+        0,
+        "every this many steps log weight/update RMS, activation RMS/kurtosis, attention entropy (0: off)",
+        ge=0,
+    )
     ckpt_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
     keep_last: int = opt(2, "checkpoints kept, newest first", ge=2)
     keep_best: bool = opt(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -206,3 +207,61 @@ def test_logit_lens_equals_the_model_cut_after_each_layer(layout):
         for name in [str(i) for i in range(n, 3)]:
             del cut.layers[name]
         assert torch.equal(readings[n], cut(ids[None])[0]), n
+
+
+def test_training_dynamics_equal_direct_computation():
+    """Uniform attention (q = 0) has the entropy ln(t + 1) at query t, exactly; the rest against
+    the same quantities computed by hand from the tensors."""
+    import math
+
+    import scipy.stats
+
+    from ember.analysis.dynamics import Dynamics
+
+    model = GPT.build(ModelConfig(**{**SMALL, "n_layer": 2, "max_seq_len": 16}, **LLAMA), seed=0)
+    torch.nn.init.zeros_(model.layers["0"].attention.wq.weight)  # layer 0 attends uniformly
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, SMALL["vocab_size"], (3, 12), generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def keep(name):  # (a forward hook that returns nothing leaves the output alone)
+        return lambda m, a, out: seen.__setitem__(name, out.detach()) if name not in seen else None
+
+    model.layers["1"].register_forward_hook(keep("block1"))
+    model.output.register_forward_hook(keep("logits"))
+    original = model.layers["0"].attention.attend
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dyn = Dynamics(model)
+    dyn.begin()
+    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    opt.step()
+    values = dyn.end()
+    assert model.layers["0"].attention.attend is original  # restored
+    uniform = sum(math.log(t + 1) for t in range(11)) / 11
+    for h in range(SMALL["n_head"]):
+        assert values[f"dyn/attn_entropy/layers.0/h{h}"] == pytest.approx(uniform, abs=1e-5)
+        assert values[f"dyn/attn_entropy/layers.1/h{h}"] < uniform  # q ≠ 0: less than uniform
+    out = seen["block1"]
+    assert values["dyn/act_rms/layers.1"] == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
+    kurt = scipy.stats.kurtosis(out.flatten().double().numpy(), fisher=False, bias=True)  # m4 / m2²
+    assert values["dyn/act_kurtosis/layers.1"] == pytest.approx(kurt, rel=1e-3)
+    assert values["dyn/logit_max"] == pytest.approx(seen["logits"].max().item())
+    names = [n for n in before if n.startswith("layers.1.")]
+    update = torch.cat([(dict(model.named_parameters())[n].detach() - before[n]).flatten() for n in names])
+    weight = torch.cat([dict(model.named_parameters())[n].detach().flatten() for n in names])
+    ratio = update.pow(2).mean().sqrt() / weight.pow(2).mean().sqrt()
+    assert values["dyn/update_ratio/layers.1"] == pytest.approx(ratio.item(), rel=1e-5)
+
+
+def test_trainer_logs_dynamics_every_n_steps_and_the_report_plots_them(tiny_cfg):
+    from ember.report.report import write_report
+
+    cfg = tiny_cfg("train.max_steps=4", "train.log_dynamics=2", "train.eval_every=0")
+    train(cfg)
+    run = Path(cfg.run.out_dir) / cfg.run.name
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "dyn/logit_max" in r] == [2, 4]
+    write_report([run])
+    assert (run / "plots" / "dyn_attn_entropy.png").is_file() and "dyn_update_ratio.png" in (
+        run / "report.md"
+    ).read_text()

@@ -52,6 +52,13 @@ STEP_PLOTS = [
     ("grpo_length", "completion_length", "GRPO completion length", "tokens"),
     ("grpo_zero_std", "zero_std_groups", "GRPO groups whose completions all scored alike", "share"),
 ]  # a plot whose key no run logged is left out
+DYNAMICS_PLOTS = [  # train.log_dynamics: one line per layer (one run)
+    ("update_ratio", "Update / weight RMS per layer (train.log_dynamics)", "ratio", "log"),
+    ("act_rms", "Block output RMS (the residual stream)", "RMS", "linear"),
+    ("act_kurtosis", "Block output kurtosis (3: Gaussian; large: outlier features)", "kurtosis", "log"),
+    ("attn_entropy", "Attention entropy, mean over the heads of each layer", "nats", "linear"),
+    ("logit_max", "Largest logit", "logit", "linear"),
+]
 
 
 @dataclass
@@ -251,6 +258,27 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
                            {"color": f"C{i}"}))  # fmt: skip
         if _plot(plots_dir / f"{stem}.png", series, title, "step", ylabel):
             drawn.append((title, f"{stem}.png"))
+    if not many:
+        drawn += _dynamics_plots(runs[0], plots_dir)
+    return drawn
+
+
+def _dynamics_plots(run: Run, plots_dir: Path) -> list[tuple[str, str]]:
+    drawn = []
+    for family, title, ylabel, yscale in DYNAMICS_PLOTS:
+        prefix = f"dyn/{family}"
+        keys = sorted({k for r in run.train for k in r if k == prefix or k.startswith(prefix + "/")})
+        groups: dict[str, list[str]] = {}
+        for k in keys:  # attention entropy: the heads of a layer averaged into one line
+            groups.setdefault("/".join(k.split("/")[2:3]) or family, []).append(k)
+        series = []
+        for label, members in groups.items():
+            rows = [r for r in run.train if all(m in r for m in members)]
+            xs = [r["step"] for r in rows]
+            ys = [sum(r[m] for m in members) / len(members) for r in rows]
+            series.append((label, xs, ys, {"marker": "o", "markersize": 3}))
+        if _plot(plots_dir / f"dyn_{family}.png", series, title, "step", ylabel, yscale):
+            drawn.append((title, f"dyn_{family}.png"))
     return drawn
 
 

@@ -90,6 +90,7 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # batch: no opt-in accepts a change to them. Other changes (budgets and so the schedule's length,
 # eval and checkpoint cadence, learning rates) need train.resume_allow_changes=true.
 RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train.log_every", "parallel.")
+RESUME_FREE += ("train.log_dynamics",)
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
@@ -451,6 +452,8 @@ class Trainer:
             model_cfg = replace(model_cfg, vocab_size=0)  # from the grown tokenizer, rounded up
         self.model_cfg = resolve_model_config(model_cfg, self.tokenizer)
         check_layout(cfg, env.world_size, self.model_cfg)
+        if t.log_dynamics and (env.distributed and (cfg.parallel.data == "fsdp" or env.tp > 1 or env.pp > 1) or t.compile):  # fmt: skip # noqa: E501
+            raise ConfigError("train.log_dynamics reads whole weights and eager attention: one device or DDP, without train.compile")  # fmt: skip # noqa: E501
         self.global_rows, self.grad_accum = _batch_layout(t, env.dp_size)
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.resume_from = self._resume_folder()
@@ -573,6 +576,11 @@ class Trainer:
             self._prepare_run_dir()
         resumed_at = self.step if self.resume_from is not None else None
         self.metrics = MetricsLog(self.run_dir, env.is_main and not self.done, t.tensorboard, resumed_at)
+        self.dynamics, self.dyn_metrics = None, {}
+        if t.log_dynamics:
+            from ember.analysis.dynamics import Dynamics
+
+            self.dynamics = Dynamics(unwrap(self.model))
 
     def _val_loader(self, manifest: dict) -> ValLoader | None:
         """Fixed validation windows, the same count on every rank (FSDP forwards are collective);
@@ -767,7 +775,12 @@ class Trainer:
                 _, *batch = next(batches)  # (x, y), or (x, y, doc) for packed SFT
                 t1 = time.perf_counter()
                 self.watch.phase(f"the forward and backward ({comm[self.cfg.parallel.data]})")
+                observe = self.dynamics is not None and (self.step + 1) % t.log_dynamics == 0
+                if observe:
+                    self.dynamics.begin()
                 loss, grad_norm, fwd_bwd_s = self.train_step(batch)
+                if observe:
+                    self.dyn_metrics = self.dynamics.end()
                 t3 = time.perf_counter()
                 self.step += 1
                 self.tokens += t.batch_tokens
@@ -869,6 +882,8 @@ class Trainer:
             last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (self.peak_flops * env.world_size)
         last.update({key: value.item() for key, value in self.step_metrics.items()})
         last.update(getattr(self.loader, "metrics", {}))  # GRPO's rollout: rewards, lengths, times
+        last.update(self.dyn_metrics)  # train.log_dynamics, on the steps it observes
+        self.dyn_metrics = {}
         self.metrics.write(last)
         bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
         if self.step % t.log_every == 0 or self.step == 1:
