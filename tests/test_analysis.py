@@ -133,6 +133,14 @@ def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
     assert prof["flops_per_step"] == model.flops_per_token(cfg.train.seq_len) * cfg.train.batch_tokens
     assert prof["achieved_flops"] == pytest.approx(prof["flops_per_step"] / prof["step_s"])
     assert prof["top_ops"][0]["self_ms"] >= prof["top_ops"][-1]["self_ms"] > 0
+    assert (run / "analysis" / "grads" / "noise-scale.png").is_file()
+    from ember.report.report import write_report
+
+    report = write_report([run]).read_text()
+    section = report.split("## Instruments (`ember analyze`)")[1]
+    for name in ("profile", "grads", "hessian", "memory", "lens"):
+        assert f"**{name}**" in section
+    assert "(analysis/hessian/sharpness.png)" in section
     bad = subprocess.run([sys.executable, "-m", "ember", "analyze", str(tmp_path / "nope"), "grads"],
                          env=_child_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

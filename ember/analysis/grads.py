@@ -118,6 +118,12 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     results = {"batch": batch, "seed": seed, "rows": rows, "influence": influence}
     out = write_results(run_dir, "grads", results, started)
     _plot(rows[-1], out / "grad-norms.png")
+    if len(rows) > 1 and all(r["step"] is not None for r in rows):
+        from ember.report.report import _plot as plot
+
+        steps = [r["step"] for r in rows]
+        series = [("B_simple (tokens)", steps, [r["b_simple"] * r["seq_len"] for r in rows], {"marker": "o"})]
+        plot(out / "noise-scale.png", series, "gradient noise scale across the run", "step", "tokens", "log")
     return {"rows": rows, "influence": influence, "out": str(out)}
 
 

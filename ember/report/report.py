@@ -504,6 +504,51 @@ def _eval_section(runs: list[Run]) -> list[str]:
     return ["## Evaluation (eval.json)", "", *notes, *([""] if notes else []), _table(header, body), ""]
 
 
+ANALYSIS_SUMMARY = {  # instrument: what its results.json says in a line
+    "profile": lambda r: (
+        f"step {r['step_s'] * 1e3:,.1f} ms: "
+        + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in r["split_s"].items())
+        + f"; {r['fraction_of_peak']:.1%} of a measured matmul peak"
+    ),  # noqa: E501
+    "grads": lambda r: "; ".join(f"{x['ckpt']}: B_simple {x['b_simple']:.4g} windows" for x in r["rows"]),
+    "hessian": lambda r: "; ".join(
+        f"{x['ckpt']}: λ_max {x['eigenvalues'][0]:.4g}, trace {x['trace']:.4g}" for x in r["rows"]
+    ),  # noqa: E501
+    "memory": lambda r: f"peak {r['peak'] / 2**20:,.2f} MiB over {r['operations']:,} operations",
+    "nonfinite": lambda r: (
+        f"step {r['step']}: "
+        + (
+            f"first non-finite: {r['first_nonfinite']['phase']} of {r['first_nonfinite']['name']}"
+            if r["first_nonfinite"]
+            else "all finite"
+        )
+    ),  # noqa: E501
+    "lens": lambda r: " → ".join(f"{x['loss']:.3f}" for x in r["layers"]) + " nats by layer",
+}
+
+
+def _analysis_section(runs: list[Run], out: Path) -> list[str]:
+    """``ember analyze``'s results under RUN/analysis/ (one run): a line each, and their plots."""
+    if len(runs) > 1:
+        return []
+    root = runs[0].path / "analysis"
+    lines = []
+    for name, summary in ANALYSIS_SUMMARY.items():
+        path = root / name / "results.json"
+        if not path.is_file():
+            continue
+        try:
+            results = json.loads(path.read_text(encoding="utf-8"))
+            text = summary(results)
+        except (OSError, ValueError, KeyError, TypeError):
+            text = f"{path} could not be read"
+        lines += [f"- **{name}** ({results.get('seconds', '?')} s): {text}"]
+        for image in sorted((root / name).glob("*.png")):
+            lines += ["", f"![{name}]({os.path.relpath(image, out)})"]
+        lines += [""]
+    return ["## Instruments (`ember analyze`)", "", *lines] if lines else []
+
+
 def _samples_section(runs: list[Run]) -> list[str]:
     lines = []
     for run in runs:
@@ -573,6 +618,7 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     lines += _config_section(runs, out)
     lines += _data_section(runs, out)
     lines += _eval_section(runs)
+    lines += _analysis_section(runs, out)
     lines += _samples_section(runs)
     lines += _env_section(runs)
 
