@@ -273,3 +273,14 @@ def test_trainer_logs_dynamics_every_n_steps_and_the_report_plots_them(tiny_cfg)
     assert (run / "plots" / "dyn_attn_entropy.png").is_file() and "dyn_update_ratio.png" in (
         run / "report.md"
     ).read_text()
+
+
+def test_the_trainer_names_a_gradient_that_goes_non_finite_in_the_backward(tiny_cfg):
+    from ember.train.trainer import NonFiniteError, Trainer
+
+    trainer = Trainer(tiny_cfg("train.max_steps=3", "train.eval_every=0"))
+    _nan_at("layers.1.mlp", backward=True)(trainer)
+    with pytest.raises(
+        NonFiniteError, match=r"step 1: .*in the backward, the gradient at the output of layers\.1\.mlp"
+    ):
+        trainer.run()

@@ -259,30 +259,27 @@ def _batch_layout(train_cfg, world_size: int) -> tuple[int, int]:
 
 
 def _find_nonfinite_module(model, task, batch, autocast) -> str:
-    """Re-run a forward with hooks; name the first module (in execution order) whose output
-    is not finite."""
-    found: list[str] = []
-    hooks = []
-    for name, module in unwrap(model).named_modules():
+    """Re-run the micro-batch, forward and backward, with every module output, gradient at a
+    module output and parameter gradient checked in the order they are computed
+    (``ember.analysis.replay.Recorder``); say where the first non-finite one is."""
+    from ember.analysis.replay import Recorder
 
-        def hook(mod, args, out, name=name):
-            t = out[0] if isinstance(out, tuple) else out
-            if (
-                not found
-                and isinstance(t, torch.Tensor)
-                and t.is_floating_point()
-                and not torch.isfinite(t).all()
-            ):
-                found.append(name or "<model>")
-
-        hooks.append(module.register_forward_hook(hook))
+    model.zero_grad(set_to_none=True)  # the failed step's gradients would be seen again
+    rec = Recorder(unwrap(model), keep=False)
     try:
-        with torch.no_grad(), autocast:  # as in training, so an overflow reproduces
-            task.loss(model, batch)
+        with autocast:  # as in training, so an overflow reproduces
+            loss, _ = task.loss(model, batch)
+        if rec.first is None:
+            loss.backward()
     finally:
-        for h in hooks:
-            h.remove()
-    return found[0] if found else "none in the forward pass (the backward pass or the loss)"
+        rec.close()
+        model.zero_grad(set_to_none=True)
+    first = rec.first
+    if first is None:
+        return "none in the forward or the backward pass (the loss itself?)"
+    if first["phase"] == "forward":
+        return first["name"]
+    return f"none in the forward pass; in the backward, the {first['phase'].replace('backward', 'gradient at the output')} of {first['name']}"  # fmt: skip # noqa: E501
 
 
 def _chat_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
@@ -923,8 +920,8 @@ class Trainer:
             module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
         raise NonFiniteError(
             f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
-            "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip; the backward too: "
-            f"`ember analyze {self.run_dir} nonfinite --step {self.step + 1}`"
+            "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip. With the statistics of what "
+            f"came before it: `ember analyze {self.run_dir} nonfinite --step {self.step + 1}`"
         )
 
     def _evaluate(self) -> dict:
