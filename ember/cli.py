@@ -338,6 +338,11 @@ def cmd_analyze(args) -> int:
                   f"{min(norms):.3g}–{max(norms):.3g}; tr(Σ) {row['trace_sigma']:.4g}, "
                   f"|G|² {row['g2_unbiased']:.4g} (unbiased); "
                   f"B_simple {b:.4g} windows = {b * row['seq_len']:,.0f} tokens")  # fmt: skip
+        layers = r["rows"][-1]["norms"]["layers"]
+        last = r["rows"][-1]["ckpt"]
+        print(f"  {'layer':<16} {'mean':>9} {'min':>9} {'max':>9}   gradient norm per window, {last}")
+        for name, norms in layers.items():
+            print(f"  {name:<16} {sum(norms) / len(norms):>9.4g} {min(norms):>9.4g} {max(norms):>9.4g}")
         if r["influence"]:
             for key in ("most_aligned", "least_aligned"):
                 print(f"{key.replace('_', ' ')} with {args.text!r}:")
