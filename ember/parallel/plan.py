@@ -201,6 +201,8 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
         flight = _in_flight(cfg, c["pp_rank"], m)
         ac_total = act["other"] + len(act["blocks"]) * act["block_input"] + max(act["blocks"], default=0)
         used = ac_total if t.activation_checkpointing else act["total"]
+        unit = len(ids)  # interleaved: a micro-batch in flight holds one of the rank's stages, not all
+        used, per_flight, per_flight_ac = used / unit, act["total"] / unit, ac_total / unit
         # the backward, step by step from the loss: the head, the blocks from the last, the embedding;
         # at each: activations saved and not yet used, gradients made so far (all of them from the start
         # when micro-batches accumulate into them), and at the start two logits-sized temporaries
@@ -238,7 +240,7 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
         n = len(blocks)
         peak = (0, 0, 0)  # (total, gradients then, activations and temporaries then)
         for k in range(n + 2):  # k of the steps done
-            saved = (flight - 1) * used + sum(blocks[: n - max(0, k - 1)])
+            saved = round((flight - 1) * used) + sum(blocks[: n - max(0, k - 1)])
             saved += act["other"] - (act["logits"] if k else 0)  # the loss's log-probabilities go first
             if t.activation_checkpointing and 0 < k <= n:
                 saved += max(act["blocks"], default=0)  # the block being recomputed
@@ -252,7 +254,7 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
         plans.append({
             "rank": rank, **c, "stages": ids, "microbatches": m, "rows": rows, "in_flight": flight,
             "params": params, "grads": params, "optimizer": optimizer,
-            "activations": flight * act["total"], "activations_ac": flight * ac_total,
+            "activations": round(flight * per_flight), "activations_ac": round(flight * per_flight_ac),
             "peak": peak[0], "grads_at_peak": peak[1], "activations_at_peak": peak[2],
             "fsdp_gathered": gathered,
             "virtual_stages": virtual_stages(cfg.parallel) if cfg.parallel.pp > 1 else 1,
