@@ -4,10 +4,14 @@ results into ``RUN/analysis/<instrument>/`` (``results.json`` and plots).
     model, cfg = load_for_analysis(run_dir, ckpt="last")   # float64 optional, reference attention
     x, y = windows(cfg, n=16, seed=0)                      # seeded training windows of the run's data
 
-Instruments: ``grads`` (per-sample gradients, the gradient noise scale, example influence:
-ember/analysis/grads.py) and ``hessian`` (top eigenvalues by Lanczos on Hessian-vector
-products, the trace by Hutchinson, sharpness across checkpoints: ember/analysis/curvature.py).
-Each is checked against a slow exact computation on a tiny model (tests/test_analysis.py).
+Instruments: ``profile`` (torch.profiler, the step's phases, achieved FLOP/s: profile.py),
+``grads`` (per-example gradients, the gradient noise scale, example influence: grads.py),
+``hessian`` (top eigenvalues by Lanczos on Hessian-vector products, the trace by Hutchinson,
+sharpness across checkpoints: curvature.py), ``memory`` (live bytes by category over a step:
+memory.py), ``nonfinite`` and ``determinism`` (a step replayed with every tensor checked; two
+runs compared tensor by tensor: replay.py), ``lens`` (each layer through the head: lens.py);
+and the trainer's ``train.log_dynamics`` (dynamics.py). Each is checked against a slow exact
+computation on a tiny model (tests/test_analysis.py).
 The model runs with the reference attention (plain matmuls and softmax), which ``torch.func``
 transforms and double backward take on every device; the fused kernels are for training.
 """
