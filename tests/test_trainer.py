@@ -37,6 +37,15 @@ def _child_env():
     return env
 
 
+def assert_refused_before_launch(tmp_path, args, message):
+    """``ember train tiny ARGS`` exits 2 with ``message``, before torchrun starts, writing nothing."""
+    cmd = [sys.executable, "-m", "ember", "train", "tiny", f"run.out_dir={tmp_path}", *args]
+    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+    assert "launching" not in r.stdout and "Traceback" not in r.stderr
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_exact_resume_is_bitwise(tiny_cfg):
     """With dropout, so that the losses after resume depend on the restored RNG state."""
     args = [*DET, *DROPOUT, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3"]

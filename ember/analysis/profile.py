@@ -16,7 +16,6 @@ time — against the device's matmul peak, measured on the spot with a large mat
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,43 +40,29 @@ def matmul_peak(device: torch.device, size: int = 2048, seconds: float = 1.0) ->
 
 
 def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict:
-    import tempfile
 
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
     from ember.analysis import run_config, write_results
-    from ember.train.optim import lr_at
-    from ember.train.trainer import Trainer
+    from ember.train.trainer import scratch_trainer
 
     started = time.perf_counter()
     cfg = run_config(run_dir)
     out = Path(run_dir) / "analysis" / "profile"
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ember-profile-") as tmp:
-        train = replace(cfg.train, max_steps=steps + 1, eval_every=0, ckpt_every=0)
-        trainer = Trainer(replace(cfg, run=replace(cfg.run, out_dir=tmp, name="profile"), train=train))
+    with scratch_trainer(cfg, max_steps=steps + 1) as trainer:
         device = trainer.env.device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         batches = trainer.loader.iterate(0)
-        try:
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = lr_at(0, 0.0, cfg.train, peak=group["peak_lr"])
-            trainer.train_step(next(batches)[1:])  # warm-up: first-call costs stay out of the profile
-            with profile(
-                activities=activities, record_shapes=True, profile_memory=True, with_stack=stack
-            ) as prof:
-                wall = time.perf_counter()
-                for _ in range(steps):
-                    with record_function("ember/data"):
-                        batch = next(batches)[1:]
-                    trainer.train_step(batch)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                wall = time.perf_counter() - wall
-        finally:
-            trainer.loader.close()
-            trainer.watch.stop()
-            trainer.metrics.close()
+        trainer.advance(batches)  # warm-up: first-call costs stay out of the profile
+        options = {"record_shapes": True, "profile_memory": True, "with_stack": stack}
+        with profile(activities=activities, **options) as prof:
+            wall = time.perf_counter()
+            for _ in range(steps):
+                trainer.advance(batches)  # (it labels the batch's wait ember/data)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            wall = time.perf_counter() - wall
         flops = trainer.flops_per_token * cfg.train.batch_tokens * steps
     prof.export_chrome_trace(str(out / "trace.json"))
     events = prof.key_averages()

@@ -78,63 +78,35 @@ class Recorder:
         for h in self.handles:
             h.remove()
 
+    def __enter__(self) -> Recorder:
+        return self
 
-def _trainer(cfg, tmp: str, resume: Path | None = None):
-    from ember.train.trainer import Trainer
-
-    # (only cadences and the non-finite policy differ from the run's config)
-    train = replace(cfg.train, eval_every=0, ckpt_every=0, resume=str(resume) if resume else "never",
-                    resume_allow_changes=True)  # fmt: skip
-    return Trainer(replace(cfg, run=replace(cfg.run, out_dir=tmp, name="replay"), train=train))
-
-
-def _step(trainer, batches, recorder_keep: bool | None = None):
-    """One training step as ``Trainer.run`` takes it (its learning rates, its batch); with a
-    Recorder when ``recorder_keep`` is not None."""
-    from ember.train.optim import lr_at
-
-    t = trainer.cfg.train
-    progress = trainer.progress(0.0, steps_done=1)
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr_at(trainer.step, progress, t, peak=group["peak_lr"])
-    batch = next(batches)[1:]
-    rec = None if recorder_keep is None else Recorder(trainer.model, recorder_keep)
-    try:
-        trainer.train_step(batch)
-    finally:
-        if rec is not None:
-            rec.close()
-    trainer.step += 1
-    trainer.tokens += t.batch_tokens
-    return rec
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def nonfinite(run_dir, step: int, inject=None) -> dict:
     """Replay step ``step`` of the run from its last committed checkpoint before it (or from the
     start) and name the first non-finite tensor. ``inject(trainer)``: a test's fault, installed
     before the replayed step."""
-    import tempfile
-
     from ember.analysis import run_config, write_results
     from ember.train.checkpoint import _steps
+    from ember.train.trainer import scratch_trainer
 
     started = time.perf_counter()
     cfg = run_config(run_dir)
     cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
     before = [p for s, p, done in _steps(Path(run_dir) / "checkpoints") if done and s < step]
-    with tempfile.TemporaryDirectory(prefix="ember-replay-") as tmp:
-        trainer = _trainer(cfg, tmp, before[-1].resolve() if before else None)
+    resume = str(before[-1].resolve()) if before else "never"
+    # (only cadences and the non-finite policy differ from the run's config)
+    with scratch_trainer(cfg, resume=resume, resume_allow_changes=True) as trainer:
         batches = trainer.loader.iterate(trainer.step)
-        try:
-            while trainer.step < step - 1:
-                _step(trainer, batches)
-            if inject is not None:
-                inject(trainer)
-            rec = _step(trainer, batches, recorder_keep=False)
-        finally:
-            trainer.loader.close()
-            trainer.watch.stop()
-            trainer.metrics.close()
+        while trainer.step < step - 1:
+            trainer.advance(batches)
+        if inject is not None:
+            inject(trainer)
+        with Recorder(trainer.model, keep=False) as rec:
+            trainer.advance(batches)
     result = {"step": step, "from": before[-1].name if before else "the start", "first_nonfinite": rec.first}
     out = write_results(run_dir, "nonfinite", result, started)
     return {**result, "out": str(out)}
@@ -144,26 +116,21 @@ def determinism(cfg, steps: int = 3, perturb=None) -> dict:
     """Train ``cfg`` twice for ``steps`` steps, recording every tensor; the first step and tensor
     where the second run differs from the first. ``perturb(trainer)``: a test's non-determinism,
     installed in the second run only."""
-    import tempfile
+    from ember.train.trainer import scratch_trainer
 
     runs = []
     for attempt in range(2):
-        with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
-            trainer = _trainer(cfg, tmp)
+        with scratch_trainer(cfg, resume="never") as trainer:
             if attempt == 1 and perturb is not None:
                 perturb(trainer)
             batches = trainer.loader.iterate(0)
-            try:
-                records = []
-                for _ in range(steps):
-                    rec = _step(trainer, batches, recorder_keep=True)
-                    params = trainer.model.named_parameters()
-                    after = [("parameter after the step", n, p.detach().clone()) for n, p in params]
-                    records.append(rec.events + after)
-            finally:
-                trainer.loader.close()
-                trainer.watch.stop()
-                trainer.metrics.close()
+            records = []
+            for _ in range(steps):
+                with Recorder(trainer.model, keep=True) as rec:
+                    trainer.advance(batches)
+                params = trainer.model.named_parameters()
+                after = [("parameter after the step", n, p.detach().clone()) for n, p in params]
+                records.append(rec.events + after)
         runs.append(records)
     compared = 0
     for s, (a, b) in enumerate(zip(*runs, strict=True), start=1):

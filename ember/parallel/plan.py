@@ -359,7 +359,6 @@ def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -
     that peak and the gradients and the rest (activations and temporaries) live at it. (A
     communication thread can free a collective's input a moment late, which only adds to a
     step's peak: the lower of two steps is the schedule's own.)"""
-    from ember.train.optim import lr_at
 
     def local_bytes(tensors) -> int:
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
@@ -372,26 +371,20 @@ def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -
     batches = trainer.loader.iterate(trainer.step)
     best = None
     cuda = trainer.env.device.type == "cuda"
-    try:
-        for i in range(steps):
-            for group in trainer.optimizer.param_groups:
-                group["lr"] = lr_at(i, 0.0, trainer.cfg.train, peak=group["peak_lr"])
-            _, *batch = next(batches)
-            if i < steps - tracked:
-                trainer.train_step(batch)
-                continue
-            gc.collect()  # garbage of earlier steps, freed at a moment of Python's choosing, goes first
-            if cuda:  # the caching allocator's own count, beside the tracker's
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            tracker = StorageTracker(trainer.model, trainer.optimizer, timeline)
-            with tracker:
-                trainer.train_step(batch)
-            if best is None or tracker.peak < best.peak:
-                best = tracker
-                best.allocator = torch.cuda.max_memory_allocated() if cuda else None
-    finally:
-        trainer.loader.close()
+    for i in range(steps):
+        if i < steps - tracked:
+            trainer.advance(batches)
+            continue
+        gc.collect()  # garbage of earlier steps, freed at a moment of Python's choosing, goes first
+        if cuda:  # the caching allocator's own count, beside the tracker's
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        tracker = StorageTracker(trainer.model, trainer.optimizer, timeline)
+        with tracker:
+            trainer.advance(batches)
+        if best is None or tracker.peak < best.peak:
+            best = tracker
+            best.allocator = torch.cuda.max_memory_allocated() if cuda else None
     tracker = best
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     params = local_bytes(trainer.model.parameters())
@@ -438,20 +431,12 @@ def difference(predicted: int, measured: int, peak: int) -> float:
 def measure_config(cfg, steps: int = 4, timeline: bool = False) -> list[dict] | None:
     """On every rank of the launch (or alone): train ``steps`` steps of ``cfg`` in a scratch run
     directory and measure the last; rank 0 gets every rank's figures (others: None)."""
-    import tempfile
-
     import torch.distributed as dist
 
-    from ember.train.trainer import Trainer
+    from ember.train.trainer import scratch_trainer
 
-    with tempfile.TemporaryDirectory(prefix="ember-plan-") as tmp:
-        cfg = replace(cfg, run=replace(cfg.run, out_dir=tmp, name="plan"), train=replace(cfg.train, max_steps=steps, eval_every=0, ckpt_every=0))  # fmt: skip # noqa: E501
-        trainer = Trainer(cfg)
-        try:
-            mine = measure(trainer, steps, timeline=timeline)
-        finally:
-            trainer.watch.stop()
-            trainer.metrics.close()
+    with scratch_trainer(cfg, max_steps=steps) as trainer:
+        mine = measure(trainer, steps, timeline=timeline)
     if not dist.is_initialized():
         return [mine]
     every = [None] * dist.get_world_size()

@@ -147,11 +147,11 @@ def _prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _drop_unsaved_group_settings(optim_sd: dict, folder: Path) -> dict:
-    """Param-group settings newer than the checkpoint (e.g. ``peak_lr``, added with per-group
-    learning rates) are not asked of it; they keep the values the optimizer was built with,
-    which are returned to be put back after the load (the flat form asks for every one)."""
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+def _drop_unsaved_group_settings(optim_sd: dict, saved) -> dict:
+    """Param-group settings newer than the checkpoint (``saved``: its keys; e.g. ``peak_lr``,
+    added with per-group learning rates) are not asked of it; they keep the values the optimizer
+    was built with, which are returned to be put back after the load (the flat form asks for
+    every one)."""
     for i, group in enumerate(optim_sd.get("param_groups", [])):  # the nested form
         for key in [k for k in group if k != "params" and f"optim.param_groups.{i}.{k}" not in saved]:
             del group[key]
@@ -159,11 +159,6 @@ def _drop_unsaved_group_settings(optim_sd: dict, folder: Path) -> dict:
     return {k: optim_sd.pop(k) for k in flat}
 
 
-def _is_flat(folder: Path) -> bool:
-    """Whether the checkpoint keys optimizer state by parameter name (``FLAT``), as every
-    checkpoint since pipeline parallel does, or by position in the param groups (before)."""
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    return not any(k.startswith("optim.param_groups.0.") for k in saved)
 
 
 def load_checkpoint(
@@ -188,12 +183,15 @@ def load_checkpoint(
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
                 set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
             else:
-                flat = _is_flat(folder)
+                saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+                # optimizer state by parameter name (FLAT), as every checkpoint since pipeline
+                # parallel has it, or by position in the param groups (before)
+                flat = not any(k.startswith("optim.param_groups.0.") for k in saved)
                 model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))  # fmt: skip # noqa: E501
                 if only is not None:
                     model_sd = {k: v for k, v in model_sd.items() if k in only}
                 built = [dict(group) for group in optimizer.param_groups]
-                kept = _drop_unsaved_group_settings(optim_sd, folder)
+                kept = _drop_unsaved_group_settings(optim_sd, saved)
                 state = {"model": model_sd, "optim": optim_sd}
                 dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
                 state["optim"].update(kept)

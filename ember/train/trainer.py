@@ -765,11 +765,9 @@ class Trainer:
             while progress < 1.0:
                 self.watch.at(self.step + 1)
                 t0 = time.perf_counter()
-                progress_after = self.progress(self._elapsed(start), steps_done=1)
-                lr = lr_at(self.step, progress_after, t)
-                for group in self.optimizer.param_groups:  # each group's own peak, one schedule
-                    group["lr"] = lr_at(self.step, progress_after, t, peak=group["peak_lr"])
-                _, *batch = next(batches)  # (x, y), or (x, y, doc) for packed SFT
+                lr = self.set_lr(self.progress(self._elapsed(start), steps_done=1))
+                with record_function("ember/data"):
+                    _, *batch = next(batches)  # (x, y), or (x, y, doc) for packed SFT
                 t1 = time.perf_counter()
                 self.watch.phase(f"the forward and backward ({comm[self.cfg.parallel.data]})")
                 observe = self.dynamics is not None and (self.step + 1) % t.log_dynamics == 0
@@ -803,6 +801,25 @@ class Trainer:
             self.metrics.close()
         self._finish(last)
         return last
+
+    def set_lr(self, progress_after: float) -> float:
+        """The learning rates of the coming step, the budget at ``progress_after`` when it ends:
+        each group's own peak, one schedule; returns the schedule at ``train.lr``."""
+        t = self.cfg.train
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.step, progress_after, t, peak=group["peak_lr"])
+        return lr_at(self.step, progress_after, t)
+
+    def advance(self, batches) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One step outside ``run`` (``ember plan --measure``, ``ember analyze``): the schedule's
+        learning rates, the next batch of ``batches`` (``loader.iterate``), ``train_step``."""
+        self.set_lr(self.progress(0.0, steps_done=1))
+        with record_function("ember/data"):
+            _, *batch = next(batches)
+        out = self.train_step(batch)
+        self.step += 1
+        self.tokens += self.cfg.train.batch_tokens
+        return out
 
     def train_step(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step on this rank's rows (x, y, ...: (rows, seq_len)): micro-batches with the
@@ -1021,6 +1038,24 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self._write_report()
         print0(f"done: step {self.step}, {self.tokens:,} tokens; weights in {self.run_dir / 'model'}")
+
+
+@contextlib.contextmanager
+def scratch_trainer(cfg, **train_changes):
+    """A Trainer for ``cfg`` in a temporary run directory, no evaluation or checkpoints (and
+    ``train_changes``), closed after: what ``ember plan --measure`` and ``ember analyze`` run
+    their steps on. Stepping it is the caller's: ``set_lr``, a batch, ``train_step``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ember-scratch-") as tmp:
+        t = replace(cfg.train, **{"eval_every": 0, "ckpt_every": 0, **train_changes})
+        trainer = Trainer(replace(cfg, run=replace(cfg.run, out_dir=tmp, name="scratch"), train=t))
+        try:
+            yield trainer
+        finally:
+            trainer.loader.close()
+            trainer.watch.stop()
+            trainer.metrics.close()
 
 
 def train(cfg, run_dir: Path | None = None) -> dict:
