@@ -306,6 +306,37 @@ def test_batched_greedy_equals_each_prompt_alone_and_the_uncached_loop(tok):
         assert got.token_ids == ref
 
 
+class Rows(nn.Module):
+    """Wraps a model and records the number of rows of every call."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model, self.cfg, self.rows = model, model.cfg, []
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        self.rows.append(idx.size(0))
+        return self.model(idx, cache=cache)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_repeated_prompts_are_prefilled_once_and_sample_as_rows_of_their_own(tok, compile):
+    """GRPO's group: G rows of one prompt prefill one row, then decode apart; every row gives
+    what it gives alone with its seed (seed + row), greedy rows included."""
+    rows = Rows(tiny_model(vocab_size=320, **LLAMA))
+    engine = Engine(rows, tok, compile=compile)
+    prompts = ["The quick"] * 3 + ["def main():\n"] * 2 + ["fox"]
+    for temperature in (1.0, 0.0):
+        rows.rows.clear()
+        sampling = Sampling(max_new_tokens=12, temperature=temperature, seed=5, ignore_eos=True)
+        batch = engine.generate(prompts, sampling)
+        assert rows.rows[0] == 3 and (compile or set(rows.rows[1:]) == {6})  # 3 distinct prompts
+        for i, (prompt, got) in enumerate(zip(prompts, batch, strict=True)):
+            [alone] = engine.generate([prompt], dataclasses.replace(sampling, seed=5 + i))
+            assert got == alone
+    sampled = engine.generate(prompts, Sampling(max_new_tokens=12, temperature=1.0, seed=5))
+    assert len({tuple(c.token_ids) for c in sampled[:3]}) > 1  # one prefill, different samples
+
+
 # ---------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------

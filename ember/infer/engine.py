@@ -31,6 +31,9 @@ Design choices:
   forward over that row alone (tested to 1e-5, as HF ``generate`` does with left padding
   and an attention mask). A batch whose prompts all have one length has no pads, no mask and takes the
   plain causal path. Cost: the prefill runs the longest prompt's length for every row.
+- **A repeated prompt is prefilled once.** Rows with the same prompt ids (GRPO's group
+  of G samples, a request with n > 1) share one prefill row; its keys, values and logits
+  are then copied to each of them, and from there they decode (and sample) apart.
 - **A finished row keeps its slot.** Its group decodes until every row is done and
   ignores that row's tokens (as nanochat does); compacting the cache would copy it on
   every finish. Continuous batching with a paged cache is the scheduler's job, later.
@@ -120,6 +123,15 @@ class KVCache:
             return self.slots
         self.mask = visible(self.slots, self.pad, self.held)  # (B, 1, T, held)
         return (self.slots - self.pad[:, None]).clamp(min=0)  # (B, T); pads sit at 0
+
+    def select(self, rows: Tensor) -> None:
+        """Keep rows ``rows`` (indices, repeats allowed) of every buffer: the engine prefills a
+        repeated prompt once and copies its row out with this."""
+        for buffers in (self.k, self.v):
+            for layer, buffer in buffers.items():
+                buffers[layer] = buffer.index_select(0, rows)
+        if self.pad is not None and self.pad.size(0) > 1:  # StaticKVCache's (1,) zeros broadcast
+            self.pad = self.pad[rows]
 
     def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if layer not in self.k:
@@ -278,14 +290,19 @@ class _Stream:
 
     def __init__(self, engine: Engine, rows: list[_Row], max_new_tokens: int) -> None:
         self.engine, self.rows = engine, rows
-        width = max(len(r.prompt) for r in rows)
-        pad = [width - len(r.prompt) for r in rows]
+        # Rows that repeat a prompt (GRPO's group, a request's n) prefill it once: one row per
+        # distinct prompt, and the cache and logits are copied out to every row after it.
+        distinct: dict[tuple[int, ...], int] = {}
+        inverse = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
+        self.inverse = torch.tensor(inverse, device=engine.device) if len(distinct) < len(rows) else None
+        width = max(map(len, distinct))
+        pad = [width - len(p) for p in distinct]
         # The last sampled token is never fed back, hence the - 1.
         self.cache = engine.cache_type(width + max_new_tokens - 1, pad, engine.device)
         pad_id = getattr(engine.tokenizer, "pad_id", 0)  # any id would do: the mask hides pad slots
         self.next_input = torch.tensor(
-            [[pad_id] * n + r.prompt for n, r in zip(pad, rows, strict=True)], device=engine.device
-        )  # (B, width)
+            [[pad_id] * n + list(p) for n, p in zip(pad, distinct, strict=True)], device=engine.device
+        )  # (distinct prompts, width)
 
     @property
     def done(self) -> bool:
@@ -304,6 +321,10 @@ class _Stream:
         finally:
             if was_training:
                 model.train()
+        if self.inverse is not None:  # after the prefill of the distinct prompts: one row each
+            logits = logits[self.inverse]
+            self.cache.select(self.inverse)
+            self.inverse = None
         if self.engine.n_valid < logits.size(-1):  # ids beyond the tokenizer's vocabulary
             logits[:, self.engine.n_valid :] = float("-inf")
         next_ids = sample_next(logits, temperature, top_k, top_p, [r.generator for r in self.rows])
