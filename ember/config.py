@@ -441,6 +441,11 @@ class GRPOConfig(_Section, key="grpo"):
         choices=("token", "sequence"),
     )
     iterations: int = opt(1, "μ: optimizer steps on each rollout batch (>1: the clip matters)", ge=1)
+    shared_prefix: bool = opt(
+        True,
+        "run each group's prompt once in the log-probability forwards (and the update's backward), "
+        "its G completions continuing from it; false: every row its whole sequence (the plain path)",
+    )
     format_reward: float = opt(0.0, "added to the reward of a completion that closes its turn", ge=0)
     eval_problems: int = opt(100, "test problems answered (greedy) at each evaluation; 0 = none", ge=0)
 

@@ -17,7 +17,7 @@ from ember.data.tasks import TASKS
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
-from ember.train.dpo import token_logps
+from ember.train.dpo import shared_prefix_logits, token_logps
 from ember.train.grpo import Rollouts, group_advantages, grpo_loss
 from ember.train.metrics import read_metrics
 from ember.train.sft import IGNORE
@@ -138,6 +138,36 @@ def test_token_logps_are_the_full_forwards():
         got = token_logps(model, x, y, temperature=0.7)
     want = torch.where(y != IGNORE, full.gather(2, y.clamp(min=0)[..., None])[..., 0], 0.0)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["llama", "gpt2"])
+def test_shared_prefix_logps_and_gradients_equal_the_plain_forward(layout):
+    """Three groups of 3 completions behind prompts of 4, 6 and 6 tokens (two groups of one
+    length: prompts are told apart by their ids), completions of 1 to 4 trained tokens with
+    untrained holes and right padding: the shared path's log-probabilities and every
+    parameter's gradient equal the plain forward's, in training mode."""
+    extra = LLAMA if layout == "llama" else {"n_kv_head": 1}
+    cfg = ModelConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, max_seq_len=16, **extra)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 64, (9, 11), generator=g)
+    y = torch.full_like(x, IGNORE)
+    shapes = [(4, 1), (4, 4), (4, 3), (6, 2), (6, 4), (6, 1), (6, 3), (6, 3), (6, 4)]  # (prompt, trained)
+    for r, (prompt, trained) in enumerate(shapes):
+        x[r, :prompt] = x[r // 3 * 3, :prompt]  # a group's rows share their prompt
+        y[r, prompt - 1 : prompt - 1 + trained] = torch.randint(0, 64, (trained,), generator=g)
+    y[4, 6] = IGNORE  # an untrained hole inside a completion
+    assert not torch.equal(x[3, :6], x[6, :6])
+    assert shared_prefix_logits(GPT.build(cfg, seed=0), x, y != IGNORE).shape == ((y != IGNORE).sum(), 64)
+    grads = []
+    for share in (False, True):
+        model = GPT.build(cfg, seed=0).train()
+        logps = token_logps(model, x, y, temperature=0.7, share=share)
+        (logps * torch.linspace(-1, 1, 11)).sum().backward()
+        grads.append((logps.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (shared, shared_grads) = grads
+    assert (plain != 0).sum() == (y != IGNORE).sum() and torch.allclose(shared, plain, atol=1e-5)
+    for name, grad in plain_grads.items():
+        assert torch.allclose(shared_grads[name], grad, atol=1e-5), name
 
 
 def _grpo_cfg(**changes):

@@ -159,8 +159,6 @@ def _drop_unsaved_group_settings(optim_sd: dict, saved) -> dict:
     return {k: optim_sd.pop(k) for k in flat}
 
 
-
-
 def load_checkpoint(
     folder: Path,
     model: torch.nn.Module,

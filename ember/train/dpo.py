@@ -202,16 +202,55 @@ class PairLoader(SFTLoader):
 # ---------------------------------------------------------------- the loss
 
 
-def token_logps(model, x: Tensor, y: Tensor, temperature: float = 1.0) -> Tensor:
+def token_logps(model, x: Tensor, y: Tensor, temperature: float = 1.0, share: bool = False) -> Tensor:
     """(rows, T): the log-probability of each trained target ``y[b, t]`` under ``model``'s logits
     divided by ``temperature``, 0 where ``y`` is IGNORE. The head runs on the trained positions
-    only (``keep``)."""
+    only (``keep``). ``share``: rows whose untrained prefix is the same (a GRPO group) run it once
+    (``shared_prefix_logits``), where the model allows."""
     keep = y != IGNORE
-    logits = model(x, keep=keep).float()
+    logits = shared_prefix_logits(model, x, keep) if share else None
+    logits = model(x, keep=keep).float() if logits is None else logits
     if temperature != 1.0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(1, y[keep][:, None])[:, 0]
     return torch.zeros(y.shape, dtype=logp.dtype, device=x.device).masked_scatter(keep, logp)
+
+
+def shared_prefix_logits(model, x: Tensor, keep: Tensor) -> Tensor | None:
+    """The logits ``model(x, keep=keep)`` gives, (N, vocab), with each distinct prefix before a
+    row's first kept position run once: G completions of one prompt then cost one prompt's
+    forward and backward, not G. The prefixes go through the model left-padded into a
+    ``KVCache`` (ember/infer/engine.py), whose rows are then copied out to every row that shares
+    them, and the rest of each row (from its last prefix token on) continues from its copy, in
+    training mode, with gradients flowing back through the copies into the one prefix pass. Equal
+    to the plain forward up to float rounding (tests/test_grpo.py). None where it does not apply:
+    no prefix repeats; a row trains from its first position; a module other than a plain ``GPT``
+    (DDP, compiled, pipelined) or dropout while training, which the cache path does not apply."""
+    from ember.infer.engine import KVCache
+    from ember.model.gpt import GPT
+
+    if type(model) is not GPT or (model.training and model.cfg.dropout) or not keep.any(1).all():
+        return None
+    first = keep.int().argmax(1)  # each row's first kept position: its prefix is x[r, :first]
+    if first.min() == 0:
+        return None
+    distinct: dict[tuple[int, ...], int] = {}
+    prefixes = [tuple(row[:f]) for row, f in zip(x.tolist(), first.tolist(), strict=True)]
+    inverse = [distinct.setdefault(p, len(distinct)) for p in prefixes]
+    if len(distinct) == len(prefixes):
+        return None
+    width = max(map(len, distinct))
+    pad = [width - len(p) for p in distinct]
+    prefix = torch.tensor([[0] * n + list(p) for n, p in zip(pad, distinct, strict=True)], device=x.device)
+    last = x.size(1) - 1 - keep.flip(1).int().argmax(1)  # each row's last kept position
+    span = int((last - first).max()) + 1
+    at = first[:, None] + torch.arange(span, device=x.device)  # (rows, span): the rest of each row
+    inside = at < x.size(1)
+    at = at.clamp(max=x.size(1) - 1)
+    cache = KVCache(width + span, pad, x.device)
+    model(prefix, cache=cache, keep=torch.zeros_like(prefix, dtype=torch.bool))  # keys and values only
+    cache.select(torch.tensor(inverse, device=x.device))
+    return model(x.gather(1, at), cache=cache, keep=keep.gather(1, at) & inside).float()
 
 
 def sequence_logps(model, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:

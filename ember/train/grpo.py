@@ -203,7 +203,9 @@ class Rollouts(SFTLoader):
 
         old = ref = torch.zeros(y.shape, device=self.device)  # unused: ρ from π detached, β = 0
         if cfg.iterations > 1:
-            old = self._logps(lambda xs, ys: token_logps(self.model, xs, ys, cfg.temperature), x, y)
+            old = self._logps(
+                lambda xs, ys: token_logps(self.model, xs, ys, cfg.temperature, cfg.shared_prefix), x, y
+            )
         if cfg.beta:
             ref = self._logps(self.reference, x, y)
         grouped = rewards.view(-1, G)
@@ -272,7 +274,7 @@ class GRPOTask(SFTTask):
     def loss(self, model, batch) -> tuple[Tensor, dict]:
         x, y, advantages, old_logps, ref_logps = batch
         c = self.cfg
-        logps = token_logps(model, x, y, c.temperature)
+        logps = token_logps(model, x, y, c.temperature, c.shared_prefix)
         if c.iterations == 1:
             old_logps = logps.detach()  # the sampling policy is this one: ρ = 1, the policy gradient
         mask = y != IGNORE

@@ -525,7 +525,7 @@ class Trainer:
         elif t.task == "grpo":
             g = cfg.grpo
             self.task = GRPOTask(g, self.tokenizer)
-            reference = self._reference(model, g.temperature) if g.beta else None
+            reference = self._reference(model, g.temperature, g.shared_prefix) if g.beta else None
             where = (env.dp_rank, env.dp_size, env.device)
             self.loader = Rollouts(g, self.tokenizer, model, reference, self.global_rows, t.micro_batch,
                                    cfg.run.seed, *where)  # fmt: skip
@@ -694,12 +694,13 @@ class Trainer:
         finally:
             model.train(was_training)
 
-    def _reference(self, model, temperature: float = 1.0):
+    def _reference(self, model, temperature: float = 1.0, share: bool = False):
         """The reference policy of DPO and GRPO: ``(x, y) ->`` per-token log-probabilities of the
-        trained targets (``token_logps``), from the model with its adapters off (LoRA: no second
-        copy) or from the frozen starting weights; in eval mode (no dropout) either way."""
+        trained targets (``token_logps``, with ``share`` its shared prefixes), from the model with
+        its adapters off (LoRA: no second copy) or from the frozen starting weights; in eval mode
+        (no dropout) either way."""
         if self.frozen is not None:
-            return lambda x, y: token_logps(self.frozen, x, y, temperature)
+            return lambda x, y: token_logps(self.frozen, x, y, temperature, share)
         from ember.model.lora import adapters_disabled
 
         def reference(x, y):
@@ -707,7 +708,7 @@ class Trainer:
             model.eval()
             try:
                 with adapters_disabled(model):
-                    return token_logps(model, x, y, temperature)
+                    return token_logps(model, x, y, temperature, share)
             finally:
                 model.train(was_training)
 
