@@ -235,6 +235,12 @@ class ModelConfig(_Section, key="model"):
         0.02, "std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)", ge=0
     )
     logit_softcap: float = opt(0.0, "cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)", ge=0)
+    head: str = opt(
+        "lm",
+        "lm: next-token logits over the vocabulary; score: one scalar per position, never tied "
+        "(a reward model, train.task=rm)",
+        choices=("lm", "score"),
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -358,8 +364,8 @@ class TrainConfig(_Section, key="train"):
         "lm",
         "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*); "
         "dpo: direct preference optimisation (see dpo.*); grpo: reinforcement learning on a task's "
-        "verifier (see grpo.*)",
-        choices=("lm", "sft", "dpo", "grpo"),
+        "verifier (see grpo.*); rm: a reward model on dpo.*'s pairs (model.head=score)",
+        choices=("lm", "sft", "dpo", "grpo", "rm"),
     )
 
 
@@ -375,13 +381,17 @@ class SFTConfig(_Section, key="sft"):
     examples: int = opt(20000, "problems drawn from an embedded task's train split", ge=1)
     packing: bool = opt(True, "pack several conversations per row (no attention between them)")
     eval_problems: int = opt(
-        100, "with an embedded task: test problems answered (greedy) at each evaluation; 0 = none", ge=0
+        100,
+        "with an embedded task: test problems answered (greedy) at each evaluation (rm: made into "
+        "held-out pairs, which it ranks); 0 = none",
+        ge=0,
     )
 
 
 @dataclass
 class DPOConfig(_Section, key="dpo"):
-    """Direct preference optimisation (``train.task=dpo``): the pairs, the loss and its β."""
+    """Direct preference optimisation (``train.task=dpo``): the pairs, the loss and its β. A reward
+    model (``train.task=rm``) trains on the same pairs (data, examples, rejected, eval_problems)."""
 
     data: str = opt(
         "",
@@ -448,6 +458,11 @@ class GRPOConfig(_Section, key="grpo"):
     )
     format_reward: float = opt(0.0, "added to the reward of a completion that closes its turn", ge=0)
     eval_problems: int = opt(100, "test problems answered (greedy) at each evaluation; 0 = none", ge=0)
+    reward_model: str = opt(
+        "",
+        "a reward model's run directory (train.task=rm): σ(its score) is the reward instead of the "
+        "verifier's (accuracy is still the verifier's)",
+    )
 
 
 @dataclass
@@ -522,6 +537,12 @@ class Config:
     serve: ServeConfig = opt(ServeConfig, "the server (ember serve)")
 
     def __post_init__(self) -> None:
+        _require(
+            (self.train.task == "rm") == (self.model.head == "score"),
+            "model.head",
+            f"train.task={self.train.task} with model.head={self.model.head}: a reward model "
+            "(train.task=rm) needs model.head=score, and every other task model.head=lm",
+        )
         _require(
             self.train.seq_len <= self.model.max_seq_len,
             "train.seq_len",

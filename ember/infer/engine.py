@@ -381,6 +381,11 @@ class Engine:
         device: str | torch.device | None = None,
         compile: bool = False,
     ):
+        if getattr(model.cfg, "head", "lm") != "lm":
+            raise EmberError(
+                "this model is a reward model (model.head=score): it scores replies and has no next-token "
+                "logits to generate with; use it as grpo.reward_model, or generate with its SFT run"
+            )
         if device is not None:
             model = model.to(device)
         self.model, self.tokenizer = model, tokenizer

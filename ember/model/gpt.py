@@ -375,7 +375,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token embedding, positions, ``n_layer`` blocks, final norm, output head."""
+    """Token embedding, positions, ``n_layer`` blocks, final norm, output head: next-token logits
+    over the vocabulary, or with ``model.head=score`` one scalar per position (a reward model's
+    score, ember/train/reward.py; never tied to the embedding)."""
 
     stream_shards = 1  # a later pipeline stage under sequence parallel: its input holds T / tp positions
 
@@ -398,7 +400,7 @@ class GPT(nn.Module):
         # String keys, so that a pipeline stage can delete the layers it does not run.
         self.layers = nn.ModuleDict({str(i): Block(cfg, str(i)) for i in range(cfg.n_layer)})
         self.norm = make_norm(cfg, cfg.d_model)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size if cfg.head == "lm" else 1, bias=False)
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
         self.tie_weights()
 
@@ -441,7 +443,9 @@ class GPT(nn.Module):
         return model
 
     def tie_weights(self) -> None:
-        if self.cfg.tie_embeddings and isinstance(self.output, nn.Linear):  # not a quantized head
+        # not a reward model's score head, not a quantized head
+        lm_head = self.cfg.head == "lm" and isinstance(self.output, nn.Linear)
+        if self.cfg.tie_embeddings and lm_head:
             self.output.weight = self.tok_embeddings.weight
 
     def to_empty(self, *, device: str | torch.device | None, recurse: bool = True) -> GPT:

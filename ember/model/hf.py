@@ -189,14 +189,26 @@ def _check_mapping(mapping: Mapping, names: set[str], side: str, pick: int) -> N
 
 def to_hf(model: GPT) -> PreTrainedModel:
     """An HF ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` (fp32, CPU, same train/eval mode)
-    holding copies of ``model``'s weights."""
+    holding copies of ``model``'s weights; for a reward model (``model.head=score``) the
+    ``...ForSequenceClassification`` with one label, whose ``score`` is our head."""
     import transformers
 
     cfg = model.cfg
     layout = _layout(cfg)
     mapping = _gpt2_mapping(cfg) if layout == "gpt2" else _llama_mapping(cfg)
     hf_class = transformers.GPT2LMHeadModel if layout == "gpt2" else transformers.LlamaForCausalLM
-    hf = hf_class(_hf_config(cfg, layout))
+    config = _hf_config(cfg, layout)
+    if cfg.head == "score":
+        mapping = [e for e in mapping if e[0] != "lm_head.weight"] + [
+            ("score.weight", ("output.weight",), False)
+        ]
+        hf_class = (
+            transformers.GPT2ForSequenceClassification
+            if layout == "gpt2"
+            else transformers.LlamaForSequenceClassification
+        )
+        config.num_labels = 1
+    hf = hf_class(config)
     _check_mapping(mapping, {name for name, _ in hf.named_parameters()}, "HF", pick=0)
     ours, theirs = model.state_dict(), hf.state_dict()
     with torch.no_grad():

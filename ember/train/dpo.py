@@ -111,12 +111,14 @@ def corrupt(answer: str, rng: random.Random) -> str:
     return answer[:-1] if len(answer) > 1 else answer + answer
 
 
-def task_preferences(spec: str, n: int, seed: int, answer: Callable | None = None) -> list[Preference]:
-    """``n`` pairs from an embedded task's train split: its answer chosen, a corruption that the
+def task_preferences(
+    spec: str, n: int, seed: int, answer: Callable | None = None, split: str = "train"
+) -> list[Preference]:
+    """``n`` pairs from an embedded task's ``split``: its answer chosen, a corruption that the
     verifier scores 0 rejected (problems with no such corruption are skipped); with ``answer``
     (``(task, problems) -> replies``: a model's), that reply where the verifier scores it 0."""
     task = data_task(spec, "dpo.data")
-    problems = task.generate("train", n)
+    problems = task.generate(split, n)
     replies = answer(task, problems) if answer else [""] * len(problems)
     pairs, own = [], 0
     for problem, reply in zip(problems, replies, strict=True):
@@ -176,27 +178,29 @@ class PairLoader(SFTLoader):
                  rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"):  # fmt: skip
         if micro_batch % 2:
             raise EmberError(
-                f"train.micro_batch={micro_batch}: DPO needs an even one (a chosen and a rejected row a pair)"
+                f"train.micro_batch={micro_batch}: pairs need an even one (a chosen and a rejected row each)"
             )
         super().__init__(pairs, seq_len, rows, seed, False, rank, world_size, device)
         self.micro_batch = micro_batch
 
     def next_batch(self) -> tuple[Tensor, Tensor]:
-        width = self.seq_len + 1
-        ids = torch.zeros(self.rows, width, dtype=torch.long)
-        trained = torch.zeros(self.rows, width, dtype=torch.bool)
-        half = self.micro_batch // 2
-        for p in range(self.rows // 2):  # pair p: row block of its micro-batch, chosen then rejected
-            prompt, *replies = self._take()
-            block, k = divmod(p, half)
-            for side, reply in enumerate(replies):
-                r = block * self.micro_batch + side * half + k
-                sequence = prompt + reply
-                ids[r, : len(sequence)] = torch.tensor(sequence)
-                trained[r, len(prompt) : len(sequence)] = True
-        y = torch.where(trained[:, 1:], ids[:, 1:], IGNORE)
+        pairs, half = [self._take() for _ in range(self.rows // 2)], self.micro_batch // 2
+        blocks = [pair_rows(pairs[i : i + half], self.seq_len) for i in range(0, len(pairs), half)]
         mine = slice(self.rank * self.rows // self.world_size, (self.rank + 1) * self.rows // self.world_size)
-        return tuple(t[mine].to(self.device) for t in (ids[:, :-1], y))
+        return tuple(torch.cat(t)[mine].to(self.device) for t in zip(*blocks, strict=True))
+
+
+def pair_rows(pairs: list[Pair], seq_len: int) -> tuple[Tensor, Tensor]:
+    """(x, y), (2 × pairs, seq_len): rows [chosen..., rejected...], prompt + reply right-padded, the
+    reply's tokens the trained targets."""
+    ids = torch.zeros(2 * len(pairs), seq_len + 1, dtype=torch.long)
+    trained = torch.zeros_like(ids, dtype=torch.bool)
+    for p, (prompt, *replies) in enumerate(pairs):
+        for side, reply in enumerate(replies):
+            r, sequence = side * len(pairs) + p, prompt + reply
+            ids[r, : len(sequence)] = torch.tensor(sequence)
+            trained[r, len(prompt) : len(sequence)] = True
+    return ids[:, :-1], torch.where(trained[:, 1:], ids[:, 1:], IGNORE)
 
 
 # ---------------------------------------------------------------- the loss

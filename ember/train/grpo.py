@@ -5,7 +5,8 @@
 **A step.** Take P prompts of the task's train split and let ember's engine sample G = ``grpo.group``
 completions of each from the current policy: the very module that trains, in eval mode under
 inference_mode, batched, with its KV cache; no copy of the weights. The task's verifier scores each
-completion, ``r ∈ [0, 1]`` (plus ``grpo.format_reward`` when it closes its turn with
+completion, ``r ∈ [0, 1]`` (or a reward model, ``grpo.reward_model``: σ of its score,
+ember/train/reward.py; plus ``grpo.format_reward`` when it closes its turn with
 ``<|end_turn|>``). P = (``train.batch_tokens / train.seq_len``) / G: a step trains on that many
 completions. Within each group of G the advantage of completion i is::
 
@@ -69,6 +70,7 @@ from ember.data.chat import render
 from ember.errors import EmberError
 from ember.parallel.dist import all_reduce
 from ember.train.dpo import token_logps
+from ember.train.reward import load_reward_model, score_sequences
 from ember.train.sft import IGNORE, SFTLoader, SFTTask, data_task
 
 LOSSES = ("token", "sequence")
@@ -159,6 +161,9 @@ class Rollouts(SFTLoader):
         self.sampling = Sampling(
             grpo_cfg.max_new_tokens, grpo_cfg.temperature, grpo_cfg.top_k or None, grpo_cfg.top_p
         )
+        self.reward_model = None  # grpo.reward_model: σ(its score) is the reward (ember/train/reward.py)
+        if grpo_cfg.reward_model:
+            self.reward_model = load_reward_model(grpo_cfg.reward_model, tokenizer, torch.device(device))
         self.rollouts, self.used = 0, 0  # rollouts drawn; steps taken on the last one
         self.batch: tuple[Tensor, ...] | None = None
         self.metrics: dict[str, float] = {}
@@ -185,7 +190,11 @@ class Rollouts(SFTLoader):
         self.rollouts += 1
         scores = [self.task.score(problems[i // G], c.text) for i, c in enumerate(completions)]
         closed = [c.end_id is not None for c in completions]
-        rewards = torch.tensor([s + cfg.format_reward * e for s, e in zip(scores, closed, strict=True)])
+        earned = scores
+        if self.reward_model is not None:
+            replies = [ids[i // G] + c.token_ids for i, c in enumerate(completions)]
+            earned = torch.sigmoid(score_sequences(self.reward_model, replies)).tolist()
+        rewards = torch.tensor([s + cfg.format_reward * e for s, e in zip(earned, closed, strict=True)])
         sequences = [
             ids[i // G] + c.token_ids + ([c.end_id] if c.end_id is not None else [])
             for i, c in enumerate(completions)

@@ -72,15 +72,17 @@ from ember.train.checkpoint import (
     export_weights,
     latest_checkpoint,
     load_checkpoint,
+    load_run,
     load_weights,
     run_tokenizer,
     save_checkpoint,
 )
-from ember.train.dpo import DPOTask, PairLoader, encode_pairs, load_pairs, token_logps
+from ember.train.dpo import DPOTask, PairLoader, encode_pairs, load_pairs, task_preferences, token_logps
 from ember.train.grpo import GRPOTask, Rollouts
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
-from ember.train.sft import SFTLoader, SFTTask, encode_conversations, load_conversations
+from ember.train.reward import RMTask
+from ember.train.sft import SFTLoader, SFTTask, data_task, encode_conversations, load_conversations
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,7 +96,8 @@ RESUME_FREE += ("train.log_dynamics",)
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
-CHAT_TASKS = ("sft", "dpo", "grpo")  # tasks on conversations: no shards read, the source run's tokenizer
+# tasks on conversations: no shards read, the source run's tokenizer
+CHAT_TASKS = ("sft", "dpo", "grpo", "rm")
 
 
 class NonFiniteError(EmberError):
@@ -331,7 +334,9 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str | None, known: int
         raise ConfigError(f"train.init_from={run}: cannot read {folder}/model_config.json ({e})") from None
     ours = asdict(model_cfg)
     differ = [k for k in ours if k in theirs and theirs[k] != ours[k]] + [k for k in theirs if k not in ours]
+    score_from_lm = model_cfg.head == "score" and theirs.get("head", "lm") == "lm"  # a reward model's start
     free = {"dropout"} | ({"vocab_size"} if known is not None else set())  # weights' shapes unchanged
+    free |= {"head", "init_std"} if score_from_lm else set()  # (init_std: the new head's)
     differ = [k for k in differ if k not in free]  # (vocab_size: it grew with the tokenizer)
     if differ:
         listing = ", ".join(f"model.{k}={theirs.get(k)!r} there but {ours.get(k)!r} here" for k in differ)
@@ -346,14 +351,22 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str | None, known: int
             f"train.init_from={run}: {found} the data dir's tokenizer; prepare the data with the "
             "source run's tokenizer, or fine-tune on the data dir it was trained on"
         )
-    if known is None:
-        load_weights(model, folder)
-        return
-    print0(
-        f"ember: the embedding and head grow from {theirs['vocab_size']} to {model_cfg.vocab_size} rows; "
-        f"rows {known}.. start as the mean of rows 0..{known - 1}"
-    )
-    load_weights(model, folder, adapt=lambda state: grow_vocab(state, model_cfg.vocab_size, known))
+    if known is not None:
+        print0(
+            f"ember: the embedding and head grow from {theirs['vocab_size']} to {model_cfg.vocab_size} rows; "
+            f"rows {known}.. start as the mean of rows 0..{known - 1}"
+        )
+    if score_from_lm:
+        print0(f"ember: every weight from {run} but its vocabulary head; the score head starts at init")
+
+    def adapt(state: dict) -> dict:
+        if known is not None:
+            state = grow_vocab(state, model_cfg.vocab_size, known)
+        if score_from_lm:  # the score head keeps its initialisation
+            state = {**state, "output.weight": model.output.weight.detach().clone()}
+        return state
+
+    load_weights(model, folder, adapt=adapt)
 
 
 def _apply_lora(model, train_cfg, parallel_cfg, world_size: int) -> set[str]:
@@ -512,13 +525,20 @@ class Trainer:
                 env.device,
             )
             self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
-        elif t.task == "dpo":
-            preferences = load_pairs(
-                cfg.dpo, cfg.run.seed, lambda task, problems: self._answers(model, task, problems)
-            )
-            pairs = encode_pairs(self.tokenizer, preferences, t.seq_len)
-            self.task = DPOTask(cfg.dpo, self.tokenizer, self._reference(model))
-            print0(f"dpo: {len(pairs):,} preference pairs from {cfg.dpo.data}")
+        elif t.task in ("dpo", "rm"):
+            policy = model if t.task == "dpo" else None  # rm: the starting run's, which can answer
+
+            def answer(task, problems):
+                if policy is None and not t.init_from:
+                    raise ConfigError("train.task=rm with dpo.rejected=model needs train.init_from: the run whose wrong answers are rejected")  # fmt: skip # noqa: E501
+                return self._answers(policy or load_run(t.init_from)[0], task, problems)
+
+            pairs = encode_pairs(self.tokenizer, load_pairs(cfg.dpo, cfg.run.seed, answer), t.seq_len)
+            if t.task == "dpo":
+                self.task = DPOTask(cfg.dpo, self.tokenizer, self._reference(model))
+            else:
+                self.task = RMTask(self.tokenizer, self._held_out_pairs(answer))
+            print0(f"{t.task}: {len(pairs):,} preference pairs from {cfg.dpo.data}")
             where = (env.dp_rank, env.dp_size, env.device)
             self.loader = PairLoader(pairs, t.seq_len, self.global_rows, t.micro_batch, cfg.run.seed, *where)
             self.val_loader = None
@@ -670,6 +690,15 @@ class Trainer:
             if fixed:
                 fix = f"{', '.join(fixed)} cannot change on resume: put them back, or start another run.name"
             raise ConfigError(f"resuming {run} with a config that differs from {saved}: {listing}. {fix}")
+
+    def _held_out_pairs(self, answer) -> list:
+        """A reward model's held-out pairs: ``dpo.eval_problems`` of the task's test problems, made
+        as its training pairs are (none with a JSONL file of pairs)."""
+        d = self.cfg.dpo
+        if data_task(d.data, "dpo.data") is None or not d.eval_problems:
+            return []
+        made = task_preferences(d.data, d.eval_problems, self.cfg.run.seed, answer if d.rejected == "model" else None, "test")  # fmt: skip # noqa: E501
+        return encode_pairs(self.tokenizer, made, self.cfg.train.seq_len)
 
     def _answers(self, model, task, problems) -> list[str]:
         """The starting model's greedy replies to ``problems`` (``dpo.rejected=model``): before any
@@ -945,12 +974,16 @@ class Trainer:
     def _evaluate(self) -> dict:
         if isinstance(self.task, SFTTask):
             result = self.task.accuracy(unwrap(self.model))
-            if result:
+            if "task_accuracy" in result:
                 n = len(self.task.problems)
                 print0(
                     f"step {self.step:6d} | {self.task.task.name} accuracy {result['task_accuracy']:.1%} "
                     f"on {n} test problems"
                 )
+            elif result:
+                n = len(self.task.pairs)
+                print0(f"step {self.step:6d} | pair accuracy {result['pair_accuracy']:.1%} on {n} held-out pairs")  # fmt: skip # noqa: E501
+            if result:
                 self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
             return result
         if self.val_loader is None:

@@ -1,0 +1,136 @@
+"""Reward models: ``train.task=rm`` with ``model.head=score`` (Bradley–Terry, as in Stiennon et al.
+2020 and InstructGPT, Ouyang et al. 2022 §3.5).
+
+    ember train cpu-quick run.name=count-rm train.task=rm model.head=score dpo.data=count \\
+        dpo.rejected=model train.init_from=runs/count-sft400
+    ember train cpu-quick train.task=grpo grpo.data=count grpo.reward_model=runs/count-rm ...
+
+**The model** is the policy's network with its vocabulary head swapped for a single row
+(``model.head=score``): ``r(x, y)`` is that scalar at the last token of the reply's content, the
+hidden state that has read the prompt and the whole reply (the closing ``<|end_turn|>`` that every
+reply ends with is left out: it tells nothing). From ``train.init_from`` (an SFT run) every weight
+but the head is loaded; the head starts at ``model.init_std``.
+
+**The loss** (Bradley & Terry 1952): the chosen reply ``y_w`` beats the rejected ``y_l`` with
+probability ``σ(r(x, y_w) − r(x, y_l))``, and the model is fitted by the negative log-likelihood
+of the preferences, ``−log σ(r_w − r_l)``, the mean over pairs (TRL's ``RewardTrainer``). Only
+differences of r are fitted: its offset is free. Metrics, with TRL's names as DPO logs them:
+``rewards/chosen``, ``rewards/rejected`` (mean r), ``rewards/margins`` (mean r_w − r_l) and
+``rewards/accuracies`` (the share of pairs ranked right).
+
+**Data**: DPO's pairs (``dpo.data``, ``dpo.examples``, ``dpo.rejected``; with
+``dpo.rejected=model`` the wrong answers are the ``train.init_from`` model's own), in DPO's
+``PairLoader`` (each micro-batch's first half chosen, second half rejected). **Held out**: with an
+embedded task, ``dpo.eval_problems`` test problems made into pairs the same way; at each
+evaluation ``pair_accuracy`` is the share of them the model ranks right. No training pair comes
+from a test problem.
+
+**As GRPO's reward** (``grpo.reward_model=RUN``): a completion's reward is ``σ(r(prompt,
+completion))`` in (0, 1), in place of the verifier's score, while the logged ``accuracy`` stays
+the verifier's: a run shows whether optimising the learnt reward moves the true one (reward up and
+accuracy down is the reward model being exploited).
+
+Checked against transformers: ``LlamaForSequenceClassification`` and ``GPT2ForSequenceClassification``
+(one label) holding the same weights give the same r for the same tokens (tests/test_reward.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ember.errors import EmberError
+from ember.train.dpo import Pair
+from ember.train.sft import IGNORE, SFTTask
+
+
+def score_positions(y: Tensor) -> Tensor:
+    """(rows, T) bool: in each row of targets ``y`` (a prompt, then a reply ending in its end of
+    turn), the input position of the reply's last content token: that of the last trained target."""
+    trained = y != IGNORE
+    last = y.size(1) - 1 - trained.int().flip(1).argmax(1)
+    return torch.zeros_like(trained).scatter_(1, last[:, None], True)
+
+
+def scores(model, x: Tensor, y: Tensor) -> Tensor:
+    """(rows,) r of each row of a pair batch (``score_positions``)."""
+    return model(x, keep=score_positions(y))[:, 0].float()
+
+
+@torch.no_grad()
+def score_sequences(model, sequences: list[list[int]], batch: int = 64) -> Tensor:
+    """(n,) r of each token sequence (a prompt and a reply's content, without its end of turn):
+    the score at its last token, in eval mode, ``batch`` right-padded rows at a time."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    try:
+        for i in range(0, len(sequences), batch):
+            rows = sequences[i : i + batch]
+            x = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+            keep = torch.zeros_like(x, dtype=torch.bool)
+            for r, sequence in enumerate(rows):
+                x[r, : len(sequence)] = torch.tensor(sequence)
+                keep[r, len(sequence) - 1] = True
+            out.append(model(x.to(device), keep=keep.to(device))[:, 0].float())
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """−log σ(r_w − r_l), the mean over pairs, and TRL's metrics (module docstring)."""
+    margins = chosen - rejected
+    metrics = {
+        "rewards/chosen": chosen.detach().mean(),
+        "rewards/rejected": rejected.detach().mean(),
+        "rewards/margins": margins.detach().mean(),
+        "rewards/accuracies": (margins.detach() > 0).float().mean(),
+    }
+    return -F.logsigmoid(margins).mean(), metrics
+
+
+def pair_accuracy(model, pairs: list[Pair]) -> float:
+    """The share of ``pairs`` whose chosen reply the model scores above the rejected one."""
+    chosen = score_sequences(model, [prompt + c[:-1] for prompt, c, _ in pairs])
+    rejected = score_sequences(model, [prompt + r[:-1] for prompt, _, r in pairs])
+    return (chosen > rejected).float().mean().item()
+
+
+class RMTask(SFTTask):
+    """The trainer's task for ``train.task=rm``: the Bradley–Terry loss on a micro-batch of pairs,
+    and ``pair_accuracy`` on the held-out ``pairs`` at each evaluation."""
+
+    def __init__(self, tokenizer, pairs: list[Pair]):
+        super().__init__(False, tokenizer)
+        self.pairs = pairs
+
+    def accuracy(self, model) -> dict:
+        return {"pair_accuracy": pair_accuracy(model, self.pairs)} if self.pairs else {}
+
+    def loss(self, model, batch) -> tuple[Tensor, dict]:
+        x, y = batch
+        return bradley_terry_loss(*scores(model, x, y).chunk(2))
+
+
+def load_reward_model(run: str | Path, tokenizer, device: torch.device):
+    """``grpo.reward_model``'s model, frozen on ``device``; an EmberError unless it is a reward
+    model (``model.head=score``) that reads this run's tokenizer."""
+    from ember.train.checkpoint import load_run
+
+    model, theirs = load_run(run, "last", device)
+    if model.cfg.head != "score":
+        raise EmberError(
+            f"grpo.reward_model={run} is not a reward model (its model.head is {model.cfg.head}); "
+            "train one with `ember train ... train.task=rm model.head=score`"
+        )
+    if theirs.sha256 != tokenizer.sha256:
+        raise EmberError(
+            f"grpo.reward_model={run} reads another tokenizer than this run's; train the reward model "
+            "from the same SFT run as the policy (train.init_from)"
+        )
+    return model.requires_grad_(False).eval()
