@@ -128,6 +128,7 @@ def test_reward_model_trains_ranks_held_out_pairs_and_resumes_bitwise(tiny_cfg):
     held_out = encode_pairs(tok, task_preferences("add-2", 60, 1337, split="test"), 32)
     assert summary["pair_accuracy"] == pair_accuracy(model, held_out) and len(held_out) == 60
     assert [r["step"] for r in read_metrics(run) if "pair_accuracy" in r] == [4, 8]
+    assert (run / "plots" / "pair_accuracy.png").is_file() and (run / "plots" / "dpo_margins.png").is_file()
     full = {r["step"]: r["loss"] for r in records}
     shutil.rmtree(run / "checkpoints" / "step-000008")
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

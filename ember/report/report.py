@@ -71,7 +71,7 @@ class Run:
     train: list[dict]  # records with a training "loss"
     evals: list[dict]  # records with "val_loss"
     bad_lines: int
-    tasks: list[dict]  # records with "task_accuracy" (SFT runs evaluated on a task)
+    tasks: list[dict]  # records with "task_accuracy" (runs evaluated on a task) or "pair_accuracy" (rm)
     eval: dict | None
     samples: str | None
 
@@ -119,7 +119,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
             records.append(record)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
-    tasks = [r for r in records if "task_accuracy" in r]
+    tasks = [r for r in records if "task_accuracy" in r or "pair_accuracy" in r]
     if not train and not evals:
         raise EmberError(f"{metrics} holds no training records yet; run `ember train CONFIG` first")
     try:
@@ -241,11 +241,12 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
         loss.append((f"{prefix}val", *_xy(run.evals, "tokens", "val_loss"), val_style))
     if _plot(plots_dir / "loss.png", loss, "Loss", "tokens", "loss (nats/token)"):
         drawn.append(("Train and validation loss", "loss.png"))
-    accuracy = [(run.label, *_xy(run.tasks, "step", "task_accuracy"), {"color": f"C{i}", "marker": "o"})
-                for i, run in enumerate(runs)]  # fmt: skip
-    if _plot(plots_dir / "task_accuracy.png", accuracy, "Task accuracy (held-out test problems)", "step",
-             "exact match"):  # fmt: skip
-        drawn.append(("Task accuracy on held-out test problems", "task_accuracy.png"))
+    for key, title, ylabel in (("task_accuracy", "Task accuracy on held-out test problems", "exact match"),
+                               ("pair_accuracy", "Pair accuracy on held-out pairs (reward model)", "ranked right")):  # fmt: skip # noqa: E501
+        accuracy = [(run.label, *_xy([r for r in run.tasks if key in r], "step", key), {"color": f"C{i}", "marker": "o"})  # fmt: skip # noqa: E501
+                    for i, run in enumerate(runs)]  # fmt: skip
+        if _plot(plots_dir / f"{key}.png", accuracy, title, "step", ylabel):
+            drawn.append((title, f"{key}.png"))
     for stem, key, title, ylabel in STEP_PLOTS:
         series = []
         for i, run in enumerate(runs):
