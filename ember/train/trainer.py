@@ -531,7 +531,7 @@ class Trainer:
             def answer(task, problems):
                 if policy is None and not t.init_from:
                     raise ConfigError("train.task=rm with dpo.rejected=model needs train.init_from: the run whose wrong answers are rejected")  # fmt: skip # noqa: E501
-                return self._answers(policy or load_run(t.init_from)[0], task, problems)
+                return self._answers(load_run(t.init_from)[0] if policy is None else policy, task, problems)
 
             pairs = encode_pairs(self.tokenizer, load_pairs(cfg.dpo, cfg.run.seed, answer), t.seq_len)
             if t.task == "dpo":
