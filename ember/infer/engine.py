@@ -77,6 +77,20 @@ from ember.train.checkpoint import load_run
 # ---------------------------------------------------------------------------
 
 
+def distinct_left_padded(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | None
+) -> tuple[Tensor, list[int], list[int]]:
+    """The distinct id sequences among ``rows`` (first seen first), left-padded with ``pad_id``
+    into one (distinct, width) tensor; the pad count of each; and each row's index into them.
+    The engine prefills a repeated prompt once with it, GRPO's update a group's prompt."""
+    distinct: dict[tuple[int, ...], int] = {}
+    inverse = [distinct.setdefault(tuple(row), len(distinct)) for row in rows]
+    width = max(map(len, distinct))
+    pad = [width - len(p) for p in distinct]
+    ids = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pad, distinct, strict=True)], device=device)
+    return ids, pad, inverse
+
+
 def visible(slots: Tensor, pad: Tensor, n_keys: int) -> Tensor:
     """(B, 1, T, n_keys) bool, True where the query in slot ``slots[t]`` may read a key slot:
     the row's real keys (not among its ``pad[b]`` leading pads) up to itself. A pad query
@@ -292,17 +306,12 @@ class _Stream:
         self.engine, self.rows = engine, rows
         # Rows that repeat a prompt (GRPO's group, a request's n) prefill it once: one row per
         # distinct prompt, and the cache and logits are copied out to every row after it.
-        distinct: dict[tuple[int, ...], int] = {}
-        inverse = [distinct.setdefault(tuple(r.prompt), len(distinct)) for r in rows]
-        self.inverse = torch.tensor(inverse, device=engine.device) if len(distinct) < len(rows) else None
-        width = max(map(len, distinct))
-        pad = [width - len(p) for p in distinct]
-        # The last sampled token is never fed back, hence the - 1.
-        self.cache = engine.cache_type(width + max_new_tokens - 1, pad, engine.device)
         pad_id = getattr(engine.tokenizer, "pad_id", 0)  # any id would do: the mask hides pad slots
-        self.next_input = torch.tensor(
-            [[pad_id] * n + list(p) for n, p in zip(pad, distinct, strict=True)], device=engine.device
-        )  # (distinct prompts, width)
+        prompts = [r.prompt for r in rows]  # next_input: (distinct prompts, width)
+        self.next_input, pad, inverse = distinct_left_padded(prompts, pad_id, engine.device)
+        self.inverse = torch.tensor(inverse, device=engine.device) if len(pad) < len(rows) else None
+        # The last sampled token is never fed back, hence the - 1.
+        self.cache = engine.cache_type(self.next_input.size(1) + max_new_tokens - 1, pad, engine.device)
 
     @property
     def done(self) -> bool:

@@ -229,8 +229,10 @@ def shared_prefix_logits(model, x: Tensor, keep: Tensor) -> Tensor | None:
     training mode, with gradients flowing back through the copies into the one prefix pass. Equal
     to the plain forward up to float rounding (tests/test_grpo.py). None where it does not apply:
     no prefix repeats; a row trains from its first position; a module other than a plain ``GPT``
-    (DDP, compiled, pipelined) or dropout while training, which the cache path does not apply."""
-    from ember.infer.engine import KVCache
+    (DDP, compiled, pipelined) or dropout while training, which the cache path does not apply.
+    (DESIGN allows the model its cache argument "for inference"; this is the one training use:
+    the same contract, and autograd runs through the cache's buffers.)"""
+    from ember.infer.engine import KVCache, distinct_left_padded
     from ember.model.gpt import GPT
 
     if type(model) is not GPT or (model.training and model.cfg.dropout) or not keep.any(1).all():
@@ -238,14 +240,11 @@ def shared_prefix_logits(model, x: Tensor, keep: Tensor) -> Tensor | None:
     first = keep.int().argmax(1)  # each row's first kept position: its prefix is x[r, :first]
     if first.min() == 0:
         return None
-    distinct: dict[tuple[int, ...], int] = {}
-    prefixes = [tuple(row[:f]) for row, f in zip(x.tolist(), first.tolist(), strict=True)]
-    inverse = [distinct.setdefault(p, len(distinct)) for p in prefixes]
-    if len(distinct) == len(prefixes):
+    prefixes = [row[:f] for row, f in zip(x.tolist(), first.tolist(), strict=True)]
+    prefix, pad, inverse = distinct_left_padded(prefixes, 0, x.device)  # the mask hides the pads
+    if len(pad) == len(prefixes):
         return None
-    width = max(map(len, distinct))
-    pad = [width - len(p) for p in distinct]
-    prefix = torch.tensor([[0] * n + list(p) for n, p in zip(pad, distinct, strict=True)], device=x.device)
+    width = prefix.size(1)
     last = x.size(1) - 1 - keep.flip(1).int().argmax(1)  # each row's last kept position
     span = int((last - first).max()) + 1
     at = first[:, None] + torch.arange(span, device=x.device)  # (rows, span): the rest of each row

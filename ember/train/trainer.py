@@ -526,12 +526,13 @@ class Trainer:
             )
             self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
         elif t.task in ("dpo", "rm"):
-            policy = model if t.task == "dpo" else None  # rm: the starting run's, which can answer
+            policy = [model] if t.task == "dpo" else []  # rm: the starting run's, loaded once, answers
 
             def answer(task, problems):
-                if policy is None and not t.init_from:
+                if not policy and not t.init_from:
                     raise ConfigError("train.task=rm with dpo.rejected=model needs train.init_from: the run whose wrong answers are rejected")  # fmt: skip # noqa: E501
-                return self._answers(load_run(t.init_from)[0] if policy is None else policy, task, problems)
+                policy[:] = policy or [load_run(t.init_from)[0]]
+                return self._answers(policy[0], task, problems)
 
             pairs = encode_pairs(self.tokenizer, load_pairs(cfg.dpo, cfg.run.seed, answer), t.seq_len)
             if t.task == "dpo":
