@@ -90,18 +90,12 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 256M)") from None
 
 
-def _torchrun_cmd(nproc: int, *ember_args: str) -> list[str]:
-    """``ember ARGS`` as ``nproc`` ranks on this host, under torchrun (which restarts nothing:
-    one rank failing stops the others)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "ember", *ember_args]  # fmt: skip
-
-
 def cmd_bench_comm(args) -> int:
     import os
     import subprocess
 
     from ember.parallel.comm import run
+    from ember.parallel.dist import torchrun_cmd
 
     if args.min_bytes > args.max_bytes:
         raise EmberError(f"--min-bytes {args.min_bytes:,} is above --max-bytes {args.max_bytes:,}")
@@ -121,7 +115,7 @@ def cmd_bench_comm(args) -> int:
         if torch.cuda.device_count() < args.nproc:
             raise EmberError(f"--nproc {args.nproc} with NCCL needs {args.nproc} GPUs; {torch.cuda.device_count()} visible")  # fmt: skip # noqa: E501
     sizes = (f"--min-bytes={args.min_bytes}", f"--max-bytes={args.max_bytes}")
-    cmd = _torchrun_cmd(args.nproc, "bench", "comm", *sizes,
+    cmd = torchrun_cmd(args.nproc, "bench", "comm", *sizes,
                         f"--seconds={args.seconds}", *([f"--out={args.out}"] if args.out else []))  # fmt: skip # noqa: E501
     env = {**os.environ, "EMBER_COMM_DEVICE": device}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -135,6 +129,7 @@ def cmd_plan(args) -> int:
 
     from ember.config import load_config
     from ember.parallel import plan
+    from ember.parallel.dist import torchrun_cmd
     from ember.parallel.parallelize import check_layout
     from ember.train.trainer import _batch_layout
 
@@ -155,7 +150,7 @@ def cmd_plan(args) -> int:
     measured = None
     if args.measure and args.nproc > 1 and not ranked:
         flags = ["--measure", f"--steps={args.steps}", "--json"]  # (the ranks read WORLD_SIZE)
-        cmd = _torchrun_cmd(args.nproc, "plan", args.config, *args.overrides, *flags)
+        cmd = torchrun_cmd(args.nproc, "plan", args.config, *args.overrides, *flags)
         proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith('{"measured"')]
         if proc.returncode or not lines:
@@ -242,23 +237,51 @@ def _ckpts(run: Path, spec: str) -> list[str]:
     return [c.strip() for c in spec.split(",") if c.strip()]
 
 
+def _worlds(spec: str | None) -> tuple[int, int]:
+    """``--nproc``: none → (1, 1); N → (1, N); A,B → (A, B)."""
+    if spec is None:
+        return (1, 1)
+    try:
+        sizes = [int(part) for part in spec.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise EmberError(f"--nproc {spec}: give N (one process against N ranks) or A,B (A ranks against B)")
+    return (1, sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
+
+
 def cmd_analyze(args) -> int:
     import json
+    import time
 
     if args.instrument == "determinism":
         from ember.analysis.replay import determinism
         from ember.config import load_config
 
         cfg = load_config(args.run, args.set)
-        r = determinism(cfg, steps=args.steps)
-        if r["identical"]:
-            n = r["tensors_compared"]
-            print(f"{args.run}: two runs of {r['steps']} steps are identical: {n:,} tensors (module outputs, "
-                  "their gradients, parameter gradients, parameters) equal bit for bit")  # fmt: skip
+        if args.records:  # a rank of a comparison across world sizes (launched by the lines below)
+            from ember.analysis.replay import record_rank
+
+            record_rank(cfg, args.steps, Path(args.records))
             return 0
-        diff = r["max_difference"]
-        print(f"{args.run}: the runs part at step {r['step']}, {r['phase']} {r['name']}"
-              + (f": largest difference {diff:.3g}" if diff is not None else ""))  # fmt: skip
+        worlds = _worlds(args.nproc)
+        started = time.perf_counter()
+        r = determinism(cfg, steps=args.steps, worlds=worlds)
+        took = f"({time.perf_counter() - started:.1f} s)"
+        runs = "two runs" if worlds == (1, 1) else f"runs on {worlds[0]} and {worlds[1]} rank(s)"
+        if r["identical"]:
+            n, what = r["tensors_compared"], "module outputs, their gradients, parameter gradients, parameters"  # fmt: skip # noqa: E501
+            if worlds != (1, 1):
+                what = "each micro-batch's module outputs, averaged gradients, gradient norms, parameters"
+            print(f"{args.run}: {runs} of {r['steps']} steps are identical: {n:,} tensors ({what}) equal "
+                  f"bit for bit {took}")  # fmt: skip
+            return 0
+        diff, apart = r["max_difference"], r.get("parameters_apart_at_end")
+        where = f"{r['phase']} {r['name']}".strip()
+        print(f"{args.run}: the {runs} part at step {r['step']}, {where}"
+              + (f": largest difference {diff:.3g} ({r['relative']:.2g} of its largest value)" if diff is not None else "")  # fmt: skip # noqa: E501
+              + (f"; after step {r['steps']} their parameters are up to {apart:.3g} apart" if apart else "")
+              + f" {took}")  # fmt: skip
         return 1
     run = Path(args.run)
     if not run.is_dir():
@@ -359,6 +382,7 @@ def cmd_train(args) -> int:
 
     from ember.config import load_config
     from ember.data.prepare import prepare
+    from ember.parallel.dist import torchrun_cmd
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
     if "LOCAL_RANK" not in os.environ:
@@ -369,7 +393,7 @@ def cmd_train(args) -> int:
         _batch_layout(cfg.train, args.nproc // (cfg.parallel.tp * cfg.parallel.pp))
         prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        cmd = _torchrun_cmd(args.nproc, "train", args.config, *args.overrides)
+        cmd = torchrun_cmd(args.nproc, "train", args.config, *args.overrides)
         print(f"launching {args.nproc} processes: {shlex.join(cmd)}", flush=True)
         return subprocess.call(cmd)
     from ember.train.trainer import train
@@ -1058,6 +1082,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="determinism: a config override"
     )
+    p.add_argument(
+        "--nproc",
+        default=None,
+        metavar="N|A,B",
+        help="determinism: compare world sizes, one process against N ranks (or A against B ranks), "
+        "each a torchrun launch with one thread per rank (default: two runs in this process)",
+    )
+    p.add_argument("--records", default=None, help=argparse.SUPPRESS)  # (a rank of --nproc: where to write)
     p.set_defaults(func=cmd_analyze)
 
     bench = verbs.add_parser(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from torch.func import functional_call
 
 from ember.analysis import curvature, grads
 from ember.config import ModelConfig
+from ember.errors import EmberError
 from ember.model.gpt import GPT
 from ember.train.trainer import train
 from tests.test_trainer import DET, _child_env
@@ -197,6 +199,32 @@ def test_determinism_finds_no_difference_or_the_first_one(tiny_cfg):
     assert not differ["identical"] and differ["step"] == 1
     assert (differ["phase"], differ["name"]) == ("forward", "layers.1.mlp")
     assert differ["max_difference"] == pytest.approx(1e-6, rel=0.1)
+
+
+def test_determinism_across_world_sizes(tiny_cfg):
+    """One process against two ranks (gloo, DDP), micro-batches of 4 rows: each micro-batch's
+    forward is the same computation on the same rows at either world size. With two micro-batches
+    a step the averaged gradient is g0/2 + g1/2 either way (halving is exact): identical. With
+    four, one process adds the quarters in sequence, ((g0 + g1) + g2) + g3, and two ranks as
+    (g0 + g1) + (g2 + g3): the runs part first at step 1's averaged gradient, by rounding."""
+    from ember.analysis.replay import Recorder, determinism
+
+    cfg = tiny_cfg(*DET, "train.micro_batch=4", "train.seq_len=32")
+    model = GPT.build(replace(cfg.model, vocab_size=512), seed=0)
+    with Recorder(model, keep=True, backward=False) as rec:  # the module outputs of one forward
+        model(torch.zeros(4, 32, dtype=torch.long))
+    outputs, params = len(rec.events), len(list(model.parameters()))
+    same = determinism(replace(cfg, train=replace(cfg.train, batch_tokens=256)), steps=2, worlds=(1, 2))
+    assert same["identical"] and same["worlds"] == [1, 2], same
+    assert same["tensors_compared"] == 2 * (2 * outputs + 2 * params + 1)  # outputs, grads, norm, params
+    parted = determinism(replace(cfg, train=replace(cfg.train, batch_tokens=512)), steps=2, worlds=(1, 2))
+    assert not parted["identical"] and parted["step"] == 1
+    assert parted["phase"] == "parameter gradient (averaged)"
+    assert parted["tensors_compared"] == 4 * outputs + 1  # every forward of step 1 agreed first
+    assert 0 < parted["max_difference"] < 1e-6
+    assert 0 < parted["parameters_apart_at_end"] < 1e-4
+    with pytest.raises(EmberError, match="data-parallel layouts"):
+        determinism(tiny_cfg(*DET, "parallel.tp=2"), steps=1, worlds=(1, 2))
 
 
 @pytest.mark.parametrize("layout", [{}, LLAMA], ids=["gpt2", "llama"])

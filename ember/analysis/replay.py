@@ -40,14 +40,14 @@ class Recorder:
     in order, as ``(phase, name, tensor)``; ``keep`` clones them (for
     comparing runs), else only the first non-finite one and what came before it are kept."""
 
-    def __init__(self, model: torch.nn.Module, keep: bool):
-        self.keep, self.events, self.first = keep, [], None
+    def __init__(self, model: torch.nn.Module, keep: bool, backward: bool = True):
+        self.keep, self.backward, self.events, self.first = keep, backward, [], None
         self.last_input: dict[str, dict] = {}
         self.previous: dict | None = None  # statistics of the tensor seen before the current one
         self.handles = []
         for name, module in model.named_modules():
             self.handles.append(module.register_forward_hook(self._forward(name or "<model>")))
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters() if backward else ():
             if p.requires_grad:  # after each backward has added to p.grad
                 self.handles.append(p.register_post_accumulate_grad_hook(self._grad(name)))
 
@@ -66,7 +66,7 @@ class Recorder:
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             fed = {"phase": "forward", "name": f"{name} (its input)", **stats(x)} if x is not None and x.is_floating_point() and not self.keep else None  # fmt: skip # noqa: E501
             self._see("forward", name, t, fed)
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            if self.backward and isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda g: self._see("backward", name, g))
 
         return hook
@@ -112,10 +112,24 @@ def nonfinite(run_dir, step: int, inject=None) -> dict:
     return {**result, "out": str(out)}
 
 
-def determinism(cfg, steps: int = 3, perturb=None) -> dict:
+def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1, 1)) -> dict:
     """Train ``cfg`` twice for ``steps`` steps, recording every tensor; the first step and tensor
     where the second run differs from the first. ``perturb(trainer)``: a test's non-determinism,
-    installed in the second run only."""
+    installed in the second run only. ``worlds``: the two runs' world sizes; other than (1, 1) each
+    run is a torchrun launch (one thread per rank) recorded by ``record_rank``."""
+    if worlds != (1, 1):
+        if cfg.parallel.tp * cfg.parallel.pp > 1:
+            raise EmberError("determinism across world sizes compares data-parallel layouts "
+                             "(parallel.data=ddp or fsdp): set parallel.tp=1 and parallel.pp=1")  # fmt: skip
+        from ember.data.prepare import prepare
+        from ember.parallel.parallelize import check_layout
+        from ember.train.trainer import _batch_layout
+
+        for world in worlds:  # a layout or batch that cannot run fails here, before any launch
+            check_layout(cfg, world)
+            _batch_layout(cfg.train, world)
+        prepare(cfg)  # once, before the ranks read the data
+        return _first_difference([_launch(cfg, steps, w) for w in worlds], steps) | {"worlds": list(worlds)}
     from ember.train.trainer import scratch_trainer
 
     runs = []
@@ -132,25 +146,107 @@ def determinism(cfg, steps: int = 3, perturb=None) -> dict:
                 after = [("parameter after the step", n, p.detach().clone()) for n, p in params]
                 records.append(rec.events + after)
         runs.append(records)
+    return _first_difference(runs, steps)
+
+
+def _first_difference(runs: list, steps: int) -> dict:
     compared = 0
     for s, (a, b) in enumerate(zip(*runs, strict=True), start=1):
         if len(a) != len(b):
             count = f"{len(a)} tensors recorded against {len(b)}"
-            return {
-                "steps": steps,
-                "identical": False,
-                "step": s,
-                "phase": count,
-                "name": "",
-                "max_difference": None,
-            }
+            return {"steps": steps, "identical": False, "step": s, "phase": count, "name": "",
+                    "max_difference": None}  # fmt: skip
         for (phase, name, x), (_, _, y) in zip(a, b, strict=True):
             compared += 1
             if x.shape != y.shape or not torch.equal(x, y):
                 diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
+                scale = x.double().abs().max().item()
                 return {"steps": steps, "identical": False, "step": s, "phase": phase, "name": name,
-                        "max_difference": diff, "tensors_compared": compared}  # fmt: skip
+                        "max_difference": diff, "relative": diff / scale if scale else math.inf,
+                        "tensors_compared": compared,
+                        "parameters_apart_at_end": _apart(runs[0][-1], runs[1][-1])}  # fmt: skip
     return {"steps": steps, "identical": True, "tensors_compared": compared}
+
+
+def _apart(a: list, b: list) -> float:
+    """The largest difference between two runs' parameters after their last step."""
+    diffs = [(x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
+             for (phase, _, x), (_, _, y) in zip(a, b, strict=False) if phase == "parameter after the step"]  # fmt: skip # noqa: E501
+    return max(diffs, default=math.nan)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whole (a DTensor, as FSDP2 shards it, gathered: a collective)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def record_rank(cfg, steps: int, out: Path) -> None:
+    """One rank's record of ``steps`` steps (under torchrun, or alone), in a form that lines up
+    across world sizes: each micro-batch's module outputs under its index in the global batch
+    (rank r of a data-parallel world holds micro-batches r·A … r·A + A − 1 of its A per step);
+    then, whole, the parameter gradients as the optimizer's step begins (after the backward and
+    the ranks' averaging, before clipping), the gradient norm that clipping uses, and the
+    parameters after the step. Written to ``out/rank{r}.pt``. Gradients at module outputs are
+    left out: their scale, 1/A, differs between world sizes."""
+    from ember.parallel.dist import destroy_distributed
+    from ember.train.trainer import scratch_trainer
+
+    try:
+        with scratch_trainer(cfg, resume="never") as trainer:
+            model = getattr(trainer.model, "module", trainer.model)  # (DDP wraps the model; FSDP2 does not)
+            accum, rank = trainer.grad_accum, trainer.env.rank
+            synced, unscale = [], trainer.scaler.unscale_
+
+            def before_clipping(optimizer):  # the step's first act; every rank (gathering is a collective)
+                grads = [("parameter gradient (averaged)", n, _whole(p.grad))
+                         for n, p in model.named_parameters() if p.grad is not None]  # fmt: skip
+                synced.extend(grads if rank == 0 else [])
+                return unscale(optimizer)
+
+            trainer.scaler.unscale_ = before_clipping
+            batches, records = trainer.loader.iterate(0), []
+            for _ in range(steps):
+                synced.clear()
+                with Recorder(model, keep=True, backward=False) as rec:
+                    _, norm, _ = trainer.advance(batches)
+                per = len(rec.events) // accum
+                first = trainer.env.dp_rank * accum
+                forward = {first + m: rec.events[m * per : (m + 1) * per] for m in range(accum)}
+                after = [("parameter after the step", n, _whole(p)) for n, p in model.named_parameters()]
+                whole = [*synced, ("gradient norm (clipping's)", "", _whole(norm)), *after]
+                records.append({"forward": forward, "synced": whole if rank == 0 else []})
+        torch.save(records, Path(out) / f"rank{rank}.pt")
+    finally:
+        destroy_distributed()
+
+
+def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
+    """``record_rank`` on ``world`` ranks under torchrun, its records in one order whatever the
+    world size: micro-batches by their index in the global batch, then rank 0's whole tensors."""
+    import os
+    import subprocess
+    import tempfile
+
+    from ember.config import config_to_yaml
+    from ember.parallel.dist import torchrun_cmd
+
+    with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
+        config = Path(tmp) / "config.yaml"
+        config.write_text(config_to_yaml(cfg))
+        cmd = torchrun_cmd(
+            world, "analyze", str(config), "determinism", f"--steps={steps}", f"--records={tmp}"
+        )
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        if proc.returncode:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+            raise EmberError(f"the run on {world} rank(s) failed (exit {proc.returncode}):\n{tail}")
+        ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
+    steps_in_order = []
+    for s in range(steps):
+        forward = {g: events for rank in ranks for g, events in rank[s]["forward"].items()}
+        events = [(f"forward (micro-batch {g})", n, t) for g in sorted(forward) for _, n, t in forward[g]]
+        steps_in_order.append(events + ranks[0][s]["synced"])
+    return steps_in_order
 
 
 def check_step(step: int) -> None:

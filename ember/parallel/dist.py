@@ -121,6 +121,13 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
     return _ENV
 
 
+def torchrun_cmd(nproc: int, *ember_args: str) -> list[str]:
+    """``ember ARGS`` as ``nproc`` ranks on this host, under torchrun (which restarts nothing:
+    one rank failing stops the others)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "ember", *ember_args]  # fmt: skip
+
+
 def destroy_distributed() -> None:
     global _ENV
     if dist.is_available() and dist.is_initialized():
