@@ -202,10 +202,11 @@ def test_determinism_finds_no_difference_or_the_first_one(tiny_cfg):
 
 
 def test_determinism_across_world_sizes(tiny_cfg):
-    """One process against two ranks (gloo, DDP), micro-batches of 4 rows: each micro-batch's
-    forward is the same computation on the same rows at either world size. With two micro-batches
-    a step the averaged gradient is g0/2 + g1/2 either way (halving is exact): identical. With
-    four, one process adds the quarters in sequence, ((g0 + g1) + g2) + g3, and two ranks as
+    """One process against two ranks (gloo), micro-batches of 4 rows: each micro-batch's forward
+    is the same computation on the same rows at either world size. With two micro-batches a step
+    the averaged gradient is g0/2 + g1/2 either way (halving is exact), and the clipping norm is
+    taken row by row, which FSDP2's row shards do not change: identical, under FSDP2. With four
+    (DDP), one process adds the quarters in sequence, ((g0 + g1) + g2) + g3, and two ranks as
     (g0 + g1) + (g2 + g3): the runs part first at step 1's averaged gradient, by rounding."""
     from ember.analysis.replay import Recorder, determinism
 
@@ -214,7 +215,9 @@ def test_determinism_across_world_sizes(tiny_cfg):
     with Recorder(model, keep=True, backward=False) as rec:  # the module outputs of one forward
         model(torch.zeros(4, 32, dtype=torch.long))
     outputs, params = len(rec.events), len(list(model.parameters()))
-    same = determinism(replace(cfg, train=replace(cfg.train, batch_tokens=256)), steps=2, worlds=(1, 2))
+    two_micro = replace(cfg.train, batch_tokens=256)
+    fsdp = replace(cfg, train=two_micro, parallel=replace(cfg.parallel, data="fsdp"))
+    same = determinism(fsdp, steps=2, worlds=(1, 2))
     assert same["identical"] and same["worlds"] == [1, 2], same
     assert same["tensors_compared"] == 2 * (2 * outputs + 2 * params + 1)  # outputs, grads, norm, params
     parted = determinism(replace(cfg, train=replace(cfg.train, batch_tokens=512)), steps=2, worlds=(1, 2))
