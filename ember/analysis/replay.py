@@ -3,6 +3,7 @@ where two runs of one config first part.
 
     ember analyze RUN nonfinite --step S          # replay step S from the checkpoint before it
     ember analyze CONFIG determinism [--steps N]  # run the config twice, find the first difference
+    ember analyze CONFIG determinism --nproc 2    # one process against two ranks
 
 ``Recorder`` hooks every module of the model: in the forward, each module's output (in execution
 order); in the backward, the gradient arriving at each module's output (a hook on that tensor:
@@ -12,7 +13,10 @@ NaN or an infinity, with the statistics of what came just before it (in the forw
 module's input; in the backward the tensor autograd produced before it). ``determinism``
 records two runs of the same config from the same seed and reports the first step and the first
 tensor, in that order, whose values differ, with the largest difference; on CPU in fp32 with
-``train.deterministic=true`` there should be none.
+``train.deterministic=true`` there should be none. Across two world sizes (``--nproc``) each
+run is a torchrun launch whose ranks ``record_rank`` what the worlds share: every micro-batch's
+module outputs by its place in the global batch, then the averaged gradients, the clipping norm
+and the parameters, whole.
 """
 
 from __future__ import annotations
