@@ -89,6 +89,8 @@ def test_kernel_path_matches_the_plain_path(spec, bias):
     ref = linear(x)
     bound = 0.02 if spec.scheme.startswith("int8") else 0.12
     assert (m(x) - ref).norm() / ref.norm() < bound
+    for rows in (1, 2 * FAST_ROWS):  # a bf16 model's activations stay bf16 on either path
+        assert m(torch.randn(rows, 128, dtype=torch.bfloat16)).dtype == torch.bfloat16, rows
 
 
 def test_int8_dynamic_equals_its_definition_in_float64():

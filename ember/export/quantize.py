@@ -236,7 +236,8 @@ class QuantLinear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(xb, packed, self.spec.group_size, scales_zeros)
             return y.to(x2.dtype)
         (ones,) = self._packed
-        return torch._weight_int8pack_mm(xb, self.weight_q, ones).to(x2.dtype) * self.weight_scale
+        y = torch._weight_int8pack_mm(xb, self.weight_q, ones).to(x2.dtype)
+        return y * self.weight_scale.to(x2.dtype)  # (in the activations' dtype: a bf16 model stays bf16)
 
     def _dynamic(self, x2: Tensor) -> Tensor:
         """int8 activations (per row) times int8 weights, summed exactly, then rescaled."""
