@@ -2,22 +2,24 @@
 # The checks and benchmarks that wait for a GPU, ready for one lent machine (its image has
 # torch + CUDA, transformers and peft, but not omegaconf, and it cannot download):
 #
-#   bash benchmarks/gpu.sh deps                      # here, first: omegaconf into .gpu-deps/
-#   bash benchmarks/gpu.sh env analyze decode lora   # there, carrying .gpu-deps (one call)
-#   bash benchmarks/gpu.sh plan parallel             # there, a second call
+#   bash benchmarks/gpu.sh deps                   # here, first: omegaconf into .gpu-deps/
+#   bash benchmarks/gpu.sh env analyze decode     # there, carrying .gpu-deps: one call (<= 8 min)
+#   bash benchmarks/gpu.sh lora plan              # a second call (<= 9 min)
+#   bash benchmarks/gpu.sh parallel               # a third (<= 5 min)
 #
-# Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and stops at its own time
-# limit, so one call of stages stays inside the device's 10 minutes a command:
-#   env       nvidia-smi, torch, transformers, peft versions                    (seconds)
+# Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
+# limit (below), so each call above stays inside the device's 10 minutes a command; the script
+# exits 1 if any stage failed.
+#   env       nvidia-smi, torch, transformers, peft versions                         (60 s)
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
-#             the two instrument paths of issue 15 that have not run on a GPU   (~2 min)
-#   decode    benchmarks/decode.py, gpt2-small in bf16 against transformers      (~2 min)
+#             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
+#   decode    benchmarks/decode.py, gpt2-small in bf16 against transformers          (240 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
-#             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory      (~3 min)
+#             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
-#             and the caching allocator's peak                                  (~3 min)
-#   parallel  benchmarks/parallel.py, the one-GPU layout of gpt2-small: tokens/s, MFU
+#             and the caching allocator's peak                                      (240 s)
+#   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +27,10 @@ OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 DEV=${DEV:-cuda}  # (DEV=cpu PY=.venv/bin/python: a dry run of the script's plumbing here)
-if [ -d .gpu-deps ]; then export PYTHONPATH="$PWD/.gpu-deps:$PWD${PYTHONPATH:+:$PYTHONPATH}"; else export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"; fi
-ember() { "$PY" -m ember "$@"; }
+deps=$PWD
+[ -d .gpu-deps ] && deps="$PWD/.gpu-deps:$PWD"
+export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
+failed=0
 
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $OUT/NAME.log
     local name=$1 limit=$2
@@ -35,6 +39,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $
     local start=$SECONDS
     timeout "$limit" bash -c "$*" >>"$OUT/$name.log" 2>&1
     local rc=$?
+    [ "$rc" -eq 0 ] || failed=1
     echo "== $name: exit $rc after $((SECONDS - start))s" | tee -a "$OUT/$name.log"
     tail -n 25 "$OUT/$name.log"
 }
@@ -42,16 +47,17 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $
 for what in "$@"; do
     case $what in
     deps)  # pure Python, so this machine's copy serves the device's Python 3.12
-        site=$(.venv/bin/python -c "import omegaconf, os; print(os.path.dirname(os.path.dirname(omegaconf.__file__)))")
-        rm -rf .gpu-deps && mkdir -p .gpu-deps && cp -r "$site/omegaconf" .gpu-deps/
+        site=$(PYTHONPATH= .venv/bin/python -c "import omegaconf as o; print(o.__path__[0])")
+        rm -rf .gpu-deps && mkdir -p .gpu-deps && cp -r "$site" .gpu-deps/
         echo "copied omegaconf into .gpu-deps/ (.gitignore'd); carry it: run(..., carry=['.gpu-deps'])"
         ;;
     env)
-        stage env 60 "nvidia-smi; $PY -c 'import torch, transformers, peft; print(torch.__version__, torch.cuda.get_device_name(), transformers.__version__, peft.__version__)'"
+        stage env 60 "nvidia-smi; $PY -c 'import torch, transformers as t, peft; \
+            print(torch.__version__, torch.cuda.get_device_name(), t.__version__, peft.__version__)'"
         ;;
     analyze)
         rm -rf runs/gpu-cq
-        stage analyze 240 "$PY -m ember train cpu-quick run.name=gpu-cq train.device=$DEV train.max_time=0 \
+        stage analyze 180 "$PY -m ember train cpu-quick run.name=gpu-cq train.device=$DEV train.max_time=0 \
             train.max_steps=30 && $PY -m ember analyze runs/gpu-cq profile --steps 3 \
             && $PY -m ember analyze runs/gpu-cq memory && ls -la runs/gpu-cq/analysis/*/ \
             && cp runs/gpu-cq/analysis/memory/results.json $OUT/memory.json \
@@ -65,10 +71,11 @@ for what in "$@"; do
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
         ;;
     plan)
-        stage plan 300 "$PY -m ember plan gpt2-small --measure train.device=$DEV train.precision=bf16"
+        stage plan 240 "$PY -m ember plan gpt2-small --measure train.device=$DEV train.precision=bf16"
         ;;
     parallel)
-        stage parallel 300 "$PY benchmarks/parallel.py --config gpt2-small --device $DEV --batch-tokens 0 --steps 30 --layouts single"
+        stage parallel 300 "$PY benchmarks/parallel.py --config gpt2-small --device $DEV --batch-tokens 0 \
+            --steps 30 --layouts single"
         ;;
     *)
         echo "unknown stage $what: deps env analyze decode lora plan parallel" >&2
@@ -76,3 +83,4 @@ for what in "$@"; do
         ;;
     esac
 done
+exit $failed

@@ -125,11 +125,10 @@ def cmd_bench_comm(args) -> int:
 def cmd_plan(args) -> int:
     import json
     import os
-    import subprocess
 
     from ember.config import load_config
     from ember.parallel import plan
-    from ember.parallel.dist import torchrun_cmd
+    from ember.parallel.dist import run_ranks
     from ember.parallel.parallelize import check_layout
     from ember.train.trainer import _batch_layout
 
@@ -150,12 +149,10 @@ def cmd_plan(args) -> int:
     measured = None
     if args.measure and args.nproc > 1 and not ranked:
         flags = ["--measure", f"--steps={args.steps}", "--json"]  # (the ranks read WORLD_SIZE)
-        cmd = torchrun_cmd(args.nproc, "plan", args.config, *args.overrides, *flags)
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith('{"measured"')]
-        if proc.returncode or not lines:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-            raise EmberError(f"the measured run failed (exit {proc.returncode}):\n{tail}")
+        out = run_ranks(args.nproc, "plan", args.config, *args.overrides, *flags, what="the measured run")
+        lines = [line for line in out.splitlines() if line.startswith('{"measured"')]
+        if not lines:
+            raise EmberError("the measured run printed no measurement:\n" + "\n".join(out.splitlines()[-8:]))
         measured = json.loads(lines[-1])["measured"]
     elif args.measure:
         measured = plan.measure_config(cfg, args.steps)
@@ -259,11 +256,6 @@ def cmd_analyze(args) -> int:
         from ember.config import load_config
 
         cfg = load_config(args.run, args.set)
-        if args.records:  # a rank of a comparison across world sizes (launched by the lines below)
-            from ember.analysis.replay import record_rank
-
-            record_rank(cfg, args.steps, Path(args.records))
-            return 0
         worlds = _worlds(args.nproc)
         started = time.perf_counter()
         r = determinism(cfg, steps=args.steps, worlds=worlds)
@@ -1089,7 +1081,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="determinism: compare world sizes, one process against N ranks (or A against B ranks), "
         "each a torchrun launch with one thread per rank (default: two runs in this process)",
     )
-    p.add_argument("--records", default=None, help=argparse.SUPPRESS)  # (a rank of --nproc: where to write)
     p.set_defaults(func=cmd_analyze)
 
     bench = verbs.add_parser(

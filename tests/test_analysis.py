@@ -186,7 +186,9 @@ def test_nonfinite_names_the_module_where_a_step_first_goes_wrong(tiny_cfg, tmp_
 
 
 def test_determinism_finds_no_difference_or_the_first_one(tiny_cfg):
-    from ember.analysis.replay import determinism
+    import math
+
+    from ember.analysis.replay import _same_bits, determinism
 
     cfg = tiny_cfg(*DET, "train.max_steps=2")
     same = determinism(cfg, steps=2)
@@ -195,12 +197,16 @@ def test_determinism_finds_no_difference_or_the_first_one(tiny_cfg):
     def perturb(trainer):  # the second run's MLP output in layer 1 moves by 1e-6
         trainer.model.get_submodule("layers.1.mlp").register_forward_hook(lambda m, a, out: out + 1e-6)
 
+    nan = torch.tensor([1.0, math.nan])
+    assert _same_bits(nan, nan.clone()) and not torch.equal(nan, nan.clone())  # skipped steps: no difference
+    assert not _same_bits(nan, torch.tensor([1.0 + 1e-7, math.nan]))
     differ = determinism(cfg, steps=2, perturb=perturb)
     assert not differ["identical"] and differ["step"] == 1
     assert (differ["phase"], differ["name"]) == ("forward", "layers.1.mlp")
     assert differ["max_difference"] == pytest.approx(1e-6, rel=0.1)
 
 
+@pytest.mark.slow
 def test_determinism_across_world_sizes(tiny_cfg):
     """One process against two ranks (gloo), micro-batches of 4 rows: each micro-batch's forward
     is the same computation on the same rows at either world size. With two micro-batches a step

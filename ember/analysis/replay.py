@@ -122,9 +122,15 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
     installed in the second run only. ``worlds``: the two runs' world sizes; other than (1, 1) each
     run is a torchrun launch (one thread per rank) recorded by ``record_rank``."""
     if worlds != (1, 1):
+        if perturb is not None:
+            raise ValueError("perturb installs into this process's trainer: not with other world sizes")
         if cfg.parallel.tp * cfg.parallel.pp > 1:
             raise EmberError("determinism across world sizes compares data-parallel layouts "
                              "(parallel.data=ddp or fsdp): set parallel.tp=1 and parallel.pp=1")  # fmt: skip
+        gpus = torch.cuda.device_count() if cfg.train.device in ("auto", "cuda") else 0
+        if 0 < gpus < max(worlds) or (cfg.train.device == "cuda" and gpus < max(worlds)):
+            raise EmberError(f"{max(worlds)} ranks on CUDA need {max(worlds)} GPUs; {gpus} visible: "
+                             "set train.device=cpu (gloo) or fewer ranks")  # fmt: skip
         from ember.data.prepare import prepare
         from ember.parallel.parallelize import check_layout
         from ember.train.trainer import _batch_layout
@@ -162,7 +168,7 @@ def _first_difference(runs: list, steps: int) -> dict:
                     "max_difference": None}  # fmt: skip
         for (phase, name, x), (_, _, y) in zip(a, b, strict=True):
             compared += 1
-            if x.shape != y.shape or not torch.equal(x, y):
+            if not _same_bits(x, y):
                 diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
                 scale = x.double().abs().max().item()
                 return {"steps": steps, "identical": False, "step": s, "phase": phase, "name": name,
@@ -170,6 +176,17 @@ def _first_difference(runs: list, steps: int) -> dict:
                         "tensors_compared": compared,
                         "parameters_apart_at_end": _apart(runs[0][-1], runs[1][-1])}  # fmt: skip
     return {"steps": steps, "identical": True, "tensors_compared": compared}
+
+
+def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal bit for bit: unlike ``torch.equal``, a NaN equals the same NaN (a step skipped as
+    non-finite in both runs is no difference)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if not x.is_floating_point():
+        return torch.equal(x, y)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return torch.equal(x.contiguous().view(bits), y.contiguous().view(bits))
 
 
 def _apart(a: list, b: list) -> float:
@@ -192,7 +209,7 @@ def record_rank(cfg, steps: int, out: Path) -> None:
     the ranks' averaging, before clipping), the gradient norm that clipping uses, and the
     parameters after the step. Written to ``out/rank{r}.pt``. Gradients at module outputs are
     left out: their scale, 1/A, differs between world sizes."""
-    from ember.parallel.dist import destroy_distributed
+    from ember.parallel.dist import barrier, destroy_distributed
     from ember.train.trainer import scratch_trainer
 
     try:
@@ -202,17 +219,20 @@ def record_rank(cfg, steps: int, out: Path) -> None:
             synced, unscale = [], trainer.scaler.unscale_
 
             def before_clipping(optimizer):  # the step's first act; every rank (gathering is a collective)
+                unscale(optimizer)  # (under fp16 the gradients carry the loss scale until here)
                 grads = [("parameter gradient (averaged)", n, _whole(p.grad))
                          for n, p in model.named_parameters() if p.grad is not None]  # fmt: skip
                 synced.extend(grads if rank == 0 else [])
-                return unscale(optimizer)
 
             trainer.scaler.unscale_ = before_clipping
             batches, records = trainer.loader.iterate(0), []
             for _ in range(steps):
                 synced.clear()
+                batch = next(batches)  # (before recording: GRPO's rollouts run the model to make it)
                 with Recorder(model, keep=True, backward=False) as rec:
-                    _, norm, _ = trainer.advance(batches)
+                    _, norm, _ = trainer.advance(iter([batch]))
+                if len(rec.events) % accum:
+                    raise EmberError(f"{len(rec.events)} module outputs: not {accum} equal micro-batches")
                 per = len(rec.events) // accum
                 first = trainer.env.dp_rank * accum
                 forward = {first + m: rec.events[m * per : (m + 1) * per] for m in range(accum)}
@@ -220,30 +240,24 @@ def record_rank(cfg, steps: int, out: Path) -> None:
                 whole = [*synced, ("gradient norm (clipping's)", "", _whole(norm)), *after]
                 records.append({"forward": forward, "synced": whole if rank == 0 else []})
         torch.save(records, Path(out) / f"rank{rank}.pt")
+        barrier()  # every rank is past its last collective before any tears the process group down
     finally:
         destroy_distributed()
 
 
 def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
-    """``record_rank`` on ``world`` ranks under torchrun, its records in one order whatever the
-    world size: micro-batches by their index in the global batch, then rank 0's whole tensors."""
-    import os
-    import subprocess
+    """``record_rank`` on ``world`` ranks under torchrun (this module's ``__main__``), its records
+    in one order whatever the world size: micro-batches by their index in the global batch, then
+    rank 0's whole tensors."""
     import tempfile
 
     from ember.config import config_to_yaml
-    from ember.parallel.dist import torchrun_cmd
+    from ember.parallel.dist import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
         config = Path(tmp) / "config.yaml"
         config.write_text(config_to_yaml(cfg))
-        cmd = torchrun_cmd(
-            world, "analyze", str(config), "determinism", f"--steps={steps}", f"--records={tmp}"
-        )
-        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
-        if proc.returncode:
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
-            raise EmberError(f"the run on {world} rank(s) failed (exit {proc.returncode}):\n{tail}")
+        run_ranks(world, str(config), str(steps), tmp, module="ember.analysis.replay", what="the run")
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
     steps_in_order = []
     for s in range(steps):
@@ -256,3 +270,11 @@ def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
 def check_step(step: int) -> None:
     if step < 1:
         raise EmberError(f"--step {step}: steps count from 1")
+
+
+if __name__ == "__main__":  # a rank of ``_launch``: python -m ember.analysis.replay CONFIG STEPS OUT
+    import sys
+
+    from ember.config import load_config
+
+    record_rank(load_config(sys.argv[1], []), int(sys.argv[2]), Path(sys.argv[3]))

@@ -16,6 +16,7 @@ to blame, the step and what the loop was doing.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -121,11 +122,30 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
     return _ENV
 
 
-def torchrun_cmd(nproc: int, *ember_args: str) -> list[str]:
-    """``ember ARGS`` as ``nproc`` ranks on this host, under torchrun (which restarts nothing:
-    one rank failing stops the others)."""
+_ERROR_LINE = re.compile(r"^(ember: error: |[\w.]+(Error|Exception): )")  # a rank's own account of failing
+
+
+def torchrun_cmd(nproc: int, *args: str, module: str = "ember") -> list[str]:
+    """``python -m MODULE ARGS`` (``ember ARGS``) as ``nproc`` ranks on this host, under torchrun
+    (which restarts nothing: one rank failing stops the others)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "ember", *ember_args]  # fmt: skip
+            "-m", module, *args]  # fmt: skip
+
+
+def run_ranks(nproc: int, *args: str, module: str = "ember", what: str = "the run") -> str:
+    """``torchrun_cmd`` run to the end with one thread per rank; its standard output, or an
+    EmberError carrying the ranks' own error lines (``ember: error: ...``, an exception's last
+    line), which torchrun's closing summary would otherwise bury."""
+    import subprocess
+
+    cmd = torchrun_cmd(nproc, *args, module=module)
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return proc.stdout
+    lines = (proc.stdout + proc.stderr).splitlines()
+    own = [line for line in lines if _ERROR_LINE.match(line) and not line.startswith("torch.distributed.")]
+    shown = list(dict.fromkeys(own))[:6] or lines[-8:]  # (each rank says it: once is enough)
+    raise EmberError(f"{what} on {nproc} rank(s) failed (exit {proc.returncode}):\n" + "\n".join(shown))
 
 
 def destroy_distributed() -> None:

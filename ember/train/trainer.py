@@ -226,8 +226,8 @@ def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     matrix's norm is taken row by row, then over its rows in float64: torch's CPU norm sums a
     whole tensor's squares in one float32 accumulator, which on an embedding's gradient of 0.5 M
     elements came out 1.1e-4 low (``ember analyze CONFIG determinism --nproc 2
-    parallel.data=fsdp`` found it: FSDP2's half-size shards lost less) and on 40 M equal values
-    2% (pytorch/pytorch#169237); by rows, 1e-7. Under pipeline parallel (``pipeline``: the
+    parallel.data=fsdp`` found it: FSDP2's half-size shards lost less) and on 40 M entries of
+    0.1, 2% (pytorch/pytorch#169237); by rows, 1e-7. Under pipeline parallel (``pipeline``: the
     rank's PipelineGPT) the norm sums every stage's gradients."""
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
