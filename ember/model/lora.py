@@ -143,7 +143,9 @@ class NF4Linear(nn.Module):
 class _FrozenLoRA(torch.autograd.Function):
     """``x Wᵀ (+ b) + s · (x Aᵀ) Bᵀ`` for a frozen W, with the backward written out so that the
     two gradients of x (through W and through A) land in one buffer: ``addmm(g W, s · g B, A)``
-    instead of two (…, in) tensors and their sum, as autograd would make them."""
+    instead of two (…, in) tensors and their sum, as autograd would make them. Under autocast
+    the forward's products run in its dtype (bf16) and the backward, which autocast does not
+    reach, casts its operands to the same one; each gradient leaves in its input's dtype."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, A: Tensor, B: Tensor, scale: float):
@@ -151,19 +153,21 @@ class _FrozenLoRA(torch.autograd.Function):
         h = (x2 @ A.t()) * scale  # (M, r)
         y = torch.addmm(F.linear(x2, weight, bias), h, B.t())
         ctx.save_for_backward(x2, h, weight, A, B)
-        ctx.scale = scale
+        ctx.scale, ctx.x_dtype = scale, x.dtype
         return y.view(*x.shape[:-1], y.size(-1))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x2, h, weight, A, B = ctx.saved_tensors
-        g = grad.reshape(-1, grad.size(-1))
-        gh = g @ B  # (M, r): the gradient of h
+        dt = h.dtype  # the forward's compute dtype (without autocast every .to below is a no-op)
+        g = grad.reshape(-1, grad.size(-1)).to(dt)
+        gh = g @ B.to(dt)  # (M, r): the gradient of h
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(g @ weight, gh, A, alpha=ctx.scale).view(*grad.shape[:-1], -1)
-        grad_A = (gh.t() @ x2) * ctx.scale if ctx.needs_input_grad[3] else None
-        grad_B = g.t() @ h if ctx.needs_input_grad[4] else None
+            grad_x = torch.addmm(g @ weight.to(dt), gh, A.to(dt), alpha=ctx.scale)
+            grad_x = grad_x.view(*grad.shape[:-1], -1).to(ctx.x_dtype)
+        grad_A = ((gh.t() @ x2.to(dt)) * ctx.scale).to(A.dtype) if ctx.needs_input_grad[3] else None
+        grad_B = (g.t() @ h).to(B.dtype) if ctx.needs_input_grad[4] else None
         return grad_x, None, None, grad_A, grad_B, None
 
 
