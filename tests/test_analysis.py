@@ -296,6 +296,12 @@ def test_training_dynamics_equal_direct_computation():
     weight = torch.cat([dict(model.named_parameters())[n].detach().flatten() for n in names])
     ratio = update.pow(2).mean().sqrt() / weight.pow(2).mean().sqrt()
     assert values["dyn/update_ratio/layers.1"] == pytest.approx(ratio.item(), rel=1e-5)
+    torch.nn.init.zeros_(model.layers["0"].attention.wq.weight)  # (the step moved it)
+    dyn.begin()  # under fp16 autocast (train.precision=fp16) the entropy is still taken in fp32
+    with torch.autocast("cpu", torch.float16):
+        model(x[:, :-1])
+    half = dyn.end()
+    assert half["dyn/attn_entropy/layers.0/h0"] == pytest.approx(uniform, abs=1e-5)  # was NaN: 0·log 0
 
 
 def test_trainer_logs_dynamics_every_n_steps_and_the_report_plots_them(tiny_cfg):
@@ -306,6 +312,9 @@ def test_trainer_logs_dynamics_every_n_steps_and_the_report_plots_them(tiny_cfg)
     run = Path(cfg.run.out_dir) / cfg.run.name
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "dyn/logit_max" in r] == [2, 4]
+    last = max(i for i, r in enumerate(rows) if "dyn/logit_max" in r)
+    rows[last] = {**rows[last], "dyn/attn_entropy/layers.0/h0": "nan"}  # as metrics.jsonl writes a NaN
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     write_report([run])
     assert (run / "plots" / "dyn_attn_entropy.png").is_file() and "dyn_update_ratio.png" in (
         run / "report.md"

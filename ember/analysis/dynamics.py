@@ -39,13 +39,13 @@ def _observing(attend, sink: list):
 
     def observed(q, k, v, dropout_p, *args, **kwargs):
         if not sink:  # the first call of the step's first micro-batch only
-            with torch.no_grad():
+            with torch.no_grad(), torch.autocast(q.device.type, enabled=False):  # fp32, also under fp16
                 kk = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # grouped-query heads
                 scores = (q.float() @ kk.float().transpose(-2, -1)) / math.sqrt(q.size(-1))
                 T, S = scores.shape[-2:]
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
                 p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-                entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # (B, heads, T)
+                entropy = -torch.special.xlogy(p, p).sum(-1)  # (B, heads, T); 0 log 0 = 0
                 sink.append(entropy.mean(dim=(0, 2)))
         return attend(q, k, v, dropout_p, *args, **kwargs)
 

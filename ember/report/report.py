@@ -276,7 +276,7 @@ def _dynamics_plots(run: Run, plots_dir: Path) -> list[tuple[str, str]]:
         for label, members in groups.items():
             rows = [r for r in run.train if all(m in r for m in members)]
             xs = [r["step"] for r in rows]
-            ys = [sum(r[m] for m in members) / len(members) for r in rows]
+            ys = [sum(float(r[m]) for m in members) / len(members) for r in rows]  # ("nan" as written)
             series.append((label, xs, ys, {"marker": "o", "markersize": 3}))
         if _plot(plots_dir / f"dyn_{family}.png", series, title, "step", ylabel, yscale):
             drawn.append((title, f"dyn_{family}.png"))
