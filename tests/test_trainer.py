@@ -175,6 +175,14 @@ def test_no_budget_and_bad_layout_fail_before_work(tiny_cfg):
     with pytest.raises(ConfigError, match="micro-batches"):
         Trainer(tiny_cfg("train.micro_batch=3"))
     assert not run_dir(tiny_cfg()).exists()
+    from ember.parallel.parallelize import check_layout  # what `ember train --nproc N` asks first
+
+    with pytest.raises(ConfigError, match="not FSDP yet"):
+        check_layout(tiny_cfg("train.lora_rank=4", "parallel.data=fsdp"), 2)
+    grpo = tiny_cfg("train.task=grpo", "grpo.data=add-2", "train.seq_len=64", "train.batch_tokens=512")
+    check_layout(grpo, 1)  # 8 completions: one group of 8
+    with pytest.raises(ConfigError, match="multiple of 16"):
+        check_layout(grpo, 2)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

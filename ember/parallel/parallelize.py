@@ -45,6 +45,12 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> None:
         sizes = (("pp", pp), ("dp_replicate", replicas), ("tp", tp))
         what = " × ".join(f"parallel.{k}={v}" for k, v in sizes if v > 1)
         raise ConfigError(f"{what} needs a multiple of {pp * replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
+    if t.lora_rank and world_size > 1 and cfg.parallel.data == "fsdp":
+        raise ConfigError("LoRA runs on one device or under DDP (parallel.data=ddp), not FSDP yet")
+    if t.task == "grpo":
+        from ember.train.grpo import check_groups
+
+        check_groups(t.batch_tokens // t.seq_len, world_size // (pp * tp), cfg.grpo.group)
     m = model_cfg or cfg.model
     if pp > 1:
         from ember.parallel.pipeline import check_pipeline

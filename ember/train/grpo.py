@@ -67,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ember.data.chat import render
-from ember.errors import EmberError
+from ember.errors import ConfigError, EmberError
 from ember.parallel.dist import all_reduce
 from ember.train.dpo import token_logps
 from ember.train.reward import load_reward_model, score_sequences
@@ -131,6 +131,16 @@ def _rollout_seed(seed: int, rollout: int) -> int:
     return int.from_bytes(digest[:6], "big") << 16  # < 2**64, and room for 65,536 rows
 
 
+def check_groups(rows: int, dp: int, group: int) -> None:
+    """Each of the ``dp`` data-parallel ranks samples whole groups of ``group`` completions:
+    checked before torchrun starts the ranks (``check_layout``) and by the loader."""
+    if rows % dp or (rows // dp) % group:
+        raise ConfigError(
+            f"{rows} completions per step (train.batch_tokens / train.seq_len) do not split into groups "
+            f"of grpo.group={group} on {dp} rank(s); make it a multiple of {group * dp}"
+        )
+
+
 class Rollouts(SFTLoader):
     """The trainer's loader for ``train.task=grpo``: batches of (x, y, advantages, old_logps,
     ref_logps), this rank's rows, sampled from ``model`` (the training module itself) on the
@@ -147,12 +157,7 @@ class Rollouts(SFTLoader):
             raise EmberError(
                 f"grpo.data={grpo_cfg.data!r}: GRPO needs an embedded task, whose verifier gives the rewards"
             )
-        G = grpo_cfg.group
-        if rows % world_size or (rows // world_size) % G:
-            raise EmberError(
-                f"{rows} completions per step (train.batch_tokens / train.seq_len) do not split into groups "
-                f"of grpo.group={G} on {world_size} rank(s); make it a multiple of {G * world_size}"
-            )
+        check_groups(rows, world_size, grpo_cfg.group)
         problems = self.task.generate("train", grpo_cfg.examples)
         super().__init__(problems, 0, rows, seed, False, rank, world_size, device)
         self.cfg, self.tokenizer, self.model, self.reference = grpo_cfg, tokenizer, model, reference

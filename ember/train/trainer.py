@@ -376,14 +376,12 @@ def _init_from(model, run: str, model_cfg, tokenizer_sha: str | None, known: int
     load_weights(model, folder, adapt=adapt)
 
 
-def _apply_lora(model, train_cfg, parallel_cfg, world_size: int) -> set[str]:
+def _apply_lora(model, train_cfg) -> set[str]:
     """``train.lora_rank``: adapters on the targeted block linears, everything else frozen (the
     base in NF4 with ``train.qlora``); returns the adapters' state dict names, which are all a
     checkpoint then holds."""
     from ember.model.lora import apply_lora, lora_summary
 
-    if world_size > 1 and parallel_cfg.data == "fsdp":
-        raise ConfigError("LoRA runs on one device or under DDP (parallel.data=ddp), not FSDP yet")
     if not train_cfg.init_from:
         print0("ember: note: LoRA without train.init_from adapts a freshly initialised model")
     apply_lora(
@@ -487,7 +485,7 @@ class Trainer:
             _apply_qat(model, t)
         self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
         if t.lora_rank:
-            self.adapters = _apply_lora(model, t, cfg.parallel, env.world_size)
+            self.adapters = _apply_lora(model, t)
             if t.task == "sft" and t.lora_chat_tokens:  # (DPO's reference would move with them)
                 self.adapters |= _train_rows(model, list(chat_ids(self.tokenizer).values()))
         self.n_params = model.num_params()
