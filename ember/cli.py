@@ -319,9 +319,9 @@ def cmd_analyze(args) -> int:
         print(f"{'operator':<44} {'calls':>7} {'self ms':>10} {'total ms':>10}")
         for op in r["top_ops"][:10]:
             print(f"{op['op'][:44]:<44} {op['calls']:>7} {op['self_ms']:>10.1f} {op['total_ms']:>10.1f}")
-        print(f"achieved {r['achieved_flops'] / 1e9:,.2f} GFLOP/s of the model's FLOPs; a large fp32 matmul "
-              f"here: {r['matmul_peak_flops'] / 1e9:,.2f} GFLOP/s ({r['fraction_of_peak']:.1%}); "
-              f"trace: {Path(r['out']) / 'trace.json'}")  # fmt: skip
+        peak = f"{r['matmul_peak_flops'] / 1e9:,.2f} GFLOP/s ({r['fraction_of_peak']:.1%})"
+        print(f"achieved {r['achieved_flops'] / 1e9:,.2f} GFLOP/s of the model's FLOPs; a large "
+              f"{r['peak_dtype']} matmul here: {peak}; trace: {Path(r['out']) / 'trace.json'}")  # fmt: skip
     elif args.instrument == "memory":
         from ember.analysis.memory import analyze
 

@@ -10,7 +10,9 @@ batch), so the step splits into them; communication is the time of the collectiv
 operator itself, not in the operators it calls), the Chrome trace (open it in Perfetto,
 https://ui.perfetto.dev, or chrome://tracing), and the achieved FLOP/s — the model's training
 FLOPs per token (6N + attention, as the trainer counts them) times the tokens, over the wall
-time — against the device's matmul peak, measured on the spot with a large matrix product.
+time — against the device's matmul peak, measured on the spot with a large matrix product in
+the dtype the step computes in (fp32, or autocast's bf16/fp16). On a GPU the operators are
+ranked by their kernels' time, on a CPU by CPU time.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ PHASES = ("ember/data", "ember/forward", "ember/backward", "ember/optimizer")
 COMM = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "broadcast")
 
 
-def matmul_peak(device: torch.device, size: int = 2048, seconds: float = 1.0) -> float:
-    """FLOP/s of repeated (size × size) @ (size × size) products in fp32 on ``device``."""
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+def matmul_peak(device: torch.device, size: int = 2048, seconds: float = 1.0, dtype=torch.float32) -> float:
+    """FLOP/s of repeated (size × size) @ (size × size) products in ``dtype`` on ``device``."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     (a @ b).sum().item()  # warm up
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -73,14 +75,20 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
             split[e.key.split("/")[1]] = (e.device_time_total if use_cuda else e.cpu_time_total) / 1e6 / steps
     comm = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMM)) / 1e6 / steps
     split["communication"] = comm
-    ops = sorted((e for e in events if not e.key.startswith("ember/")), key=lambda e: e.self_cpu_time_total, reverse=True)  # fmt: skip # noqa: E501
-    table = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
-              "total_ms": e.cpu_time_total / 1e3} for e in ops[:top]]  # fmt: skip
-    peak = matmul_peak(device)
+    # on a GPU the operators by their kernels' time (the CPU only launches them), else by CPU time
+    self_us = (lambda e: e.self_device_time_total) if use_cuda else (lambda e: e.self_cpu_time_total)
+    total_us = (lambda e: e.device_time_total) if use_cuda else (lambda e: e.cpu_time_total)
+    ops = sorted((e for e in events if not e.key.startswith("ember/")), key=self_us, reverse=True)
+    table = [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "total_ms": total_us(e) / 1e3}
+             for e in ops[:top]]  # fmt: skip
+    # the peak in the dtype the step's matrix products run in (autocast's), at a size that keeps
+    # a GPU busy rather than waiting on launches
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
+    peak = matmul_peak(device, size=8192 if use_cuda else 2048, dtype=dtype)
     achieved = flops / wall
     results = {"steps": steps, "step_s": wall / steps, "split_s": split, "top_ops": table,
                "flops_per_step": flops / steps, "achieved_flops": achieved, "matmul_peak_flops": peak,
-               "fraction_of_peak": achieved / peak, "device": str(device),
-               "threads": torch.get_num_threads()}  # fmt: skip
+               "fraction_of_peak": achieved / peak, "device": str(device), "threads": torch.get_num_threads(),
+               "peak_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
     write_results(run_dir, "profile", results, started)
     return {**results, "out": str(out)}
