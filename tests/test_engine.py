@@ -242,6 +242,35 @@ def test_static_cache_decode_compiles_to_one_graph_that_matches_the_eager_cache(
     assert largest > 1 and worst <= 1e-5, f"compiled static vs eager cache max |diff| {worst:.2e}"
 
 
+def test_compiled_training_blocks_run_eagerly_with_a_cache():
+    """train.compile=true compiles each block for training's fixed shapes; a forward with a KV
+    cache (GRPO's rollouts, evaluation by generation) must not trace them: every step's shapes and
+    cache state differ, and GRPO with compiled blocks stopped at dynamo's recompile limit. With
+    a cache the blocks run eagerly and give the eager model's logits; without one, compiled."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from ember.parallel.parallelize import apply_compile
+
+    torch._dynamo.reset()
+    eager = tiny_model(**LLAMA, n_kv_head=2)
+    model = tiny_model(**LLAMA, n_kv_head=2)
+    counter = CompileCounterWithBackend("eager")
+    real = torch.compile
+    try:  # apply_compile as the trainer calls it, counting what dynamo traces
+        torch.compile = lambda m, **kw: real(m, backend=counter, **kw)
+        apply_compile(model)
+    finally:
+        torch.compile = real
+    seq = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        cache, reference = KVCache(max_len=24), KVCache(max_len=24)
+        for a, b in [(0, 9), *((t, t + 1) for t in range(9, 24))]:  # 16 shapes and cache states
+            torch.testing.assert_close(model(seq[:, a:b], cache=cache), eager(seq[:, a:b], cache=reference))
+        assert counter.frame_count == 0  # nothing traced: the cache forwards ran eagerly
+        torch.testing.assert_close(model(seq), eager(seq))
+    assert counter.frame_count == 1  # the training-shaped forward: one graph, shared by the blocks
+
+
 def test_compiled_engine_generates_what_the_eager_engine_does(tok):
     model = tiny_model(vocab_size=320, **LLAMA)
     prompts = ["The quick", "def main():\n", "fox"]

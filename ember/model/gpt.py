@@ -423,8 +423,13 @@ class GPT(nn.Module):
         x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)
         x, rope = self.pos(x, positions) if self.pos is not None else (x, None)  # (B, T, C)
         x = self.dropout(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            x = layer(x, rope, cache)
+        if cache is not None and getattr(self, "compiled_blocks", False):
+            with torch.compiler.set_stance("force_eager"):  # see apply_compile
+                for layer in self.layers.values():
+                    x = layer(x, rope, cache)
+        else:
+            for layer in self.layers.values():
+                x = layer(x, rope, cache)
         if self.output is None:  # an earlier pipeline stage: the stream goes on to the next
             return x
         if keep is not None:

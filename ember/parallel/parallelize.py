@@ -156,8 +156,13 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
 
 
 def apply_compile(model: torch.nn.Module) -> None:
+    """Each block under ``torch.compile`` for training's forward and backward (fixed shapes, no
+    cache). A forward with a KV cache (GRPO's rollouts, the shared prefix, evaluation by
+    generation) runs the blocks eagerly (``GPT.forward``): its shapes and the cache's state change
+    every call, and each would be a recompilation, past dynamo's limit within one rollout."""
     for name, block in list(model.layers.items()):
         model.layers[name] = torch.compile(block, fullgraph=True)
+    model.compiled_blocks = True
 
 
 def apply_fsdp(model: torch.nn.Module, mesh, precision: str) -> torch.nn.Module:
