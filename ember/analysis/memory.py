@@ -23,11 +23,12 @@ CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 def analyze(run_dir, steps: int = 3) -> dict:
     from ember.analysis import run_config, write_results
+    from ember.parallel.dist import wants_cuda
     from ember.parallel.plan import measure_config
 
     started = time.perf_counter()
     cfg = run_config(run_dir)
-    cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    cuda = wants_cuda(cfg.train.device)
     if cuda:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     [measured] = measure_config(cfg, steps=steps, timeline=True)

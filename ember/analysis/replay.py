@@ -127,14 +127,15 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
         if cfg.parallel.tp * cfg.parallel.pp > 1:
             raise EmberError("determinism across world sizes compares data-parallel layouts "
                              "(parallel.data=ddp or fsdp): set parallel.tp=1 and parallel.pp=1")  # fmt: skip
-        gpus = torch.cuda.device_count() if cfg.train.device in ("auto", "cuda") else 0
-        if 0 < gpus < max(worlds) or (cfg.train.device == "cuda" and gpus < max(worlds)):
-            raise EmberError(f"{max(worlds)} ranks on CUDA need {max(worlds)} GPUs; {gpus} visible: "
-                             "set train.device=cpu (gloo) or fewer ranks")  # fmt: skip
         from ember.data.prepare import prepare
+        from ember.parallel.dist import wants_cuda
         from ember.parallel.parallelize import check_layout
         from ember.train.trainer import _batch_layout
 
+        gpus = torch.cuda.device_count()
+        if wants_cuda(cfg.train.device) and gpus < max(worlds):
+            raise EmberError(f"{max(worlds)} ranks on CUDA need {max(worlds)} GPUs; {gpus} visible: "
+                             "set train.device=cpu (gloo) or fewer ranks")  # fmt: skip
         for world in worlds:  # a layout or batch that cannot run fails here, before any launch
             check_layout(cfg, world)
             _batch_layout(cfg.train, world)
@@ -169,8 +170,7 @@ def _first_difference(runs: list, steps: int) -> dict:
         for (phase, name, x), (_, _, y) in zip(a, b, strict=True):
             compared += 1
             if not _same_bits(x, y):
-                diff = (x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
-                scale = x.double().abs().max().item()
+                diff, scale = _max_difference(x, y), x.double().abs().max().item()
                 return {"steps": steps, "identical": False, "step": s, "phase": phase, "name": name,
                         "max_difference": diff, "relative": diff / scale if scale else math.inf,
                         "tensors_compared": compared,
@@ -189,10 +189,14 @@ def _same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.contiguous().view(bits), y.contiguous().view(bits))
 
 
+def _max_difference(x: torch.Tensor, y: torch.Tensor) -> float:
+    return (x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
+
+
 def _apart(a: list, b: list) -> float:
     """The largest difference between two runs' parameters after their last step."""
-    diffs = [(x.double() - y.double()).abs().max().item() if x.shape == y.shape else math.inf
-             for (phase, _, x), (_, _, y) in zip(a, b, strict=False) if phase == "parameter after the step"]  # fmt: skip # noqa: E501
+    diffs = [_max_difference(x, y) for (phase, _, x), (_, _, y) in zip(a, b, strict=False)
+             if phase == "parameter after the step"]  # fmt: skip
     return max(diffs, default=math.nan)
 
 

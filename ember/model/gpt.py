@@ -46,6 +46,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -423,11 +424,8 @@ class GPT(nn.Module):
         x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)
         x, rope = self.pos(x, positions) if self.pos is not None else (x, None)  # (B, T, C)
         x = self.dropout(x) if self.tok_embeddings is not None else x
-        if cache is not None and getattr(self, "compiled_blocks", False):
-            with torch.compiler.set_stance("force_eager"):  # see apply_compile
-                for layer in self.layers.values():
-                    x = layer(x, rope, cache)
-        else:
+        eager = cache is not None and getattr(self, "compiled_blocks", False)  # see apply_compile
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             for layer in self.layers.values():
                 x = layer(x, rope, cache)
         if self.output is None:  # an earlier pipeline stage: the stream goes on to the next

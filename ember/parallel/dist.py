@@ -10,7 +10,10 @@ device mesh has one named dimension per layout > 1: "pp" (pipeline stages), "dp"
 shards over and DDP averages across; "dp_replicate" × "dp_shard" for HSDP) and "tp";
 ``DistEnv.dp_rank``/``dp_size`` say which rows a rank reads, ``pp_rank`` which stage it runs.
 ``Watchdog`` turns a collective that fails or times out into an EmberError naming the rank
-to blame, the step and what the loop was doing.
+to blame, the step and what the loop was doing. Launching ranks from a plain process lives here
+too: ``torchrun_cmd`` (``ember train --nproc``, ``bench comm``) and ``run_ranks``, which runs one
+to the end and raises the ranks' own error lines (``plan --measure``, ``analyze determinism
+--nproc``).
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ class DistEnv:
 _ENV: DistEnv | None = None
 
 
+def wants_cuda(name: str) -> bool:
+    """Whether ``train.device=name`` runs on CUDA: ``cuda``, or ``auto`` where a GPU is visible."""
+    return name == "cuda" or (name == "auto" and torch.cuda.is_available())
+
+
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+    if wants_cuda(name):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
         torch.cuda.set_device(local_rank)
