@@ -91,11 +91,11 @@ from printing import cpu_model, print_table
 from ember.config import ModelConfig
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
-from ember.export.quantize import SCHEMES, QuantLinear, QuantSpec, quantize, weight_bytes
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.model.hf import to_hf
+from ember.model.quant import SCHEMES, QuantLinear, QuantSpec, quantize, weight_bytes
 
 VOCAB, MAX_SEQ_LEN, PROMPT_TOKENS = 4096, 512, 64
 GPT2 = dict(pos="learned", norm="layernorm", mlp="gelu", bias=True)

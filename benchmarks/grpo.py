@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/grpo.py [--run RUN] [--model NAME] [--prompts 8 32] [--group 8]
                                         [--new-tokens 16] [--reps 5] [--threads N] [--device cpu|cuda]
 
-A GRPO step (ember/train/grpo.py) renders P prompts of an embedded task (add-3) in the chat
+A GRPO step (ember/train/tasks/grpo.py) renders P prompts of an embedded task (add-3) in the chat
 format and samples G completions of each at temperature 1: P × G rows, each prompt repeated G
 times in one batch. This script times exactly that call, ``Engine.generate`` with the row
 seeds the trainer uses, against ``model.generate(do_sample=True, temperature=1, top_k=0)`` on
@@ -35,7 +35,7 @@ from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.model.hf import to_hf
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 
 
 def time_step(model, hf, tokenizer, prompts: int, args, device: torch.device) -> list[str]:

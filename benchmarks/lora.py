@@ -59,7 +59,7 @@ def make_batches(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(r[:, :-1], r[:, 1:]) for r in rows]
     from ember.data.tasks import TASKS
     from ember.data.tokenizer import Tokenizer
-    from ember.train.sft import SFTLoader, encode_conversations
+    from ember.train.tasks.sft import SFTLoader, encode_conversations
 
     conversations = [p.messages() for p in TASKS[args.data].generate("train", 4000)]
     tokenizer = Tokenizer.train_bpe([m["content"] for c in conversations for m in c], 512)

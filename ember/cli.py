@@ -126,11 +126,10 @@ def cmd_plan(args) -> int:
     import json
     import os
 
+    from ember.analysis import plan
     from ember.config import load_config
-    from ember.parallel import plan
     from ember.parallel.dist import run_ranks
-    from ember.parallel.parallelize import check_layout
-    from ember.train.trainer import _batch_layout
+    from ember.train.layout import check_layout
 
     if args.steps < 2:
         raise EmberError(f"--steps {args.steps}: --measure tracks the last two steps; give at least 2")
@@ -143,7 +142,6 @@ def cmd_plan(args) -> int:
     model_cfg = plan.model_config_for(cfg)
     if not ranked:
         check_layout(cfg, args.nproc, model_cfg)
-        _batch_layout(cfg.train, args.nproc // (cfg.parallel.tp * cfg.parallel.pp))
     world = int(os.environ.get("WORLD_SIZE", args.nproc))
     predicted = plan.predict(cfg, model_cfg, world)
     measured = None
@@ -173,8 +171,8 @@ def _print_plan(cfg, predicted, measured, flops, args) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ember.parallel import plan
-    from ember.parallel.plan import COMPONENTS
+    from ember.analysis import plan
+    from ember.analysis.plan import COMPONENTS
 
     mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
     p = cfg.parallel
@@ -222,9 +220,9 @@ def _ckpts(run: Path, spec: str) -> list[str]:
     if spec == "all":
         import json
 
-        from ember.train.checkpoint import _steps
+        from ember.run import checkpoint_steps
 
-        found = [(s, p.name) for s, p, done in _steps(run / "checkpoints") if done]
+        found = [(s, p.name) for s, p, done in checkpoint_steps(run / "checkpoints") if done]
         summary = run / "summary.json"
         final = json.loads(summary.read_text()).get("step") if summary.is_file() else None
         last = (
@@ -378,11 +376,9 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
     if "LOCAL_RANK" not in os.environ:
-        from ember.parallel.parallelize import check_layout
-        from ember.train.trainer import _batch_layout
+        from ember.train.layout import check_layout
 
         check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
-        _batch_layout(cfg.train, args.nproc // (cfg.parallel.tp * cfg.parallel.pp))
         prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         cmd = torchrun_cmd(args.nproc, "train", args.config, *args.overrides)
@@ -537,8 +533,13 @@ def cmd_chat(args) -> int:
 
 def cmd_report(args) -> int:
     from ember.report.report import write_report
+    from ember.sweep import render_sweep
 
-    path = write_report([Path(p) for p in args.runs], Path(args.out) if args.out else None)
+    runs = [Path(p) for p in args.runs]
+    if len(runs) == 1 and (runs[0] / "sweep.json").exists():  # a sweep: redrawn where it is
+        path = render_sweep(runs[0])
+    else:
+        path = write_report(runs, Path(args.out) if args.out else None)
     print(f"written {path}")
     return 0
 
@@ -608,7 +609,8 @@ def cmd_import(args) -> int:
 
 
 def cmd_quantize(args) -> int:
-    from ember.export.quantize import GROUP_SIZES, QuantSpec, quantize_run, report
+    from ember.export.quantize import quantize_run, report
+    from ember.model.quant import GROUP_SIZES, QuantSpec
 
     if not args.report:
         if not args.out or not args.scheme or len(args.scheme) > 1:

@@ -49,8 +49,8 @@ from pathlib import Path
 
 from ember.atomic import write_text_atomic
 from ember.errors import ConfigError, EmberError
+from ember.run import latest_checkpoint
 from ember.stats import CONFIDENCE, permutation_test, summarize, welch
-from ember.train.checkpoint import latest_checkpoint
 
 SWEEP_JSON = "sweep.json"
 SWEEP_MD = "sweep.md"

@@ -22,7 +22,7 @@ if __name__ == "__main__":
             if isinstance(leg, list):
                 Trainer(load_config("tiny", leg)).run()
             else:
-                from ember.parallel import plan
+                from ember.analysis import plan
 
                 cfg = load_config(leg["config"], leg["overrides"])
                 world = int(os.environ.get("WORLD_SIZE", "1"))

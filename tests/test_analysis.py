@@ -214,7 +214,8 @@ def test_determinism_across_world_sizes(tiny_cfg):
     taken row by row, which FSDP2's row shards do not change: identical, under FSDP2. With four
     (DDP), one process adds the quarters in sequence, ((g0 + g1) + g2) + g3, and two ranks as
     (g0 + g1) + (g2 + g3): the runs part first at step 1's averaged gradient, by rounding."""
-    from ember.analysis.replay import Recorder, determinism
+    from ember.analysis.replay import determinism
+    from ember.train.recorder import Recorder
 
     cfg = tiny_cfg(*DET, "train.micro_batch=4", "train.seq_len=32")
     model = GPT.build(replace(cfg.model, vocab_size=512), seed=0)
@@ -261,7 +262,7 @@ def test_training_dynamics_equal_direct_computation():
 
     import scipy.stats
 
-    from ember.analysis.dynamics import Dynamics
+    from ember.train.dynamics import Dynamics
 
     model = GPT.build(ModelConfig(**{**SMALL, "n_layer": 2, "max_seq_len": 16}, **LLAMA), seed=0)
     torch.nn.init.zeros_(model.layers["0"].attention.wq.weight)  # layer 0 attends uniformly

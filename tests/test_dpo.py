@@ -17,7 +17,8 @@ from ember.data.tasks import TASKS
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
-from ember.train.dpo import (
+from ember.run import read_metrics
+from ember.train.tasks.dpo import (
     PairLoader,
     corrupt,
     dpo_loss,
@@ -26,8 +27,7 @@ from ember.train.dpo import (
     sequence_logps,
     task_preferences,
 )
-from ember.train.metrics import read_metrics
-from ember.train.sft import IGNORE
+from ember.train.tasks.sft import IGNORE
 from ember.train.trainer import train
 
 LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2)

@@ -17,7 +17,7 @@ from ember.errors import EmberError
 from ember.infer.engine import Engine, KVCache, StaticKVCache, filter_logits, sample_next
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
-from ember.train.checkpoint import export_weights
+from ember.run import export_weights
 
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
 LAYOUTS = {

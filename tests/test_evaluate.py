@@ -9,7 +9,7 @@ import torch
 from ember.cli import main
 from ember.errors import EmberError
 from ember.infer.evaluate import evaluate_run
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 from ember.train.trainer import train
 
 

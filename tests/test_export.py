@@ -19,7 +19,7 @@ from ember.export.hf import export_hf, import_hf
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
 from ember.model.gpt import mlp_hidden_size
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 from ember.train.trainer import train
 
 transformers = pytest.importorskip("transformers")

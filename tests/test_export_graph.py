@@ -11,7 +11,7 @@ import torch
 from ember.cli import main
 from ember.errors import EmberError
 from ember.export.graph import export_graph, load_graph
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 from ember.train.trainer import train
 
 TOL = {"pt2": 1e-5, "aoti": 1e-5, "onnx": 1e-4, "onnx-decode": 1e-4}

@@ -17,10 +17,10 @@ from ember.data.tasks import TASKS
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
-from ember.train.dpo import shared_prefix_logits, token_logps
-from ember.train.grpo import Rollouts, group_advantages, grpo_loss
-from ember.train.metrics import read_metrics
-from ember.train.sft import IGNORE
+from ember.run import read_metrics
+from ember.train.tasks.dpo import shared_prefix_logits, token_logps
+from ember.train.tasks.grpo import Rollouts, group_advantages, grpo_loss
+from ember.train.tasks.sft import IGNORE
 from ember.train.trainer import train
 
 LLAMA = dict(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2)
@@ -181,7 +181,7 @@ def _grpo_cfg(**changes):
 def test_rollouts_train_the_completions_score_them_and_are_seeded(tiny_cfg):
     base_cfg = tiny_cfg("run.name=base", "train.max_steps=1", "train.eval_every=0")
     train(base_cfg)
-    from ember.train.checkpoint import load_run
+    from ember.run import load_run
 
     model, tok = load_run(Path(base_cfg.run.out_dir) / "base")
     from ember.data.chat import add_chat_tokens

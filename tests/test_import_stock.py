@@ -19,7 +19,7 @@ from ember.errors import DataError, EmberError
 from ember.export.hf import export_hf, import_hf
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
@@ -251,7 +251,8 @@ def test_export_back_to_hf_is_the_same_model(stock, tmp_path):
 
 
 def test_quantized_import_keeps_its_specials(stock, tmp_path):
-    from ember.export.quantize import QuantSpec, quantize_run
+    from ember.export.quantize import quantize_run
+    from ember.model.quant import QuantSpec
 
     quantize_run(stock[4], QuantSpec("int8-weight"), tmp_path / "q")
     _, tokenizer = load_run(tmp_path / "q")

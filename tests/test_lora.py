@@ -260,8 +260,7 @@ def test_lora_sft_run_resumes_bitwise_saves_adapters_only_and_exports_merged(tin
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ember.train.checkpoint import load_run
-    from ember.train.metrics import read_metrics
+    from ember.run import load_run, read_metrics
     from ember.train.trainer import train
 
     base_cfg = tiny_cfg("run.name=base", "train.max_steps=3", "train.eval_every=0")
@@ -300,7 +299,7 @@ def test_with_chat_tokens_only_their_embedding_rows_move(tiny_cfg, tmp_path):
 
     from ember.cli import main
     from ember.data.chat import chat_ids, render
-    from ember.train.checkpoint import load_run
+    from ember.run import load_run
     from ember.train.trainer import train
 
     base_cfg = tiny_cfg("run.name=base", "train.max_steps=2", "train.eval_every=0")

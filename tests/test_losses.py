@@ -12,7 +12,7 @@ from ember.config import ModelConfig
 from ember.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from ember.infer.evaluate import score
 from ember.model.gpt import GPT
-from ember.train.metrics import read_metrics
+from ember.run import read_metrics
 from ember.train.trainer import LMTask, Trainer
 
 # ---------------------------------------------------------------- z-loss

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ember.analysis import plan
 from ember.config import load_config
-from ember.parallel import plan
 from tests.test_pp import _launch_legs
 from tests.test_trainer import _child_env
 

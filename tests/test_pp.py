@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ember.parallel.pipeline import stage_layers
-from ember.train.metrics import read_metrics
+from ember.run import read_metrics
 from ember.train.trainer import train
 from tests.test_trainer import DET, _child_env, assert_refused_before_launch, losses
 

@@ -6,7 +6,7 @@ halves the scale instead of stopping the run or corrupting the weights. Runs on 
 import torch
 
 from ember.parallel.parallelize import unwrap
-from ember.train.metrics import read_metrics
+from ember.run import read_metrics
 from ember.train.trainer import Trainer
 
 STEPS = ["train.max_steps=3", "train.eval_every=0"]

@@ -8,17 +8,16 @@ from safetensors import safe_open
 
 from ember.cli import main
 from ember.errors import ConfigError
-from ember.export.quantize import (
+from ember.export.quantize import quantize_run
+from ember.model.quant import (
     QATLinear,
     QuantSpec,
     dequantize_int4,
     fake_quantize,
     quantize_int4,
     quantize_int8,
-    quantize_run,
 )
-from ember.train.checkpoint import load_run
-from ember.train.metrics import read_metrics
+from ember.run import load_run, read_metrics
 from ember.train.trainer import Trainer, train
 
 FAST = ["train.eval_every=0", "train.keep_best=false"]

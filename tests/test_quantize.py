@@ -14,7 +14,10 @@ from torch import nn
 from ember.cli import main
 from ember.config import ModelConfig
 from ember.errors import EmberError
-from ember.export.quantize import (
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
+from ember.model.gpt import GPT
+from ember.model.quant import (
     FAST_ROWS,
     QuantLinear,
     QuantSpec,
@@ -27,10 +30,7 @@ from ember.export.quantize import (
     unpack_int4,
     weight_bytes,
 )
-from ember.infer.engine import Engine
-from ember.infer.sampling import Sampling
-from ember.model.gpt import GPT
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 from ember.train.trainer import train
 
 SPECS = [QuantSpec("int8-weight"), QuantSpec("int8-dynamic"), QuantSpec("int4-weight", 32)]

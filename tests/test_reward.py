@@ -19,12 +19,11 @@ from ember.errors import EmberError
 from ember.infer.engine import Engine
 from ember.model.gpt import GPT
 from ember.model.hf import to_hf
-from ember.train.checkpoint import load_run
-from ember.train.dpo import pair_rows
-from ember.train.grpo import Rollouts, group_advantages
-from ember.train.metrics import read_metrics
-from ember.train.reward import RMTask, pair_accuracy, score_sequences, scores
-from ember.train.sft import IGNORE
+from ember.run import load_run, read_metrics
+from ember.train.tasks.dpo import pair_rows
+from ember.train.tasks.grpo import Rollouts, group_advantages
+from ember.train.tasks.rm import RMTask, pair_accuracy, score_sequences, scores
+from ember.train.tasks.sft import IGNORE
 from ember.train.trainer import train
 
 LAYOUTS = {
@@ -123,7 +122,7 @@ def test_reward_model_trains_ranks_held_out_pairs_and_resumes_bitwise(tiny_cfg):
     assert records[-1]["loss"] < records[0]["loss"]
     model, tok = load_run(run)
     assert model.cfg.head == "score"
-    from ember.train.dpo import encode_pairs, task_preferences
+    from ember.train.tasks.dpo import encode_pairs, task_preferences
 
     held_out = encode_pairs(tok, task_preferences("add-2", 60, 1337, split="test"), 32)
     assert summary["pair_accuracy"] == pair_accuracy(model, held_out) and len(held_out) == 60

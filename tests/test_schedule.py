@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ember.config import TrainConfig
-from ember.train.metrics import read_metrics
+from ember.run import read_metrics
 from ember.train.optim import lr_at
 from ember.train.trainer import Trainer
 

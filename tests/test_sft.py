@@ -16,9 +16,8 @@ from ember.data.tasks import TASKS
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.model.gpt import GPT
-from ember.train.checkpoint import load_run
-from ember.train.metrics import read_metrics
-from ember.train.sft import IGNORE, PackedDocuments, SFTLoader, SFTTask
+from ember.run import load_run, read_metrics
+from ember.train.tasks.sft import IGNORE, PackedDocuments, SFTLoader, SFTTask
 from ember.train.trainer import train
 
 TEXT = ["What is 12 + 30? 42. Sort 3 1 2: 1 2 3. def main():\n    return 1\n" * 40]

@@ -14,9 +14,9 @@ import pytest
 from ember import sweep as sweep_mod
 from ember.cli import main
 from ember.errors import ConfigError, EmberError
+from ember.run import MARKER
 from ember.stats import betainc, permutation_test, summarize, t_cdf, t_ppf, t_sf, welch
 from ember.sweep import parse_baseline, parse_grid, parse_metric, plan_sweep, read_metric, run_sweep
-from ember.train.checkpoint import MARKER
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -15,8 +15,7 @@ import torch
 
 from ember.errors import ConfigError
 from ember.model.gpt import GPT
-from ember.train.checkpoint import MARKER, latest_checkpoint, load_weights
-from ember.train.metrics import read_metrics
+from ember.run import MARKER, latest_checkpoint, load_weights, read_metrics
 from ember.train.trainer import NonFiniteError, Trainer, train
 
 DET = ["train.deterministic=true", "train.precision=fp32"]
@@ -175,7 +174,7 @@ def test_no_budget_and_bad_layout_fail_before_work(tiny_cfg):
     with pytest.raises(ConfigError, match="micro-batches"):
         Trainer(tiny_cfg("train.micro_batch=3"))
     assert not run_dir(tiny_cfg()).exists()
-    from ember.parallel.parallelize import check_layout  # what `ember train --nproc N` asks first
+    from ember.train.layout import check_layout  # what `ember train --nproc N` asks first
 
     with pytest.raises(ConfigError, match="not FSDP yet"):
         check_layout(tiny_cfg("train.lora_rank=4", "parallel.data=fsdp"), 2)

@@ -25,22 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ember.config import load_config
+from ember.data.loader import TokenDataset
 from ember.errors import EmberError
-
-
-def run_config(run_dir: Path):
-    """The run's own config (its config.yaml), as the trainer wrote it."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise EmberError(f"{path} not found: give a run directory that `ember train` wrote")
-    return load_config(str(path), [])
+from ember.run import load_run, run_config
 
 
 def load_for_analysis(run_dir: Path, ckpt: str = "last", dtype: torch.dtype = torch.float32):
     """The run's model (train mode off, reference attention, ``dtype``) and config."""
-    from ember.train.checkpoint import load_run
-
     model, _ = load_run(run_dir, ckpt=ckpt)
     return model.set_attention("reference").to(dtype).eval(), run_config(run_dir)
 
@@ -48,8 +39,6 @@ def load_for_analysis(run_dir: Path, ckpt: str = "last", dtype: torch.dtype = to
 def windows(cfg, n: int, seed: int = 0, split: str = "train", seq_len: int | None = None):
     """``n`` windows of ``seq_len`` (default the run's) + 1 tokens at seeded random offsets of the
     split: inputs and next-token targets, (n, T) each."""
-    from ember.data.loader import TokenDataset
-
     T = seq_len or cfg.train.seq_len
     data = TokenDataset(cfg.data.dir, split)
     rng = np.random.default_rng(seed)

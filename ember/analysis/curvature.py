@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ember.run import checkpoint_step
+
 
 class HessianOperator:
     """H v for the loss of ``model`` on a fixed batch ``(x, y)``, over the parameters that train,
@@ -90,7 +92,7 @@ def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: 
     import time
 
     from ember.analysis import load_for_analysis, windows, write_results
-    from ember.train.metrics import read_metrics
+    from ember.run import read_metrics
 
     started = time.perf_counter()
     lr_at_step = {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
@@ -101,7 +103,7 @@ def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: 
         op = HessianOperator(model, x, y)
         top = lanczos(op, k, iters, seed)
         trace, stderr = hutchinson(op, samples, seed) if samples else (math.nan, math.nan)
-        step = _step_of(run_dir, ckpt)
+        step = checkpoint_step(run_dir, ckpt)
         lr = lr_at_step.get(step)
         rows.append({"ckpt": ckpt, "step": step, "loss": op.loss.item(), "eigenvalues": top, "trace": trace,
                      "trace_stderr": stderr, "lr": lr, "two_over_lr": 2 / lr if lr else None,
@@ -113,20 +115,8 @@ def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: 
     return {"rows": rows, "out": str(out)}
 
 
-def _step_of(run_dir, ckpt: str) -> int | None:
-    import json
-    from pathlib import Path
-
-    if ckpt in ("last", "best"):
-        summary = Path(run_dir) / "summary.json"
-        if ckpt == "last" and summary.is_file():
-            return json.loads(summary.read_text()).get("step")
-        return None
-    return int(ckpt.removeprefix("step-"))
-
-
 def _plot(rows: list[dict], path) -> None:
-    from ember.report.report import _plot as plot
+    from ember.report.report import plot_series as plot
 
     steps = [r["step"] for r in rows]
     series = [("λ_max (Lanczos)", steps, [r["eigenvalues"][0] for r in rows], {"marker": "o"})]

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from ember.model.gpt import layer_of
+
 
 def per_example_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     """name -> (B, *shape): the gradient of each window's mean next-token loss (a tied
@@ -42,12 +44,6 @@ def per_example_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) 
         return F.cross_entropy(logits[0].to(y.device), y)
 
     return vmap(grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
-
-
-def layer_of(name: str) -> str:
-    """The group a parameter is reported under: ``layers.N``, or its top module."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
 def grad_norms(grads: dict[str, torch.Tensor]) -> dict:
@@ -86,7 +82,7 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     layer) and the noise scale; with ``text``, the training windows most and least aligned with
     its gradient at the last checkpoint."""
     from ember.analysis import load_for_analysis, windows, write_results
-    from ember.analysis.curvature import _step_of
+    from ember.run import checkpoint_step
 
     started = time.perf_counter()
     rows, influence = [], None
@@ -94,12 +90,12 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
         model, cfg = load_for_analysis(run_dir, ckpt)
         x, y = windows(cfg, batch, seed)
         g = per_example_grads(model, x, y)
-        step = _step_of(run_dir, ckpt)
+        step = checkpoint_step(run_dir, ckpt)
         rows.append(
             {"ckpt": ckpt, "step": step, "seq_len": x.size(1), "norms": grad_norms(g), **noise_scale(g)}
         )
     if text:
-        from ember.train.checkpoint import load_run
+        from ember.run import load_run
 
         _, tokenizer = load_run(run_dir, ckpt=ckpts[-1])
         ids = torch.tensor(tokenizer.encode(text))[: cfg.train.seq_len + 1]
@@ -119,7 +115,7 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     out = write_results(run_dir, "grads", results, started)
     _plot(rows[-1], out / "grad-norms.png")
     if len(rows) > 1 and all(r["step"] is not None for r in rows):
-        from ember.report.report import _plot as plot
+        from ember.report.report import plot_series as plot
 
         steps = [r["step"] for r in rows]
         series = [("B_simple (tokens)", steps, [r["b_simple"] * r["seq_len"] for r in rows], {"marker": "o"})]
@@ -128,7 +124,7 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
 
 
 def _plot(row: dict, path) -> None:
-    from ember.report.report import _plot as plot
+    from ember.report.report import plot_series as plot
 
     layers = row["norms"]["layers"]
     names = list(layers)

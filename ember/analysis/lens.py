@@ -37,7 +37,7 @@ def lens(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 def analyze(run_dir, text: str, ckpt: str = "last") -> dict:
     from ember.analysis import load_for_analysis, write_results
-    from ember.train.checkpoint import load_run
+    from ember.run import load_run
 
     started = time.perf_counter()
     model, _ = load_for_analysis(run_dir, ckpt)
@@ -58,7 +58,7 @@ def analyze(run_dir, text: str, ckpt: str = "last") -> dict:
         })  # fmt: skip
     tokens = [tokenizer.decode([t]) for t in ids.tolist()]
     out = write_results(run_dir, "lens", {"text": text, "tokens": tokens, "layers": layers}, started)
-    from ember.report.report import _plot as plot
+    from ember.report.report import plot_series as plot
 
     xs = list(range(len(layers)))
     series = [("next-token loss on the text", xs, [r["loss"] for r in layers], {"marker": "o"})]

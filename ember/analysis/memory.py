@@ -4,7 +4,7 @@
 
 The run's config trains a few steps in a scratch directory (fresh weights: memory does not
 depend on their values) and the storage tracker of ``ember plan --measure``
-(``ember.parallel.plan.StorageTracker``) records, after every operation of the last step, the
+(``ember.analysis.plan.StorageTracker``) records, after every operation of the last step, the
 live bytes of parameters, gradients, optimizer state and the rest (activations and
 temporaries): the forward's climb, the backward handing activation memory over to gradients,
 the optimizer's moments. On CUDA the caching allocator's own history is dumped beside it
@@ -22,9 +22,10 @@ CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 
 def analyze(run_dir, steps: int = 3) -> dict:
-    from ember.analysis import run_config, write_results
+    from ember.analysis import write_results
+    from ember.analysis.plan import measure_config
     from ember.parallel.dist import wants_cuda
-    from ember.parallel.plan import measure_config
+    from ember.run import run_config
 
     started = time.perf_counter()
     cfg = run_config(run_dir)
@@ -47,7 +48,7 @@ def analyze(run_dir, steps: int = 3) -> dict:
 
 
 def _plot(series: dict, every: int, path) -> None:
-    from ember.report.report import _plot as plot
+    from ember.report.report import plot_series as plot
 
     xs = [i * every for i in range(len(series["params"]))]
     total = [sum(v) / 2**20 for v in zip(*series.values(), strict=True)]

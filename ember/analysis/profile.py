@@ -45,7 +45,8 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
 
     from torch.profiler import ProfilerActivity, profile
 
-    from ember.analysis import run_config, write_results
+    from ember.analysis import write_results
+    from ember.run import run_config
     from ember.train.trainer import scratch_trainer
 
     started = time.perf_counter()

@@ -29,78 +29,21 @@ from pathlib import Path
 import torch
 
 from ember.errors import EmberError
-
-
-def stats(t: torch.Tensor) -> dict:
-    t = t.detach().float()
-    finite = t[torch.isfinite(t)]
-    return {"shape": list(t.shape), "nonfinite": int((~torch.isfinite(t)).sum()),
-            "absmax": finite.abs().max().item() if finite.numel() else math.nan,
-            "mean": finite.mean().item() if finite.numel() else math.nan}  # fmt: skip
-
-
-class Recorder:
-    """Module outputs (forward), gradients at module outputs and parameter gradients (backward),
-    in order, as ``(phase, name, tensor)``; ``keep`` clones them (for
-    comparing runs), else only the first non-finite one and what came before it are kept."""
-
-    def __init__(self, model: torch.nn.Module, keep: bool, backward: bool = True):
-        self.keep, self.backward, self.events, self.first = keep, backward, [], None
-        self.last_input: dict[str, dict] = {}
-        self.previous: dict | None = None  # statistics of the tensor seen before the current one
-        self.handles = []
-        for name, module in model.named_modules():
-            self.handles.append(module.register_forward_hook(self._forward(name or "<model>")))
-        for name, p in model.named_parameters() if backward else ():
-            if p.requires_grad:  # after each backward has added to p.grad
-                self.handles.append(p.register_post_accumulate_grad_hook(self._grad(name)))
-
-    def _see(self, phase: str, name: str, t, fed: dict | None = None) -> None:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            return
-        if self.keep:
-            self.events.append((phase, name, t.detach().clone()))
-        elif self.first is None and not torch.isfinite(t).all():
-            self.first = {"phase": phase, "name": name, "tensor": stats(t), "before": fed or self.previous}
-        self.previous = {"phase": phase, "name": name, **stats(t)} if not self.keep else None
-
-    def _forward(self, name: str):
-        def hook(module, args, out):
-            t = out[0] if isinstance(out, tuple) else out
-            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            fed = {"phase": "forward", "name": f"{name} (its input)", **stats(x)} if x is not None and x.is_floating_point() and not self.keep else None  # fmt: skip # noqa: E501
-            self._see("forward", name, t, fed)
-            if self.backward and isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda g: self._see("backward", name, g))
-
-        return hook
-
-    def _grad(self, name: str):
-        return lambda p: self._see("parameter gradient", name, p.grad)
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-    def __enter__(self) -> Recorder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+from ember.train.recorder import Recorder
 
 
 def nonfinite(run_dir, step: int, inject=None) -> dict:
     """Replay step ``step`` of the run from its last committed checkpoint before it (or from the
     start) and name the first non-finite tensor. ``inject(trainer)``: a test's fault, installed
     before the replayed step."""
-    from ember.analysis import run_config, write_results
-    from ember.train.checkpoint import _steps
+    from ember.analysis import write_results
+    from ember.run import checkpoint_steps, run_config
     from ember.train.trainer import scratch_trainer
 
     started = time.perf_counter()
     cfg = run_config(run_dir)
     cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
-    before = [p for s, p, done in _steps(Path(run_dir) / "checkpoints") if done and s < step]
+    before = [p for s, p, done in checkpoint_steps(Path(run_dir) / "checkpoints") if done and s < step]
     resume = str(before[-1].resolve()) if before else "never"
     # (only cadences and the non-finite policy differ from the run's config)
     with scratch_trainer(cfg, resume=resume, resume_allow_changes=True) as trainer:
@@ -129,8 +72,7 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
                              "(parallel.data=ddp or fsdp): set parallel.tp=1 and parallel.pp=1")  # fmt: skip
         from ember.data.prepare import prepare
         from ember.parallel.dist import wants_cuda
-        from ember.parallel.parallelize import check_layout
-        from ember.train.trainer import _batch_layout
+        from ember.train.layout import check_layout
 
         gpus = torch.cuda.device_count()
         if wants_cuda(cfg.train.device) and gpus < max(worlds):
@@ -138,7 +80,6 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
                              "set train.device=cpu (gloo) or fewer ranks")  # fmt: skip
         for world in worlds:  # a layout or batch that cannot run fails here, before any launch
             check_layout(cfg, world)
-            _batch_layout(cfg.train, world)
         prepare(cfg)  # once, before the ranks read the data
         return _first_difference([_launch(cfg, steps, w) for w in worlds], steps) | {"worlds": list(worlds)}
     from ember.train.trainer import scratch_trainer

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ember.atomic import staging_dir
 from ember.errors import EmberError
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 
 TARGETS = ("pt2", "aoti", "onnx", "onnx-decode")
 EXAMPLE = (2, 8)  # (B, T) of the tracing input; neither 1 (export would specialize a size-1 dim)

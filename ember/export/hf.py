@@ -51,7 +51,7 @@ from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
 from ember.model.hf import from_hf, to_hf
-from ember.train.checkpoint import export_weights, load_run
+from ember.run import export_weights, load_run
 
 TARGETS = ("hf",)
 TOKENIZER = "tokenizer.json"

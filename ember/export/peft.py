@@ -86,9 +86,9 @@ def save_peft(
     ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
     from safetensors.torch import save_file
 
-    from ember.model.hf import _layout
+    from ember.model.hf import layout_of
 
-    layout = _layout(model.cfg)  # a ConfigError for what HF cannot represent
+    layout = layout_of(model.cfg)  # a ConfigError for what HF cannot represent
     layers = [layer for _, layer in lora_layers(model)]
     if not layers:
         raise EmberError("the model has no LoRA adapters to save; apply_lora first")

@@ -70,7 +70,7 @@ from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
 from ember.model.gpt import sdpa_attention
-from ember.train.checkpoint import load_run
+from ember.run import load_run
 
 # ---------------------------------------------------------------------------
 # KV cache
@@ -246,7 +246,7 @@ class Completion:
 
 
 @dataclass
-class _Row:
+class Row:
     """The text state of one prompt: ids so far, what has been emitted, why it ended."""
 
     row: int
@@ -302,7 +302,7 @@ class _Stream:
     """The rows of one call, left-padded to the longest prompt, sharing one KV cache and
     decoding in lockstep."""
 
-    def __init__(self, engine: Engine, rows: list[_Row], max_new_tokens: int) -> None:
+    def __init__(self, engine: Engine, rows: list[Row], max_new_tokens: int) -> None:
         self.engine, self.rows = engine, rows
         # Rows that repeat a prompt (GRPO's group, a request's n) prefill it once: one row per
         # distinct prompt, and the cache and logits are copied out to every row after it.
@@ -451,7 +451,7 @@ class Engine:
 
     def _start(
         self, prompts: Sequence[str], sampling: Sampling, truncate: bool, lazy: bool = False
-    ) -> tuple[list[_Row], Iterator[tuple[int, str]]]:
+    ) -> tuple[list[Row], Iterator[tuple[int, str]]]:
         """Check the seeds, encode the prompts, set up the rows and their stream; returns the
         rows and the (not yet started) iterator of their text pieces."""
         sampling.check_seed(len(prompts))
@@ -460,7 +460,7 @@ class Engine:
             generator = None
             if sampling.temperature > 0:
                 generator = torch.Generator(device=self.device).manual_seed(sampling.seed + i)
-            rows.append(_Row(i, ids, dropped, generator))
+            rows.append(Row(i, ids, dropped, generator))
         stream, s = _Stream(self, rows, sampling.max_new_tokens), sampling
         pieces = self._decode(stream, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.stop, s.ignore_eos, lazy)  # fmt: skip # noqa: E501
         return rows, pieces

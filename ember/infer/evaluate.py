@@ -30,7 +30,6 @@ only.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -39,14 +38,13 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from ember.atomic import write_text_atomic
 from ember.data.loader import TokenDataset
 from ember.data.manifest import read_manifest
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
+from ember.run import load_run, record_eval
 from ember.stats import wilson_interval
-from ember.train.checkpoint import load_run
 
 SPLITS = ("train", "val", "test")  # train: to compare like with like (use --max-windows)
 
@@ -166,11 +164,8 @@ def score(
 
     def metrics(row) -> dict:
         nats, count, text_nats, nbytes, docs = row
-        loss = nats / max(count, 1)
         return {
-            "loss": loss,
-            "ppl": math.exp(min(loss, 50)),
-            "bpb": text_nats / math.log(2) / max(nbytes, 1),
+            **language_metrics(nats, count, text_nats, nbytes),
             "documents": int(docs),
             "tokens": int(count),
             "bytes": int(nbytes),
@@ -182,6 +177,14 @@ def score(
     if len(names) > 1:
         result["strata"] = {name: metrics(sums[i]) for i, name in enumerate(names)}
     return result
+
+
+def language_metrics(nats: float, tokens: float, text_nats: float, nbytes: float) -> dict:
+    """Loss (nats per token), perplexity, and bits per UTF-8 byte of the text (the nats of the
+    tokens that stand for text, over its bytes: special tokens excluded, so tokenizers compare
+    fairly): the one formula behind ``ember eval`` and the trainer's validation."""
+    loss = nats / max(tokens, 1)
+    return {"loss": loss, "ppl": math.exp(min(loss, 50)), "bpb": text_nats / math.log(2) / max(nbytes, 1)}
 
 
 def document_ci95(per_doc: np.ndarray, resamples: int = 2000, seed: int = 0) -> dict:
@@ -240,22 +243,8 @@ def evaluate_run(
             model, tokens, token_bytes, strata, seq_len, stride, batch_size, max_windows, tokenizer.eos_id
         )
         results[label] = {**r, "ckpt": ckpt, "data": config["data"]["dir"] if label in SPLITS else label}
-    _record(run_dir / "eval.json", results)
+    record_eval(run_dir, results)
     return results
-
-
-def _record(path: Path, results: dict) -> None:
-    """Merge ``results`` into eval.json, one entry per dataset label."""
-    record = {"results": {}}
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-            if isinstance(old, dict) and isinstance(old.get("results"), dict):
-                record["results"] = old["results"]
-        except json.JSONDecodeError:
-            pass  # a damaged record is replaced
-    record["results"].update(results)
-    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- task accuracy
@@ -352,5 +341,5 @@ def evaluate_task(
         "ckpt": ckpt,
         "examples": examples,
     }
-    _record(run_dir / "eval.json", {f"task:{task_name}": result})
+    record_eval(run_dir, {f"task:{task_name}": result})
     return result

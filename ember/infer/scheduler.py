@@ -30,7 +30,7 @@ its own blocks, each samples from its own generator (seeded ``seed`` + its index
 ``n`` answers of its request), and in fp32 its logits equal a forward over it alone to
 rounding (tests/test_scheduler.py: greedy answers equal the batch-1 engine's token for token,
 with and without preemptions and prefix-cache hits). Text, stop strings and end of turn follow
-the engine's rules exactly (``engine._Row``).
+the engine's rules exactly (``engine.Row``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ember.errors import EmberError
-from ember.infer.engine import Completion, Engine, _Row, sample_next
+from ember.infer.engine import Completion, Engine, Row, sample_next
 from ember.infer.paged import BlockManager, PagedKVCache, PagedSequence, blocks_for
 from ember.infer.sampling import Sampling
 
@@ -55,7 +55,7 @@ class Request:
     id: int
     sampling: Sampling
     seq: PagedSequence
-    row: _Row
+    row: Row
     prompt_len: int
     state: str = "waiting"  # waiting | running | finished
     preemptions: int = 0
@@ -126,7 +126,7 @@ class Scheduler:
             generator = None
             if sampling.temperature > 0:
                 generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed + i)
-            row = _Row(i, ids, 0, generator)
+            row = Row(i, ids, 0, generator)
             request = Request(next(self._ids), sampling, PagedSequence(list(ids)), row, len(ids))
             request.logprobs_top = logprobs
             requests.append(request)

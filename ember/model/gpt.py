@@ -378,7 +378,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token embedding, positions, ``n_layer`` blocks, final norm, output head: next-token logits
     over the vocabulary, or with ``model.head=score`` one scalar per position (a reward model's
-    score, ember/train/reward.py; never tied to the embedding)."""
+    score, ember/train/tasks/rm.py; never tied to the embedding)."""
 
     stream_shards = 1  # a later pipeline stage under sequence parallel: its input holds T / tp positions
 
@@ -501,3 +501,9 @@ class GPT(nn.Module):
         # parameters (matmuls with weights), 12LHQT the attention scores and weighted sums.
         n_head, head_dim = self.cfg.n_head, self.cfg.d_model // self.cfg.n_head
         return 6 * self.num_params(non_embedding=True) + 12 * len(self.layers) * n_head * head_dim * seq_len
+
+
+def layer_of(name: str) -> str:
+    """The group a parameter is reported under: ``layers.N``, or its top module."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]

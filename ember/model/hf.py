@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 Mapping = list[tuple[str, tuple[str, ...], bool]]
 
 
-def _layout(cfg: ModelConfig) -> str:
+def layout_of(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama', or a ConfigError saying what HF cannot represent."""
     if cfg.qk_norm:
         raise ConfigError("model.qk_norm has no counterpart in HF GPT-2 or Llama; export needs qk_norm=false")
@@ -194,7 +194,7 @@ def to_hf(model: GPT) -> PreTrainedModel:
     import transformers
 
     cfg = model.cfg
-    layout = _layout(cfg)
+    layout = layout_of(cfg)
     mapping = _gpt2_mapping(cfg) if layout == "gpt2" else _llama_mapping(cfg)
     hf_class = transformers.GPT2LMHeadModel if layout == "gpt2" else transformers.LlamaForCausalLM
     config = _hf_config(cfg, layout)

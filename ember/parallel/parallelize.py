@@ -26,59 +26,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from ember.errors import ConfigError
-from ember.model.gpt import mlp_hidden_size
+from ember.parallel.pipeline import pipeline_parallelize
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def check_layout(cfg, world_size: int, model_cfg=None) -> None:
-    """A ConfigError, naming the numbers, for a layout that cannot run: called before torchrun
-    starts the ranks (``ember train --nproc N``) and again by each rank."""
-    tp, t, replicas, shard, pp = (cfg.parallel.tp, cfg.train, cfg.parallel.dp_replicate,
-                                  cfg.parallel.dp_shard, cfg.parallel.pp)  # fmt: skip
-    if cfg.parallel.data != "fsdp" and (replicas > 1 or shard > 1):
-        raise ConfigError(f"parallel.dp_replicate={replicas} and parallel.dp_shard={shard} shape FSDP2 (HSDP when both > 1): set parallel.data=fsdp")  # fmt: skip # noqa: E501
-    if shard != -1 and pp * replicas * shard * tp != world_size:
-        raise ConfigError(f"parallel.pp × dp_replicate × dp_shard × tp = {pp} × {replicas} × {shard} × {tp} = {pp * replicas * shard * tp}, but there are {world_size} ranks; set parallel.dp_shard=-1 to fill")  # fmt: skip # noqa: E501
-    if world_size % (pp * replicas * tp):
-        sizes = (("pp", pp), ("dp_replicate", replicas), ("tp", tp))
-        what = " × ".join(f"parallel.{k}={v}" for k, v in sizes if v > 1)
-        raise ConfigError(f"{what} needs a multiple of {pp * replicas * tp} ranks, not {world_size}")  # fmt: skip # noqa: E501
-    if t.lora_rank and world_size > 1 and cfg.parallel.data == "fsdp":
-        raise ConfigError("LoRA runs on one device or under DDP (parallel.data=ddp), not FSDP yet")
-    if t.task == "grpo":
-        from ember.train.grpo import check_groups
-
-        check_groups(t.batch_tokens // t.seq_len, world_size // (pp * tp), cfg.grpo.group)
-    m = model_cfg or cfg.model
-    if pp > 1:
-        from ember.parallel.pipeline import check_pipeline
-
-        check_pipeline(cfg, world_size, m)
-    if tp == 1:
-        return
-    n_kv = m.n_kv_head or m.n_head
-    split = (("model.n_head", m.n_head), ("model.n_kv_head", n_kv), ("the MLP width", mlp_hidden_size(m)))
-    for what, n in split:
-        if n % tp:
-            raise ConfigError(f"parallel.tp={tp} must divide {what} ({n}): each rank takes a tp-th of them")
-    if m.vocab_size and m.vocab_size % tp:
-        raise ConfigError(f"parallel.tp={tp} must divide model.vocab_size ({m.vocab_size}): the embedding and head are split by rows")  # fmt: skip # noqa: E501
-    if world_size // pp > tp and cfg.parallel.data == "ddp":
-        raise ConfigError(
-            f"parallel.tp={tp} on {world_size // pp} ranks per stage leaves {world_size // pp // tp} "
-            "data-parallel groups, "
-            "which shard with FSDP2 over the tensor-parallel DTensors: set parallel.data=fsdp"
-        )
-    if cfg.parallel.loss_parallel and (t.z_loss or m.logit_softcap):
-        raise ConfigError("parallel.loss_parallel computes plain cross-entropy on split logits: set train.z_loss=0 and model.logit_softcap=0")  # fmt: skip # noqa: E501
-    if cfg.parallel.sequence_parallel and m.pos != "rope":
-        raise ConfigError("parallel.sequence_parallel needs model.pos=rope: learned positions are added to the whole sequence")  # fmt: skip # noqa: E501
-    unsupported = ((t.task != "lm", f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"))
-    for on, what in unsupported:
-        if on:
-            raise ConfigError(f"parallel.tp={tp} trains the language model only for now, not {what}")
 
 
 def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss_parallel: bool = False):
@@ -188,9 +138,7 @@ def apply_ddp(model: torch.nn.Module, device: torch.device, mesh) -> torch.nn.Mo
 
 def parallelize(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
     if env.pp > 1:  # first the cut into stages; each stage then gets apply_layout
-        from ember.parallel.pipeline import pipeline_parallelize
-
-        return pipeline_parallelize(model, env, cfg)
+        return pipeline_parallelize(model, env, cfg, apply_layout)
     return apply_layout(model, env, cfg)
 
 

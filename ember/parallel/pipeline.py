@@ -58,38 +58,6 @@ def microbatches(cfg, dp_size: int) -> int:
     return cfg.parallel.pp_microbatches or max(rows // cfg.train.micro_batch, 1)
 
 
-def check_pipeline(cfg, world_size: int, model_cfg) -> None:
-    """A ConfigError, naming the numbers, for a pipeline that cannot run (``check_layout``)."""
-    p, t = cfg.parallel, cfg.train
-    pp, v = p.pp, virtual_stages(p)
-    stages = pp * v
-    if model_cfg.n_layer < stages:
-        raise ConfigError(f"parallel.pp={pp} × {v} stage(s) per rank = {stages} stages, but the model has {model_cfg.n_layer} layers: each stage needs at least one")  # fmt: skip # noqa: E501
-    if p.pp_schedule == "interleaved-1f1b" and v < 2:
-        raise ConfigError("parallel.pp_schedule=interleaved-1f1b needs parallel.pp_virtual_stages >= 2 (or 0)")  # fmt: skip # noqa: E501
-    if p.pp_schedule != "interleaved-1f1b" and v != 1:
-        raise ConfigError(f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved-1f1b; {p.pp_schedule} runs one stage per rank")  # fmt: skip # noqa: E501
-    if model_cfg.tie_embeddings:
-        raise ConfigError("model.tie_embeddings=true shares the embedding with the head, which live on the first and the last pipeline stage: set model.tie_embeddings=false with parallel.pp")  # fmt: skip # noqa: E501
-    unsupported = ((t.task != "lm", f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"),
-                   (t.precision == "fp16", "fp16 (its loss scaler)"), (t.z_loss, "train.z_loss"),
-                   (p.loss_parallel, "parallel.loss_parallel"))  # fmt: skip
-    for on, what in unsupported:
-        if on:
-            raise ConfigError(f"parallel.pp={pp} trains the language model with plain cross-entropy only for now, not {what}")  # fmt: skip # noqa: E501
-    dp = world_size // (pp * p.tp * p.dp_replicate) * p.dp_replicate
-    if dp > 1 and p.data == "ddp":
-        raise ConfigError(f"parallel.pp={pp} on {world_size} ranks leaves {dp} data-parallel groups, which shard with FSDP2 (DDP's reducer expects one backward per step, a pipeline runs one per micro-batch): set parallel.data=fsdp")  # fmt: skip # noqa: E501
-    rows = t.batch_tokens // t.seq_len // max(dp, 1)
-    m = microbatches(cfg, max(dp, 1))
-    if rows % m or rows < m:
-        raise ConfigError(f"parallel.pp_microbatches={m}: each data-parallel rank's {rows} rows per step do not split into {m} equal micro-batches")  # fmt: skip # noqa: E501
-    if p.pp_schedule == "1f1b" and m < pp:
-        raise ConfigError(f"parallel.pp_schedule=1f1b needs at least as many micro-batches as stages: {m} < {pp}; raise train.batch_tokens or parallel.pp_microbatches")  # fmt: skip # noqa: E501
-    if p.pp_schedule == "interleaved-1f1b" and m % max(1, m // pp):
-        raise ConfigError(f"parallel.pp_schedule=interleaved-1f1b runs micro-batches in rounds of {pp}: {m} is not a multiple of {max(1, m // pp)}")  # fmt: skip # noqa: E501
-
-
 def stage_layers(n_layer: int, n_stages: int) -> list[range]:
     """Contiguous block ranges, the first ``n_layer % n_stages`` stages one block longer."""
     size, extra = divmod(n_layer, n_stages)
@@ -97,7 +65,7 @@ def stage_layers(n_layer: int, n_stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(starts, starts[1:], strict=False)]
 
 
-def _part(model: GPT, layers, first: bool, last: bool, cls=GPT) -> GPT:
+def stage_model(model: GPT, layers, first: bool, last: bool, cls=GPT) -> GPT:
     """A GPT holding ``model``'s blocks ``layers`` (the same modules), with the embedding when
     ``first`` and the norm and head when ``last``; ``None`` stands for what it lacks."""
     part = cls.__new__(cls)
@@ -174,12 +142,11 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def pipeline_parallelize(model: GPT, env, cfg) -> PipelineGPT:
+def pipeline_parallelize(model: GPT, env, cfg, apply_layout) -> PipelineGPT:
     """Cut ``model`` into stages, keep this rank's (stages pp_rank, pp_rank + pp, ...), apply
-    the rest of the layout to each, and build the schedule."""
+    the rest of the layout to each (``apply_layout(stage, env, cfg)``, parallelize's), and
+    build the schedule."""
     from torch.distributed import pipelining
-
-    from ember.parallel.parallelize import apply_layout
 
     p = cfg.parallel
     n_stages = p.pp * virtual_stages(p)
@@ -188,13 +155,13 @@ def pipeline_parallelize(model: GPT, env, cfg) -> PipelineGPT:
     group = env.mesh["pp"].get_group()
     modules, stages = [], []
     for s in ids:
-        part = _part(model, ranges[s], s == 0, s == n_stages - 1)
+        part = stage_model(model, ranges[s], s == 0, s == n_stages - 1)
         part.stream_shards = env.tp if p.sequence_parallel else 1
         part = apply_layout(part, env, cfg)
         modules.append(part)
         stages.append(pipelining.PipelineStage(part, s, n_stages, env.device, group=group))
     layers = [i for s in ids for i in ranges[s]]
-    rank_model = _part(model, layers, 0 in ids, n_stages - 1 in ids, cls=PipelineGPT)
+    rank_model = stage_model(model, layers, 0 in ids, n_stages - 1 in ids, cls=PipelineGPT)
     m = microbatches(cfg, env.dp_size)
     if p.pp_schedule == "interleaved-1f1b":
         schedule = pipelining.ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=_loss)

@@ -2,7 +2,6 @@
 
     write_report([Path("runs/tiny")])                                  # → runs/tiny/report.md
     write_report([Path("runs/a"), Path("runs/b")], Path("runs/a-vs-b"))  # overlaid curves + config diff
-    write_report([Path("runs/sweep-tiny")])    # a sweep directory: sweep.md + plots (ember/sweep.py)
 
 Everything comes from the run directory (DESIGN rule 6): ``metrics.jsonl`` for the curves,
 ``summary.json`` (else the last records) for the final numbers, ``config.yaml`` for the config
@@ -190,7 +189,7 @@ def _matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def _plot(
+def plot_series(
     path: Path, series: list[tuple], title: str, xlabel: str, ylabel: str, yscale: str = "linear"
 ) -> bool:
     """Draw ``series`` of (label, xs, ys, line style) into one PNG; False if there is nothing to draw."""
@@ -239,13 +238,13 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
         val_style = {"color": f"C{i if many else 1}", "linestyle": "--", "marker": "o", "markersize": 3}
         loss.append((f"{prefix}train", *_xy(run.train, "tokens", "loss"), {"color": f"C{i}"}))
         loss.append((f"{prefix}val", *_xy(run.evals, "tokens", "val_loss"), val_style))
-    if _plot(plots_dir / "loss.png", loss, "Loss", "tokens", "loss (nats/token)"):
+    if plot_series(plots_dir / "loss.png", loss, "Loss", "tokens", "loss (nats/token)"):
         drawn.append(("Train and validation loss", "loss.png"))
     for key, title, ylabel in (("task_accuracy", "Task accuracy on held-out test problems", "exact match"),
                                ("pair_accuracy", "Pair accuracy on held-out pairs (reward model)", "ranked right")):  # fmt: skip # noqa: E501
         accuracy = [(run.label, *_xy([r for r in run.tasks if key in r], "step", key), {"color": f"C{i}", "marker": "o"})  # fmt: skip # noqa: E501
                     for i, run in enumerate(runs)]  # fmt: skip
-        if _plot(plots_dir / f"{key}.png", accuracy, title, "step", ylabel):
+        if plot_series(plots_dir / f"{key}.png", accuracy, title, "step", ylabel):
             drawn.append((title, f"{key}.png"))
     for stem, key, title, ylabel in STEP_PLOTS:
         series = []
@@ -257,7 +256,7 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
             series.append((f"{run.label} (per step)", xs, ys, {"color": f"C{i}", "alpha": 0.25}))
             series.append((f"{run.label} (mean of {len(ys) // 40})", xs, _running_mean(ys, len(ys) // 40),
                            {"color": f"C{i}"}))  # fmt: skip
-        if _plot(plots_dir / f"{stem}.png", series, title, "step", ylabel):
+        if plot_series(plots_dir / f"{stem}.png", series, title, "step", ylabel):
             drawn.append((title, f"{stem}.png"))
     if not many:
         drawn += _dynamics_plots(runs[0], plots_dir)
@@ -278,7 +277,7 @@ def _dynamics_plots(run: Run, plots_dir: Path) -> list[tuple[str, str]]:
             xs = [r["step"] for r in rows]
             ys = [sum(float(r[m]) for m in members) / len(members) for r in rows]  # ("nan" as written)
             series.append((label, xs, ys, {"marker": "o", "markersize": 3}))
-        if _plot(plots_dir / f"dyn_{family}.png", series, title, "step", ylabel, yscale):
+        if plot_series(plots_dir / f"dyn_{family}.png", series, title, "step", ylabel, yscale):
             drawn.append((title, f"dyn_{family}.png"))
     return drawn
 
@@ -577,10 +576,6 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     if not run_dirs:
         raise EmberError("no run directory given; pass one or more directories made by `ember train`")
     run_dirs = [Path(p) for p in run_dirs]
-    if len(run_dirs) == 1 and (run_dirs[0] / "sweep.json").exists():  # a sweep: redrawn where it is
-        from ember.sweep import render_sweep
-
-        return render_sweep(run_dirs[0])
     if len(run_dirs) > 1 and out is None:
         raise EmberError("comparing several runs needs an output directory for the report (--out DIR)")
     runs = [load_run(p, label) for p, label in zip(run_dirs, _labels(run_dirs), strict=True)]

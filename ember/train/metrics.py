@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ember.atomic import write_text_atomic
+from ember.run import read_metrics
 
 # Dense bf16/fp16 tensor-core peak FLOP/s (vendor datasheets, without sparsity).
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12, "4090": 165e12}
@@ -114,10 +115,3 @@ class ProgressBar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )

@@ -5,24 +5,16 @@
 The loop (``Trainer.run``) reads top to bottom: budget check, learning rates, batch, the
 step (``train_step``: micro-batches with loss scaled by accumulation, backward, unscale +
 clip, non-finite guard agreed across ranks, optimizer step), log (``_log``), evaluate,
-checkpoint. What is trained is a *task* (``LMTask`` here: next-token prediction), which
-supplies ``loss`` and ``evaluate``; post-training plugs into the same loop as tasks and loaders
-of its own: SFT (ember/train/sft.py), DPO (dpo.py) and GRPO (grpo.py, whose "loader" samples the
-step's completions from the training model itself). The optimizer (``train.optimizer``:
-AdamW, or Muon on the block matrices) comes from ``ember.train.optim`` with one parameter group
-per role; each group has its own peak learning rate (``group["peak_lr"]``) and the schedule
-scales each peak alike. The logged ``lr`` is the schedule at ``train.lr``.
-
-Before the layout is applied, the model may start from a finished run's float weights
-(``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
-skipped on resume, where the checkpoint's weights win). Supervised fine-tuning reads no
-shards, so its tokenizer is the source run's; one without the chat tokens (an imported GPT-2 or
-Llama tokenizer) gets them appended, and the embedding and head grow to match, each new row the
-mean of the old ones (``_chat_tokenizer``, ``grow_vocab``). Its block linears (and the output
-head, at int8) may fake-quantize their weights in every forward (``train.qat``: ``QATLinear``,
-same parameters and names), so
-compile traces the rounding and DDP/FSDP, checkpoints and the exported float weights are those
-of a plain run; ``ember quantize`` with the same scheme then stores what training saw.
+checkpoint. What is trained is a *task*, registered by name (``train.task``:
+``ember.train.tasks``; the interface is ``ember.train.task.Task``): it checks its own layout
+constraints, builds its data (its loader), supplies the loss of a micro-batch and evaluates
+itself; the loop has no task branches. The model starts as ``ember.train.start`` says (the
+tokenizer, ``train.init_from``, QAT, LoRA), then the layout is applied
+(``ember.parallel.parallelize``) after one check of it (``ember.train.layout``). The optimizer
+(``train.optimizer``: AdamW, or Muon on the block matrices) comes from ``ember.train.optim``
+with one parameter group per role; each group has its own peak learning rate
+(``group["peak_lr"]``) and the schedule scales each peak alike. The logged ``lr`` is the
+schedule at ``train.lr``.
 
 Numbers you can trust:
 
@@ -49,40 +41,38 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
 import ember
 from ember.config import config_to_yaml
-from ember.data.chat import add_chat_tokens, chat_ids
-from ember.data.loader import TokenDataset, TrainLoader, ValLoader
-from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
-from ember.data.tokenizer import SPECIALS_FILE, Tokenizer, file_sha256
-from ember.errors import ConfigError, DataError, EmberError
-from ember.model.gpt import GPT, grow_vocab
+from ember.data.chat import chat_ids
+from ember.data.manifest import TOKENIZER
+from ember.data.tokenizer import SPECIALS_FILE, file_sha256
+from ember.errors import ConfigError, EmberError
+from ember.export.peft import save_peft
+from ember.model.gpt import GPT
+from ember.model.lora import merge_lora
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
-from ember.parallel.parallelize import check_layout, parallelize, unwrap
-from ember.train.checkpoint import (
-    export_weights,
-    latest_checkpoint,
-    load_checkpoint,
-    load_run,
-    load_weights,
-    run_tokenizer,
-    save_checkpoint,
-)
-from ember.train.dpo import DPOTask, PairLoader, encode_pairs, load_pairs, task_preferences, token_logps
-from ember.train.grpo import GRPOTask, Rollouts
+from ember.parallel.parallelize import parallelize, unwrap
+from ember.parallel.pipeline import pipeline_grad_norm
+from ember.report.report import write_report
+from ember.run import export_weights, latest_checkpoint
+from ember.train.checkpoint import load_checkpoint, save_checkpoint
+from ember.train.dynamics import Dynamics
+from ember.train.layout import check_layout
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
-from ember.train.reward import RMTask
-from ember.train.sft import SFTLoader, SFTTask, data_task, encode_conversations, load_conversations
+from ember.train.recorder import Recorder
+from ember.train.start import apply_lora_cfg, apply_qat_cfg, init_from, resolve_model_config, start_tokenizer
+from ember.train.tasks import task_class
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,70 +86,10 @@ RESUME_FREE += ("train.log_dynamics",)
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
-# tasks on conversations: no shards read, the source run's tokenizer
-CHAT_TASKS = ("sft", "dpo", "grpo", "rm")
 
 
 class NonFiniteError(EmberError):
     """Loss or gradients became NaN/Inf."""
-
-
-# ---------------------------------------------------------------- the task
-
-
-class LMTask:
-    """Next-token prediction: cross-entropy on shifted windows, optional z-loss (PaLM §5).
-    ``token_bytes[i]`` is the number of UTF-8 bytes token ``i`` stands for, so bits per byte
-    counts the bytes of the evaluated text exactly, whatever the tokenizer."""
-
-    def __init__(self, z_loss: float, token_bytes: torch.Tensor):
-        self.z_loss = z_loss
-        self.token_bytes = token_bytes
-
-    def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
-        x, y = batch
-        logits = model(x).float()  # (B, T, V)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
-        if self.z_loss:
-            loss = loss + self.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return loss, {}
-
-    @torch.no_grad()
-    def evaluate(self, model, val_loader, autocast) -> dict:
-        token_bytes = self.token_bytes
-        device = token_bytes.device
-        sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats on text, bytes
-        was_training = model.training
-        model.eval()
-        for x, y in val_loader:
-            with autocast:
-                logits = model(x)
-            if logits is None:  # a pipeline rank without the last stage
-                continue
-            logits = logits.float()
-            if hasattr(logits, "full_tensor"):  # split by vocabulary (parallel.loss_parallel): gathered
-                logits = logits.full_tensor()
-            nats_per_token = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none")
-            text = token_bytes[y.reshape(-1)] > 0  # <|eos|> and friends stand for no bytes of text
-            nats = nats_per_token.sum()
-            sums += torch.stack(
-                [
-                    nats.double(),
-                    torch.tensor(y.numel(), device=device, dtype=torch.float64),
-                    nats_per_token[text].sum().double(),
-                    token_bytes[y].sum().double(),
-                ]
-            )
-        model.train(was_training)
-        all_reduce(sums)
-        nats, tokens, text_nats, nbytes = sums.tolist()
-        loss = nats / max(tokens, 1)
-        return {
-            "val_loss": loss,
-            "val_ppl": math.exp(min(loss, 50)),
-            # bits per UTF-8 byte of the text, so tokenizers compare fairly (special tokens excluded)
-            "val_bpb": text_nats / math.log(2) / max(nbytes, 1),
-        }
 
 
 # ---------------------------------------------------------------- helpers
@@ -203,20 +133,6 @@ def _env_record(env) -> dict:
     }
 
 
-def resolve_model_config(model_cfg, tokenizer):
-    """Fill ``vocab_size`` from the tokenizer (rounded up to ``vocab_multiple``) and check it."""
-    vocab = model_cfg.vocab_size
-    if vocab == 0:
-        m = model_cfg.vocab_multiple
-        vocab = (tokenizer.vocab_size + m - 1) // m * m
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; "
-            "set model.vocab_size=0 to take it from the tokenizer"
-        )
-    return replace(model_cfg, vocab_size=vocab)
-
-
 def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     """``clip_grad_norm_`` that also takes a mix of DTensor and plain gradients, or DTensors on
     different meshes (tensor parallel splits the blocks' matrices and leaves norms whole; FSDP2
@@ -233,8 +149,6 @@ def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     grads = [p.grad for p in params]
     on_cpu = bool(grads) and grads[0].device.type == "cpu"
     if pipeline is not None:
-        from ember.parallel.pipeline import pipeline_grad_norm
-
         total = pipeline_grad_norm(params, pipeline.group)
     elif not on_cpu and len({(type(g), getattr(g, "device_mesh", None)) for g in grads}) <= 1:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm)  # one kind: torch's own
@@ -251,29 +165,10 @@ def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     return total
 
 
-def _batch_layout(train_cfg, world_size: int) -> tuple[int, int]:
-    """(global rows per step, micro-steps of accumulation), or a ConfigError that says why not."""
-    T, mb = train_cfg.seq_len, train_cfg.micro_batch
-    if train_cfg.batch_tokens % T:
-        raise ConfigError(
-            f"train.batch_tokens={train_cfg.batch_tokens} is not a multiple of train.seq_len={T}"
-        )
-    rows = train_cfg.batch_tokens // T
-    if rows % (mb * world_size):
-        raise ConfigError(
-            f"train.batch_tokens={train_cfg.batch_tokens} gives {rows} sequences per step, which does not "
-            f"split into micro-batches of {mb} on {world_size} rank(s); make batch_tokens a multiple of "
-            f"seq_len*micro_batch*ranks = {T * mb * world_size}"
-        )
-    return rows, rows // (mb * world_size)
-
-
 def _find_nonfinite_module(model, task, batch, autocast) -> str:
     """Re-run the micro-batch, forward and backward, with every module output, gradient at a
     module output and parameter gradient checked in the order they are computed
     (``ember.analysis.replay.Recorder``); say where the first non-finite one is."""
-    from ember.analysis.replay import Recorder
-
     model.zero_grad(set_to_none=True)  # the failed step's gradients would be seen again
     rec = Recorder(unwrap(model), keep=False)
     try:
@@ -292,158 +187,12 @@ def _find_nonfinite_module(model, task, batch, autocast) -> str:
     return f"none in the forward pass; in the backward, the {first['phase'].replace('backward', 'gradient at the output')} of {first['name']}"  # fmt: skip # noqa: E501
 
 
-def _chat_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
-    """The tokenizer of fine-tuning on conversations (SFT, DPO) from ``run``: the source run's
-    (these tasks read no shards, so the data dir has no say), with the chat tokens appended if
-    it lacks them (an imported foreign tokenizer). Returns it, the file to copy into the run
-    (None when it grew: it is saved from memory) and, when it grew, its size before."""
-    path = run_tokenizer(run)
-    if path is None:
-        raise ConfigError(
-            f"train.init_from={run}: no {TOKENIZER} in {Path(run) / 'model'} or {run}; give a run "
-            "directory that `ember train` or `ember import` wrote"
-        )
-    tokenizer = Tokenizer.load(path)
-    known = tokenizer.vocab_size
-    added = add_chat_tokens(tokenizer)
-    if not added:
-        return tokenizer, path, None
-    ids = f"{known}..{tokenizer.vocab_size - 1}"
-    print0(f"ember: {path} lacks the chat tokens: added {', '.join(added)} as ids {ids}")
-    return tokenizer, None, known
-
-
-def _init_from(model, run: str, model_cfg, tokenizer_sha: str | None, known: int | None = None) -> None:
-    """Load run directory ``run``'s final float weights (``model/``) into ``model`` (fine-tuning);
-    an EmberError, before anything is written, if they cannot stand for this run's model: another
-    model config, another tokenizer, or quantized weights (their rounding is not trainable).
-    ``tokenizer_sha`` None: the tokenizer is the source's own (SFT), nothing to compare. ``known``:
-    the source tokenizer's size when chat tokens were appended to it; the embedding and head then
-    grow to this run's vocabulary, rows from ``known`` on the mean of the rows before."""
-    from ember.export.quantize import read_spec
-
-    src = Path(run)
-    folder = src / "model"
-    if not (folder / "model_config.json").is_file():
-        raise ConfigError(
-            f"train.init_from={run}: no final weights there ({folder / 'model_config.json'} not found); "
-            "give a run directory that `ember train` finished"
-        )
-    spec = read_spec(folder)
-    if spec is not None:
-        raise ConfigError(
-            f"train.init_from={run} is quantized ({spec.label}); fine-tune from the float run it was "
-            "quantized from (train.qat trains towards the same rounding)"
-        )
-    try:
-        theirs = json.loads((folder / "model_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"train.init_from={run}: cannot read {folder}/model_config.json ({e})") from None
-    ours = asdict(model_cfg)
-    differ = [k for k in ours if k in theirs and theirs[k] != ours[k]] + [k for k in theirs if k not in ours]
-    score_from_lm = model_cfg.head == "score" and theirs.get("head", "lm") == "lm"  # a reward model's start
-    free = {"dropout"} | ({"vocab_size"} if known is not None else set())  # weights' shapes unchanged
-    free |= {"head", "init_std"} if score_from_lm else set()  # (init_std: the new head's)
-    differ = [k for k in differ if k not in free]  # (vocab_size: it grew with the tokenizer)
-    if differ:
-        listing = ", ".join(f"model.{k}={theirs.get(k)!r} there but {ours.get(k)!r} here" for k in differ)
-        raise ConfigError(
-            f"train.init_from={run}: its model differs from this run's: {listing}; set those keys to the "
-            f"source's values (or use {src / 'config.yaml'} as the config)"
-        )
-    tokenizer = run_tokenizer(src)
-    if tokenizer_sha is not None and (tokenizer is None or file_sha256(tokenizer) != tokenizer_sha):
-        found = f"{tokenizer} differs from" if tokenizer else f"no {TOKENIZER} in {folder} or {src} to match"
-        raise ConfigError(
-            f"train.init_from={run}: {found} the data dir's tokenizer; prepare the data with the "
-            "source run's tokenizer, or fine-tune on the data dir it was trained on"
-        )
-    if known is not None:
-        print0(
-            f"ember: the embedding and head grow from {theirs['vocab_size']} to {model_cfg.vocab_size} rows; "
-            f"rows {known}.. start as the mean of rows 0..{known - 1}"
-        )
-    if score_from_lm:
-        print0(f"ember: every weight from {run} but its vocabulary head; the score head starts at init")
-
-    def adapt(state: dict) -> dict:
-        if known is not None:
-            state = grow_vocab(state, model_cfg.vocab_size, known)
-        if score_from_lm:  # the score head keeps its initialisation
-            state = {**state, "output.weight": model.output.weight.detach().clone()}
-        return state
-
-    load_weights(model, folder, adapt=adapt)
-
-
-def _apply_lora(model, train_cfg) -> set[str]:
-    """``train.lora_rank``: adapters on the targeted block linears, everything else frozen (the
-    base in NF4 with ``train.qlora``); returns the adapters' state dict names, which are all a
-    checkpoint then holds."""
-    from ember.model.lora import apply_lora, lora_summary
-
-    if not train_cfg.init_from:
-        print0("ember: note: LoRA without train.init_from adapts a freshly initialised model")
-    apply_lora(
-        model,
-        train_cfg.lora_rank,
-        train_cfg.lora_alpha,
-        train_cfg.lora_dropout,
-        tuple(train_cfg.lora_targets),
-        nf4=train_cfg.qlora,
-    )
-    print0(lora_summary(model) + (" (base in NF4)" if train_cfg.qlora else ""))
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
-def _train_rows(model, ids: list[int]) -> set[str]:
-    """Let only the rows ``ids`` of the embedding and of an untied head train: each table's
-    gradient is masked to those rows, and as such tables take the embedding role (no weight
-    decay, ``param_role``) AdamW leaves the other rows exactly as they were. The fine-tuning of
-    new special tokens that PEFT offers as ``trainable_token_indices``; returns the tables'
-    state dict names."""
-    names = {"tok_embeddings.weight"}
-    if model.output.weight is not model.tok_embeddings.weight:
-        names.add("output.weight")
-    for name in names:
-        weight = model.get_parameter(name)
-        mask = torch.zeros(weight.size(0), 1, dtype=weight.dtype, device=weight.device)
-        mask[ids] = 1
-        weight.requires_grad_(True)
-        weight.register_hook(lambda grad, mask=mask: grad * mask.to(grad.device, grad.dtype))  # after .to()
-        weight.row_mask = mask  # read by param_role
-    count = len(ids) * model.tok_embeddings.weight.size(1) * len(names)
-    tables = " and ".join(sorted(names))
-    print0(f"and {len(ids)} rows of the {tables} (the chat tokens): {count:,} parameters")
-    return names
-
-
-def _apply_qat(model, train_cfg) -> None:
-    """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass,
-    and the output head at int8 as ``ember quantize`` stores it (``QATLinear``: same parameters
-    and names, so optimizer, checkpoints and the exported float weights are unchanged, and
-    ``ember quantize`` of the same scheme stores what training saw)."""
-    from ember.export.quantize import QuantSpec, apply_qat
-
-    spec = QuantSpec(train_cfg.qat, train_cfg.qat_group_size)
-    if spec.scheme == "int4-weight":
-        widths = sorted({m.in_features for m in model.layers.modules() if isinstance(m, torch.nn.Linear)})
-        bad = [k for k in widths if k % spec.group_size]
-        if bad:
-            raise ConfigError(
-                f"train.qat_group_size={spec.group_size} does not divide the block linears' input widths "
-                f"{bad}; choose a group size that divides {widths}"
-            )
-    apply_qat(model, spec)
-
-
 # ---------------------------------------------------------------- the trainer
 
 
 class Trainer:
     def __init__(self, cfg, run_dir: Path | None = None):
-        self.cfg = cfg
-        t = cfg.train
+        self.cfg, t = cfg, cfg.train
         if not (t.max_steps or t.max_tokens or t.max_time):
             raise ConfigError("no training budget: set train.max_steps, train.max_tokens or train.max_time")
         self.env = env = init_distributed(cfg.parallel, t.device)
@@ -451,25 +200,16 @@ class Trainer:
         if t.precision != "fp32" and env.device.type == "cpu":
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
-
-        chat_from = t.init_from if t.task in CHAT_TASKS else ""
-        manifest = None if chat_from else read_manifest(cfg.data.dir)
-        if chat_from:
-            self.tokenizer, self.tokenizer_file, known = _chat_tokenizer(chat_from)
-        else:
-            self.tokenizer, known = load_tokenizer(cfg.data.dir, manifest), None
-            self.tokenizer_file = Path(cfg.data.dir) / TOKENIZER
+        task = task_class(t.task)
         # the run's tokenizer: copied from tokenizer_file, or saved from memory when it grew
+        self.tokenizer, self.tokenizer_file, known = start_tokenizer(cfg, task.chat)
         file = self.tokenizer_file
         self.tokenizer_sha = file_sha256(file) if file else self.tokenizer.sha256
-        model_cfg = cfg.model
-        if known is not None and 0 < model_cfg.vocab_size < self.tokenizer.vocab_size:
-            model_cfg = replace(model_cfg, vocab_size=0)  # from the grown tokenizer, rounded up
-        self.model_cfg = resolve_model_config(model_cfg, self.tokenizer)
-        check_layout(cfg, env.world_size, self.model_cfg)
+        self.model_cfg = resolve_model_config(cfg.model, self.tokenizer, grown=known is not None)
+        layout = check_layout(cfg, env.world_size, self.model_cfg)
+        self.global_rows, self.grad_accum = layout.rows, layout.grad_accum
         if t.log_dynamics and (env.distributed and (cfg.parallel.data == "fsdp" or env.tp > 1 or env.pp > 1) or t.compile):  # fmt: skip # noqa: E501
             raise ConfigError("train.log_dynamics reads whole weights and eager attention: one device or DDP, without train.compile")  # fmt: skip # noqa: E501
-        self.global_rows, self.grad_accum = _batch_layout(t, env.dp_size)
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
         self.resume_from = self._resume_folder()
         if self.resume_from is not None:
@@ -479,158 +219,60 @@ class Trainer:
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
         # its frozen base is loaded again from init_from, and DPO's reference copy comes from it
-        if t.init_from and (self.resume_from is None or t.lora_rank or t.task in ("dpo", "grpo")):
-            _init_from(model, t.init_from, self.model_cfg, None if chat_from else self.tokenizer_sha, known)
+        if t.init_from and (self.resume_from is None or t.lora_rank or task.reference_on_resume):
+            chat = task.chat and t.init_from  # the tokenizer is the source's own: nothing to compare
+            init_from(model, t.init_from, self.model_cfg, None if chat else self.tokenizer_sha, known)
         if t.qat != "none":  # before parallelize: compile then traces the fake quantization too
-            _apply_qat(model, t)
-        self.adapters: set[str] | None = None  # with LoRA: the state dict entries that train
-        if t.lora_rank:
-            self.adapters = _apply_lora(model, t)
-            if t.task == "sft" and t.lora_chat_tokens:  # (DPO's reference would move with them)
-                self.adapters |= _train_rows(model, list(chat_ids(self.tokenizer).values()))
+            apply_qat_cfg(model, t)
+        self.adapters = apply_lora_cfg(model, t) if t.lora_rank else None  # the entries that train
         self.n_params = model.num_params()
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(env.device)
         model.to(env.device)
-        self.frozen = None  # DPO's reference without LoRA: the starting weights, frozen
-        self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
-        if t.task in ("dpo", "grpo"):
-            if env.world_size > 1 and cfg.parallel.data == "fsdp":
-                raise ConfigError(f"train.task={t.task} runs on one device or under DDP (parallel.data=ddp)")
-            if self.adapters is None and (t.task == "dpo" or cfg.grpo.beta):
-                self.frozen = copy.deepcopy(model).requires_grad_(False).eval()
+        self.frozen = None  # a reference copy of the starting weights, if the task keeps one
+        task.prepare(self, model)
         self.model = parallelize(model, env, cfg)
         self.loss_parallel = contextlib.nullcontext
         if env.tp > 1 and cfg.parallel.loss_parallel:  # forward and backward of the loss on split logits
-            from torch.distributed.tensor.parallel import loss_parallel
-
             self.loss_parallel = loss_parallel
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
         dtype = AUTOCAST.get(t.precision)
         fsdp_casts = env.distributed and cfg.parallel.data == "fsdp"  # its MixedPrecisionPolicy does it
-        self.autocast = (
-            torch.autocast(env.device.type, dtype=dtype)
-            if dtype and not fsdp_casts
-            else contextlib.nullcontext()
-        )
-        token_bytes = torch.tensor(self.tokenizer.token_byte_lengths(self.model_cfg.vocab_size))
-        if t.task == "sft":
-            self.task = SFTTask(cfg.sft.packing, self.tokenizer, cfg.sft.data, cfg.sft.eval_problems)
-            examples = encode_conversations(self.tokenizer, load_conversations(cfg.sft), t.seq_len)
-            print0(f"sft: {len(examples):,} conversations from {cfg.sft.data}")
-            self.loader = SFTLoader(
-                examples,
-                t.seq_len,
-                self.global_rows,
-                cfg.run.seed,
-                cfg.sft.packing,
-                env.dp_rank,
-                env.dp_size,
-                env.device,
-            )
-            self.val_loader = None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
-        elif t.task in ("dpo", "rm"):
-            policy = [model] if t.task == "dpo" else []  # rm: the starting run's, loaded once, answers
-
-            def answer(task, problems):
-                if not policy and not t.init_from:
-                    raise ConfigError("train.task=rm with dpo.rejected=model needs train.init_from: the run whose wrong answers are rejected")  # fmt: skip # noqa: E501
-                policy[:] = policy or [load_run(t.init_from)[0]]
-                return self._answers(policy[0], task, problems)
-
-            pairs = encode_pairs(self.tokenizer, load_pairs(cfg.dpo, cfg.run.seed, answer), t.seq_len)
-            if t.task == "dpo":
-                self.task = DPOTask(cfg.dpo, self.tokenizer, self._reference(model))
-            else:
-                self.task = RMTask(self.tokenizer, self._held_out_pairs(answer))
-            print0(f"{t.task}: {len(pairs):,} preference pairs from {cfg.dpo.data}")
-            where = (env.dp_rank, env.dp_size, env.device)
-            self.loader = PairLoader(pairs, t.seq_len, self.global_rows, t.micro_batch, cfg.run.seed, *where)
-            self.val_loader = None
-        elif t.task == "grpo":
-            g = cfg.grpo
-            self.task = GRPOTask(g, self.tokenizer)
-            reference = self._reference(model, g.temperature, g.shared_prefix) if g.beta else None
-            where = (env.dp_rank, env.dp_size, env.device)
-            self.loader = Rollouts(g, self.tokenizer, model, reference, self.global_rows, t.micro_batch,
-                                   cfg.run.seed, *where)  # fmt: skip
-            print0(
-                f"grpo: {self.global_rows // g.group} prompts × {g.group} completions per step, from "
-                f"{len(self.loader.examples):,} {g.data} train problems"
-            )
-            self.val_loader = None
-        else:
-            self.task = LMTask(t.z_loss, token_bytes.to(env.device))
-            train_set = TokenDataset(cfg.data.dir, "train")
-            self.loader = TrainLoader(
-                train_set,
-                t.seq_len,
-                self.global_rows,
-                cfg.run.seed,
-                env.dp_rank,
-                env.dp_size,
-                mode=cfg.data.sampling,
-                device=env.device,
-            )
-            self.val_loader = self._val_loader(manifest)
-
-        self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
-        self.best_val, self.best_step, self.skipped = math.inf, -1, 0
-        if self.resume_from is not None:
-            # the config's peaks win, and this layout's kernels (TP cannot take a 1-process run's foreach)
-            keys = ("peak_lr", "foreach", "fused")
-            mine = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
-            meta = load_checkpoint(self.resume_from, self.model, self.optimizer, only=self.adapters)
-            for group, kept in zip(self.optimizer.param_groups, mine, strict=True):
-                group.update(kept)
-            self.step, self.tokens = meta["step"], meta["tokens"]
-            self.elapsed_before = meta["elapsed"]
-            self.best_val, self.best_step = meta.get("best_val", math.inf), meta.get("best_step", -1)
-            self.skipped = meta.get("skipped", 0)
-            if meta.get("scaler"):
-                self.scaler.load_state_dict(meta["scaler"])
-            if meta.get("data_cursor"):  # SFT's epoch order (LM batches are a function of the step)
-                self.loader.load_state_dict(meta["data_cursor"])
-            print0(f"resumed from {self.resume_from} (step {self.step}, {self.tokens:,} tokens)")
+        self.autocast = torch.autocast(env.device.type, dtype=dtype) if dtype and not fsdp_casts else contextlib.nullcontext()  # fmt: skip # noqa: E501
+        self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
+        self.task, self.loader, self.val_loader = task.build(self, model)
+        self._resume()
         # a finished run resumed again: nothing to train, and nothing in its directory changes
         self.done = self.progress(self.elapsed_before) >= 1.0 and (self.run_dir / "summary.json").is_file()
         if not self.done:
             self._prepare_run_dir()
         resumed_at = self.step if self.resume_from is not None else None
         self.metrics = MetricsLog(self.run_dir, env.is_main and not self.done, t.tensorboard, resumed_at)
-        self.dynamics, self.dyn_metrics = None, {}
-        if t.log_dynamics:
-            from ember.analysis.dynamics import Dynamics
+        self.dynamics = Dynamics(unwrap(self.model)) if t.log_dynamics else None
+        self.dyn_metrics = {}
 
-            self.dynamics = Dynamics(unwrap(self.model))
-
-    def _val_loader(self, manifest: dict) -> ValLoader | None:
-        """Fixed validation windows, the same count on every rank (FSDP forwards are collective);
-        None, with a note, when the val split is empty or shorter than one window."""
-        t, env = self.cfg.train, self.env
-        if not manifest["splits"]["val"]["shards"]:
-            print0("ember: note: the data has no validation split (data.val_fraction=0): no evaluation")
-            return None
-        val_set = TokenDataset(self.cfg.data.dir, "val")
-        try:
-            probe = ValLoader(val_set, t.seq_len, t.micro_batch, max_windows=t.eval_windows)
-        except DataError as e:
-            print0(f"ember: note: no evaluation: {e}")
-            return None
-        usable = probe.n_windows_total // env.dp_size * env.dp_size
-        if not usable:
-            print0("ember: note: fewer validation windows than ranks: no evaluation")
-            return None
-        return ValLoader(
-            val_set,
-            t.seq_len,
-            t.micro_batch,
-            max_windows=usable,
-            rank=env.dp_rank,
-            world_size=env.dp_size,
-            device=env.device,
-        )
+    def _resume(self) -> None:
+        """The counters at the start, or the checkpoint's state on resume."""
+        self.step, self.tokens, self.elapsed_before = 0, 0, 0.0
+        self.best_val, self.best_step, self.skipped = math.inf, -1, 0
+        if self.resume_from is None:
+            return
+        # the config's peaks win, and this layout's kernels (TP cannot take a 1-process run's foreach)
+        keys = ("peak_lr", "foreach", "fused")
+        mine = [{k: g[k] for k in keys if k in g} for g in self.optimizer.param_groups]
+        meta = load_checkpoint(self.resume_from, self.model, self.optimizer, only=self.adapters)
+        for group, kept in zip(self.optimizer.param_groups, mine, strict=True):
+            group.update(kept)
+        self.step, self.tokens = meta["step"], meta["tokens"]
+        self.elapsed_before = meta["elapsed"]
+        self.best_val, self.best_step = meta.get("best_val", math.inf), meta.get("best_step", -1)
+        self.skipped = meta.get("skipped", 0)
+        if meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        if meta.get("data_cursor"):  # SFT's epoch order (LM batches are a function of the step)
+            self.loader.load_state_dict(meta["data_cursor"])
+        print0(f"resumed from {self.resume_from} (step {self.step}, {self.tokens:,} tokens)")
 
     # ------------------------------------------------------------ run directory
 
@@ -696,58 +338,6 @@ class Trainer:
             if fixed:
                 fix = f"{', '.join(fixed)} cannot change on resume: put them back, or start another run.name"
             raise ConfigError(f"resuming {run} with a config that differs from {saved}: {listing}. {fix}")
-
-    def _held_out_pairs(self, answer) -> list:
-        """A reward model's held-out pairs: ``dpo.eval_problems`` of the task's test problems, made
-        as its training pairs are (none with a JSONL file of pairs)."""
-        d = self.cfg.dpo
-        if data_task(d.data, "dpo.data") is None or not d.eval_problems:
-            return []
-        made = task_preferences(d.data, d.eval_problems, self.cfg.run.seed, answer if d.rejected == "model" else None, "test")  # fmt: skip # noqa: E501
-        return encode_pairs(self.tokenizer, made, self.cfg.train.seq_len)
-
-    def _answers(self, model, task, problems) -> list[str]:
-        """The starting model's greedy replies to ``problems`` (``dpo.rejected=model``): before any
-        step, and on resume before the checkpoint loads, so the same pairs either way. Special
-        tokens it emitted are left out (a reply is text, where they would be plain characters)."""
-        from ember.data.tasks import reply_of
-        from ember.infer.engine import Engine
-        from ember.infer.evaluate import answer_problems
-
-        print0(
-            f"dpo: the starting model answers {len(problems):,} {task.name} problems (greedy) for the pairs"
-        )
-        was_training = model.training
-        try:
-            engine = Engine(model.eval(), self.tokenizer)
-            longest = max(len(self.tokenizer.encode(p.answer)) for p in problems) + 8  # a wrong reply as long
-            outputs = answer_problems(engine, task, problems, max_new_tokens=longest, batch=64)
-            replies = [reply_of(text) for _, text, _ in outputs]
-            for added in self.tokenizer.hf.get_added_tokens_decoder().values():  # text cannot hold
-                replies = [r.replace(added.content, "") for r in replies]  # the control tokens it emitted
-            return replies
-        finally:
-            model.train(was_training)
-
-    def _reference(self, model, temperature: float = 1.0, share: bool = False):
-        """The reference policy of DPO and GRPO: ``(x, y) ->`` per-token log-probabilities of the
-        trained targets (``token_logps``, with ``share`` its shared prefixes), from the model with
-        its adapters off (LoRA: no second copy) or from the frozen starting weights; in eval mode
-        (no dropout) either way."""
-        if self.frozen is not None:
-            return lambda x, y: token_logps(self.frozen, x, y, temperature, share)
-        from ember.model.lora import adapters_disabled
-
-        def reference(x, y):
-            was_training = model.training
-            model.eval()
-            try:
-                with adapters_disabled(model):
-                    return token_logps(model, x, y, temperature, share)
-            finally:
-                model.train(was_training)
-
-        return reference
 
     def _prepare_run_dir(self) -> None:
         if not self.env.is_main:
@@ -978,29 +568,10 @@ class Trainer:
         )
 
     def _evaluate(self) -> dict:
-        if isinstance(self.task, SFTTask):
-            result = self.task.accuracy(unwrap(self.model))
-            if "task_accuracy" in result:
-                n = len(self.task.problems)
-                print0(
-                    f"step {self.step:6d} | {self.task.task.name} accuracy {result['task_accuracy']:.1%} "
-                    f"on {n} test problems"
-                )
-            elif result:
-                n = len(self.task.pairs)
-                print0(f"step {self.step:6d} | pair accuracy {result['pair_accuracy']:.1%} on {n} held-out pairs")  # fmt: skip # noqa: E501
-            if result:
-                self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
-            return result
-        if self.val_loader is None:
-            return {}
-        result = self.task.evaluate(self.model, self.val_loader, self.autocast)
-        print0(
-            f"step {self.step:6d} | val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
-            f"bpb {result['val_bpb']:.4f}"
-        )
-        self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
-        if result["val_loss"] < self.best_val:
+        result = self.task.validate(self)
+        if result:
+            self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
+        if result.get("val_loss", math.inf) < self.best_val:
             self.best_val, self.best_step = result["val_loss"], self.step
             if self.cfg.train.keep_best:
                 self._export("model-best")
@@ -1030,8 +601,6 @@ class Trainer:
         )
 
     def _write_report(self) -> None:
-        from ember.report.report import write_report
-
         try:
             print0(f"report: {write_report([self.run_dir])}")
         except EmberError as e:  # e.g. matplotlib not installed: the run itself is complete
@@ -1040,9 +609,6 @@ class Trainer:
     def _export(self, name: str) -> None:
         model = self.model
         if self.adapters is not None:  # a plain model for every later verb: the adapters merged in
-            from ember.export.peft import save_peft
-            from ember.model.lora import merge_lora
-
             # the chat tokens' rows go as PEFT's trainable tokens; a grown vocabulary does not fit
             # the source run's model, which adapter/ is for
             rows = list(chat_ids(self.tokenizer).values()) if "tok_embeddings.weight" in self.adapters else []
@@ -1085,8 +651,6 @@ def scratch_trainer(cfg, **train_changes):
     """A Trainer for ``cfg`` in a temporary run directory, no evaluation or checkpoints (and
     ``train_changes``), closed after: what ``ember plan --measure`` and ``ember analyze`` run
     their steps on. Stepping it is the caller's: ``set_lr``, a batch, ``train_step``."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="ember-scratch-") as tmp:
         t = replace(cfg.train, **{"eval_every": 0, "ckpt_every": 0, **train_changes})
         trainer = Trainer(replace(cfg, run=replace(cfg.run, out_dir=tmp, name="scratch"), train=t))

@@ -86,7 +86,7 @@ def _local_shape(name: str, shape: tuple, tp: int, shard: int) -> tuple:
 
 
 def _stage_model(model: GPT, cfg, pp_rank: int) -> tuple[GPT, list[int]]:
-    from ember.parallel.pipeline import _part, stage_layers, virtual_stages
+    from ember.parallel.pipeline import stage_layers, stage_model, virtual_stages
 
     p = cfg.parallel
     if p.pp == 1:
@@ -94,7 +94,7 @@ def _stage_model(model: GPT, cfg, pp_rank: int) -> tuple[GPT, list[int]]:
     n_stages = p.pp * virtual_stages(p)
     ranges = stage_layers(model.cfg.n_layer, n_stages)
     ids = list(range(pp_rank, n_stages, p.pp))
-    return _part(model, [i for s in ids for i in ranges[s]], 0 in ids, n_stages - 1 in ids), ids
+    return stage_model(model, [i for s in ids for i in ranges[s]], 0 in ids, n_stages - 1 in ids), ids
 
 
 def _narrow(model: GPT, tp: int) -> None:
@@ -405,7 +405,7 @@ def model_config_for(cfg):
     tokenizer if data.dir holds one, else data.vocab_size rounded up to model.vocab_multiple."""
     from ember.data.manifest import load_tokenizer
     from ember.errors import EmberError
-    from ember.train.trainer import resolve_model_config
+    from ember.train.start import resolve_model_config
 
     if cfg.model.vocab_size:
         return cfg.model

@@ -43,6 +43,7 @@ half rejected), in a seeded epoch order with the cursor in the checkpoint (``Pai
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -52,9 +53,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ember.data.chat import chat_ids, check_messages, render
-from ember.data.tasks import jsonl_rows
-from ember.errors import EmberError
-from ember.train.sft import IGNORE, SFTLoader, SFTTask, data_task
+from ember.data.tasks import jsonl_rows, reply_of
+from ember.errors import ConfigError, EmberError
+from ember.infer.engine import Engine
+from ember.infer.evaluate import answer_problems
+from ember.model.lora import adapters_disabled
+from ember.parallel.dist import print0
+from ember.run import load_run
+from ember.train.tasks.sft import IGNORE, SFTLoader, SFTTask, data_task
 
 LOSSES = ("sigmoid", "robust", "ipo")
 Preference = tuple[list[dict], str, str]  # prompt messages, chosen reply, rejected reply
@@ -308,6 +314,24 @@ class DPOTask(SFTTask):
     ``reference(x, y)`` (per-token log-probabilities of the frozen copy, or of the model with its
     adapters off), and SFT's task accuracy on held-out problems at each evaluation."""
 
+    name = "dpo"
+    reference_on_resume = True
+
+    @classmethod
+    def check_layout(cls, cfg, world_size: int, dp: int) -> None:
+        if world_size > 1 and cfg.parallel.data == "fsdp":
+            raise ConfigError(f"train.task={cls.name} runs on one device or under DDP (parallel.data=ddp)")
+
+    @classmethod
+    def prepare(cls, trainer, model) -> None:
+        trainer.frozen = frozen_copy(model) if trainer.adapters is None else None
+
+    @classmethod
+    def build(cls, trainer, model):
+        pairs, _ = preference_pairs(trainer, model)
+        task = cls(trainer.cfg.dpo, trainer.tokenizer, reference_policy(trainer, model))
+        return task, pair_loader(trainer, pairs), None
+
     def __init__(self, dpo_cfg, tokenizer, reference: Callable[[Tensor, Tensor], Tensor]):
         super().__init__(False, tokenizer, dpo_cfg.data, dpo_cfg.eval_problems)
         self.beta, self.kind, self.smoothing = dpo_cfg.beta, dpo_cfg.loss, dpo_cfg.label_smoothing
@@ -320,3 +344,74 @@ class DPOTask(SFTTask):
             ref_logps = self.reference(x, y).sum(1)
         logps, lengths = sequence_logps(model, x, y)
         return dpo_loss(logps, ref_logps, lengths, self.beta, self.kind, self.smoothing, self.sft_weight)
+
+
+# ------------------------------------------------------------------ what the trainer builds
+
+
+def frozen_copy(model):
+    """The reference of DPO and GRPO without LoRA: the starting weights, frozen, in eval mode."""
+    return copy.deepcopy(model).requires_grad_(False).eval()
+
+
+def reference_policy(trainer, model, temperature: float = 1.0, share: bool = False):
+    """The reference policy of DPO and GRPO: ``(x, y) ->`` per-token log-probabilities of the
+    trained targets (``token_logps``, with ``share`` its shared prefixes), from the model with
+    its adapters off (LoRA: no second copy) or from the frozen starting weights
+    (``trainer.frozen``); in eval mode (no dropout) either way."""
+    if trainer.frozen is not None:
+        frozen = trainer.frozen
+        return lambda x, y: token_logps(frozen, x, y, temperature, share)
+
+    def reference(x, y):
+        was_training = model.training
+        model.eval()
+        try:
+            with adapters_disabled(model):
+                return token_logps(model, x, y, temperature, share)
+        finally:
+            model.train(was_training)
+
+    return reference
+
+
+def preference_pairs(trainer, policy) -> tuple[list[Pair], Callable]:
+    """The run's encoded pairs (``dpo.*``), and ``answer(task, problems)``: the greedy replies
+    of ``policy`` (DPO: the model about to train), or of ``train.init_from``'s run, loaded
+    once (a reward model), that ``dpo.rejected=model`` rejects."""
+    cfg, t = trainer.cfg, trainer.cfg.train
+    policies = [policy] if policy is not None else []
+
+    def answer(task, problems):
+        if not policies and not t.init_from:
+            raise ConfigError("train.task=rm with dpo.rejected=model needs train.init_from: the run whose wrong answers are rejected")  # fmt: skip # noqa: E501
+        policies[:] = policies or [load_run(t.init_from)[0]]
+        return starting_answers(policies[0], trainer.tokenizer, task, problems)
+
+    pairs = encode_pairs(trainer.tokenizer, load_pairs(cfg.dpo, cfg.run.seed, answer), t.seq_len)
+    return pairs, answer
+
+
+def pair_loader(trainer, pairs: list[Pair]) -> PairLoader:
+    cfg, env, t = trainer.cfg, trainer.env, trainer.cfg.train
+    print0(f"{t.task}: {len(pairs):,} preference pairs from {cfg.dpo.data}")
+    where = (env.dp_rank, env.dp_size, env.device)
+    return PairLoader(pairs, t.seq_len, trainer.global_rows, t.micro_batch, cfg.run.seed, *where)
+
+
+def starting_answers(model, tokenizer, task, problems) -> list[str]:
+    """The starting model's greedy replies to ``problems`` (``dpo.rejected=model``): before any
+    step, and on resume before the checkpoint loads, so the same pairs either way. Special
+    tokens it emitted are left out (a reply is text, where they would be plain characters)."""
+    print0(f"dpo: the starting model answers {len(problems):,} {task.name} problems (greedy) for the pairs")
+    was_training = model.training
+    try:
+        engine = Engine(model.eval(), tokenizer)
+        longest = max(len(tokenizer.encode(p.answer)) for p in problems) + 8  # a wrong reply as long
+        outputs = answer_problems(engine, task, problems, max_new_tokens=longest, batch=64)
+        replies = [reply_of(text) for _, text, _ in outputs]
+        for added in tokenizer.hf.get_added_tokens_decoder().values():  # text cannot hold
+            replies = [r.replace(added.content, "") for r in replies]  # the control tokens it emitted
+        return replies
+    finally:
+        model.train(was_training)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ember.analysis.grads import layer_of
+from ember.model.gpt import layer_of
 
 
 def _rms(t: torch.Tensor) -> float:

@@ -31,9 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ember.data.chat import render
+from ember.data.chat import chat_ids, render
 from ember.errors import EmberError
+from ember.infer.engine import Engine
+from ember.infer.evaluate import answer_problems
 from ember.model.gpt import sdpa_attention
+from ember.parallel.dist import print0
+from ember.parallel.parallelize import unwrap
+from ember.train.task import Task
 
 IGNORE = -100  # cross_entropy's ignore_index: a token no loss is taken on
 
@@ -186,9 +191,12 @@ class SFTLoader:
         self._order = self._permutation(self.epoch)
 
 
-class SFTTask:
+class SFTTask(Task):
     """Cross-entropy on the trained tokens of packed (or padded) conversations; evaluated, when
     the data is an embedded task, by accuracy on ``eval_problems`` of its held-out test problems."""
+
+    name = "sft"
+    chat = True
 
     def __init__(self, packing: bool = True, tokenizer=None, task: str = "", eval_problems: int = 0):
         self.packing, self.tokenizer = packing, tokenizer
@@ -197,13 +205,35 @@ class SFTTask:
         if self.task is not None and eval_problems:
             self.problems = self.task.generate("test", eval_problems)
 
+    @classmethod
+    def prepare(cls, trainer, model) -> None:
+        t = trainer.cfg.train
+        if t.lora_rank and t.lora_chat_tokens:  # (DPO's reference would move with them)
+            trainer.adapters |= train_rows(model, list(chat_ids(trainer.tokenizer).values()))
+
+    @classmethod
+    def build(cls, trainer, model):
+        cfg, env, t = trainer.cfg, trainer.env, trainer.cfg.train
+        task = cls(cfg.sft.packing, trainer.tokenizer, cfg.sft.data, cfg.sft.eval_problems)
+        examples = encode_conversations(trainer.tokenizer, load_conversations(cfg.sft), t.seq_len)
+        print0(f"sft: {len(examples):,} conversations from {cfg.sft.data}")
+        where = (env.dp_rank, env.dp_size, env.device)
+        loader = SFTLoader(examples, t.seq_len, trainer.global_rows, cfg.run.seed, cfg.sft.packing, *where)
+        return task, loader, None  # task accuracy on held-out problems: `ember eval RUN --task NAME`
+
+    def validate(self, trainer) -> dict:
+        result = self.accuracy(unwrap(trainer.model))
+        if "task_accuracy" in result:
+            print0(
+                f"step {trainer.step:6d} | {self.task.name} accuracy {result['task_accuracy']:.1%} "
+                f"on {len(self.problems)} test problems"
+            )
+        return result
+
     def accuracy(self, model) -> dict:
         """{"task_accuracy": the share of the test problems answered exactly}, or {} without any."""
         if not self.problems:
             return {}
-        from ember.infer.engine import Engine
-        from ember.infer.evaluate import answer_problems
-
         was_training = model.training
         outputs = answer_problems(Engine(model, self.tokenizer), self.task, self.problems)
         model.train(was_training)
@@ -215,3 +245,25 @@ class SFTTask:
         cache = PackedDocuments(doc) if self.packing else None
         loss = F.cross_entropy(model(x, cache=cache, keep=trained).float(), y[trained])
         return loss, {"trained_tokens": int(trained.sum())}
+
+
+def train_rows(model, ids: list[int]) -> set[str]:
+    """Let only the rows ``ids`` of the embedding and of an untied head train: each table's
+    gradient is masked to those rows, and as such tables take the embedding role (no weight
+    decay, ``param_role``) AdamW leaves the other rows exactly as they were. The fine-tuning of
+    new special tokens that PEFT offers as ``trainable_token_indices``; returns the tables'
+    state dict names."""
+    names = {"tok_embeddings.weight"}
+    if model.output.weight is not model.tok_embeddings.weight:
+        names.add("output.weight")
+    for name in names:
+        weight = model.get_parameter(name)
+        mask = torch.zeros(weight.size(0), 1, dtype=weight.dtype, device=weight.device)
+        mask[ids] = 1
+        weight.requires_grad_(True)
+        weight.register_hook(lambda grad, mask=mask: grad * mask.to(grad.device, grad.dtype))
+        weight.row_mask = mask  # read by param_role
+    count = len(ids) * model.tok_embeddings.weight.size(1) * len(names)
+    tables = " and ".join(sorted(names))
+    print0(f"and {len(ids)} rows of the {tables} (the chat tokens): {count:,} parameters")
+    return names

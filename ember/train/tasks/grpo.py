@@ -6,7 +6,7 @@
 completions of each from the current policy: the very module that trains, in eval mode under
 inference_mode, batched, with its KV cache; no copy of the weights. The task's verifier scores each
 completion, ``r ∈ [0, 1]`` (or a reward model, ``grpo.reward_model``: σ of its score,
-ember/train/reward.py; plus ``grpo.format_reward`` when it closes its turn with
+ember/train/tasks/rm.py; plus ``grpo.format_reward`` when it closes its turn with
 ``<|end_turn|>``). P = (``train.batch_tokens / train.seq_len``) / G: a step trains on that many
 completions. Within each group of G the advantage of completion i is::
 
@@ -68,10 +68,12 @@ from torch import Tensor
 
 from ember.data.chat import render
 from ember.errors import ConfigError, EmberError
-from ember.parallel.dist import all_reduce
-from ember.train.dpo import token_logps
-from ember.train.reward import load_reward_model, score_sequences
-from ember.train.sft import IGNORE, SFTLoader, SFTTask, data_task
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
+from ember.parallel.dist import all_reduce, print0
+from ember.train.tasks.dpo import frozen_copy, reference_policy, token_logps
+from ember.train.tasks.rm import load_reward_model, score_sequences
+from ember.train.tasks.sft import IGNORE, SFTLoader, SFTTask, data_task
 
 LOSSES = ("token", "sequence")
 
@@ -149,9 +151,6 @@ class Rollouts(SFTLoader):
     def __init__(self, grpo_cfg, tokenizer, model, reference: Callable | None, rows: int,
                  micro_batch: int, seed: int, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu"):  # fmt: skip
-        from ember.infer.engine import Engine
-        from ember.infer.sampling import Sampling
-
         self.task = data_task(grpo_cfg.data, "grpo.data")
         if self.task is None:
             raise EmberError(
@@ -166,7 +165,7 @@ class Rollouts(SFTLoader):
         self.sampling = Sampling(
             grpo_cfg.max_new_tokens, grpo_cfg.temperature, grpo_cfg.top_k or None, grpo_cfg.top_p
         )
-        self.reward_model = None  # grpo.reward_model: σ(its score) is the reward (ember/train/reward.py)
+        self.reward_model = None  # grpo.reward_model: σ(its score) is the reward (ember/train/tasks/rm.py)
         if grpo_cfg.reward_model:
             self.reward_model = load_reward_model(grpo_cfg.reward_model, tokenizer, torch.device(device))
         self.rollouts, self.used = 0, 0  # rollouts drawn; steps taken on the last one
@@ -281,9 +280,37 @@ class GRPOTask(SFTTask):
     """The trainer's task for ``train.task=grpo``: ``grpo_loss`` on a micro-batch of rollouts, and
     SFT's task accuracy on held-out problems at each evaluation."""
 
+    name = "grpo"
+    reference_on_resume = True
+
     def __init__(self, grpo_cfg, tokenizer):
         super().__init__(False, tokenizer, grpo_cfg.data, grpo_cfg.eval_problems)
         self.cfg = grpo_cfg
+
+    @classmethod
+    def check_layout(cls, cfg, world_size: int, dp: int) -> None:
+        if world_size > 1 and cfg.parallel.data == "fsdp":
+            raise ConfigError(f"train.task={cls.name} runs on one device or under DDP (parallel.data=ddp)")
+        check_groups(cfg.train.batch_tokens // cfg.train.seq_len, dp, cfg.grpo.group)
+
+    @classmethod
+    def prepare(cls, trainer, model) -> None:
+        keep = trainer.adapters is None and trainer.cfg.grpo.beta  # a KL term to the starting weights
+        trainer.frozen = frozen_copy(model) if keep else None
+
+    @classmethod
+    def build(cls, trainer, model):
+        cfg, env, t, g = trainer.cfg, trainer.env, trainer.cfg.train, trainer.cfg.grpo
+        task = cls(g, trainer.tokenizer)
+        reference = reference_policy(trainer, model, g.temperature, g.shared_prefix) if g.beta else None
+        where = (env.dp_rank, env.dp_size, env.device)
+        loader = Rollouts(g, trainer.tokenizer, model, reference, trainer.global_rows, t.micro_batch,
+                          cfg.run.seed, *where)  # fmt: skip
+        print0(
+            f"grpo: {trainer.global_rows // g.group} prompts × {g.group} completions per step, from "
+            f"{len(loader.examples):,} {g.data} train problems"
+        )
+        return task, loader, None
 
     def loss(self, model, batch) -> tuple[Tensor, dict]:
         x, y, advantages, old_logps, ref_logps = batch

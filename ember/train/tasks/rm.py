@@ -43,8 +43,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ember.errors import EmberError
-from ember.train.dpo import Pair
-from ember.train.sft import IGNORE, SFTTask
+from ember.parallel.dist import print0
+from ember.parallel.parallelize import unwrap
+from ember.run import load_run
+from ember.train.tasks.dpo import Pair, encode_pairs, pair_loader, preference_pairs, task_preferences
+from ember.train.tasks.sft import IGNORE, SFTTask, data_task
 
 
 def score_positions(y: Tensor) -> Tensor:
@@ -105,9 +108,28 @@ class RMTask(SFTTask):
     """The trainer's task for ``train.task=rm``: the Bradley–Terry loss on a micro-batch of pairs,
     and ``pair_accuracy`` on the held-out ``pairs`` at each evaluation."""
 
+    name = "rm"
+
     def __init__(self, tokenizer, pairs: list[Pair]):
         super().__init__(False, tokenizer)
         self.pairs = pairs
+
+    @classmethod
+    def prepare(cls, trainer, model) -> None:
+        pass  # (no chat-token rows: the pairs train the score head and what LoRA adapts)
+
+    @classmethod
+    def build(cls, trainer, model):
+        pairs, answer = preference_pairs(trainer, None)  # the starting run's answers, loaded once
+        task = cls(trainer.tokenizer, held_out_pairs(trainer, answer))
+        return task, pair_loader(trainer, pairs), None
+
+    def validate(self, trainer) -> dict:
+        result = self.accuracy(unwrap(trainer.model))
+        if result:
+            n = len(self.pairs)
+            print0(f"step {trainer.step:6d} | pair accuracy {result['pair_accuracy']:.1%} on {n} held-out pairs")  # fmt: skip # noqa: E501
+        return result
 
     def accuracy(self, model) -> dict:
         return {"pair_accuracy": pair_accuracy(model, self.pairs)} if self.pairs else {}
@@ -117,11 +139,19 @@ class RMTask(SFTTask):
         return bradley_terry_loss(*scores(model, x, y).chunk(2))
 
 
+def held_out_pairs(trainer, answer) -> list[Pair]:
+    """A reward model's held-out pairs: ``dpo.eval_problems`` of the task's test problems, made
+    as its training pairs are (none with a JSONL file of pairs)."""
+    d = trainer.cfg.dpo
+    if data_task(d.data, "dpo.data") is None or not d.eval_problems:
+        return []
+    made = task_preferences(d.data, d.eval_problems, trainer.cfg.run.seed, answer if d.rejected == "model" else None, "test")  # fmt: skip # noqa: E501
+    return encode_pairs(trainer.tokenizer, made, trainer.cfg.train.seq_len)
+
+
 def load_reward_model(run: str | Path, tokenizer, device: torch.device):
     """``grpo.reward_model``'s model, frozen on ``device``; an EmberError unless it is a reward
     model (``model.head=score``) that reads this run's tokenizer."""
-    from ember.train.checkpoint import load_run
-
     model, theirs = load_run(run, "last", device)
     if model.cfg.head != "score":
         raise EmberError(

@@ -1,0 +1,180 @@
+"""The model a run starts from: its tokenizer, its resolved config, a finished run's weights
+(``train.init_from``), fake quantization (``train.qat``) and adapters (``train.lora_rank``).
+
+    tokenizer, file, known = start_tokenizer(cfg, chat=True)   # the data's, or a chat run's
+    init_from(model, "runs/base", model_cfg, tokenizer_sha)     # fine-tuning: checked, then loaded
+
+Before the layout is applied, the model may start from a finished run's float weights
+(``train.init_from``: fine-tuning; checked against this run's model config and tokenizer, and
+skipped on resume, where the checkpoint's weights win). A task on conversations (SFT, DPO, GRPO,
+reward models) reads no shards, so its tokenizer is the source run's; one without the chat
+tokens (an imported GPT-2 or Llama tokenizer) gets them appended, and the embedding and head
+grow to match, each new row the mean of the old ones (``chat_tokenizer``, ``grow_vocab``). Its
+block linears (and the output head, at int8) may fake-quantize their weights in every forward
+(``train.qat``: ``QATLinear``, same parameters and names), so compile traces the rounding and
+DDP/FSDP, checkpoints and the exported float weights are those of a plain run; ``ember
+quantize`` with the same scheme then stores what training saw.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from ember.data.chat import add_chat_tokens
+from ember.data.manifest import TOKENIZER, load_tokenizer, read_manifest
+from ember.data.tokenizer import Tokenizer, file_sha256
+from ember.errors import ConfigError
+from ember.model.gpt import grow_vocab
+from ember.model.lora import apply_lora, lora_summary
+from ember.model.quant import QuantSpec, apply_qat, read_spec
+from ember.parallel.dist import print0
+from ember.run import load_weights, run_tokenizer
+
+
+def start_tokenizer(cfg, chat: bool) -> tuple[Tokenizer, Path | None, int | None]:
+    """The run's tokenizer, the file it is copied from (None: saved from memory) and, when the
+    chat tokens were appended to it, its size before: the data dir's, or with ``chat`` (a task
+    on conversations) and ``train.init_from`` the starting run's."""
+    if chat and cfg.train.init_from:
+        return chat_tokenizer(cfg.train.init_from)
+    tokenizer = load_tokenizer(cfg.data.dir, read_manifest(cfg.data.dir))
+    return tokenizer, Path(cfg.data.dir) / TOKENIZER, None
+
+
+def resolve_model_config(model_cfg, tokenizer, grown: bool = False):
+    """Fill ``vocab_size`` from the tokenizer (rounded up to ``vocab_multiple``) and check it;
+    ``grown``: the chat tokens were appended, so a size below the tokenizer's is taken afresh."""
+    if grown and 0 < model_cfg.vocab_size < tokenizer.vocab_size:
+        model_cfg = replace(model_cfg, vocab_size=0)  # from the grown tokenizer, rounded up
+    vocab = model_cfg.vocab_size
+    if vocab == 0:
+        m = model_cfg.vocab_multiple
+        vocab = (tokenizer.vocab_size + m - 1) // m * m
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size}; "
+            "set model.vocab_size=0 to take it from the tokenizer"
+        )
+    return replace(model_cfg, vocab_size=vocab)
+
+
+def chat_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
+    """The tokenizer of fine-tuning on conversations (SFT, DPO) from ``run``: the source run's
+    (these tasks read no shards, so the data dir has no say), with the chat tokens appended if
+    it lacks them (an imported foreign tokenizer). Returns it, the file to copy into the run
+    (None when it grew: it is saved from memory) and, when it grew, its size before."""
+    path = run_tokenizer(run)
+    if path is None:
+        raise ConfigError(
+            f"train.init_from={run}: no {TOKENIZER} in {Path(run) / 'model'} or {run}; give a run "
+            "directory that `ember train` or `ember import` wrote"
+        )
+    tokenizer = Tokenizer.load(path)
+    known = tokenizer.vocab_size
+    added = add_chat_tokens(tokenizer)
+    if not added:
+        return tokenizer, path, None
+    ids = f"{known}..{tokenizer.vocab_size - 1}"
+    print0(f"ember: {path} lacks the chat tokens: added {', '.join(added)} as ids {ids}")
+    return tokenizer, None, known
+
+
+def init_from(model, run: str, model_cfg, tokenizer_sha: str | None, known: int | None = None) -> None:
+    """Load run directory ``run``'s final float weights (``model/``) into ``model`` (fine-tuning);
+    an EmberError, before anything is written, if they cannot stand for this run's model: another
+    model config, another tokenizer, or quantized weights (their rounding is not trainable).
+    ``tokenizer_sha`` None: the tokenizer is the source's own (SFT), nothing to compare. ``known``:
+    the source tokenizer's size when chat tokens were appended to it; the embedding and head then
+    grow to this run's vocabulary, rows from ``known`` on the mean of the rows before."""
+    src = Path(run)
+    folder = src / "model"
+    if not (folder / "model_config.json").is_file():
+        raise ConfigError(
+            f"train.init_from={run}: no final weights there ({folder / 'model_config.json'} not found); "
+            "give a run directory that `ember train` finished"
+        )
+    spec = read_spec(folder)
+    if spec is not None:
+        raise ConfigError(
+            f"train.init_from={run} is quantized ({spec.label}); fine-tune from the float run it was "
+            "quantized from (train.qat trains towards the same rounding)"
+        )
+    try:
+        theirs = json.loads((folder / "model_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"train.init_from={run}: cannot read {folder}/model_config.json ({e})") from None
+    ours = asdict(model_cfg)
+    differ = [k for k in ours if k in theirs and theirs[k] != ours[k]] + [k for k in theirs if k not in ours]
+    score_from_lm = model_cfg.head == "score" and theirs.get("head", "lm") == "lm"  # a reward model's start
+    free = {"dropout"} | ({"vocab_size"} if known is not None else set())  # weights' shapes unchanged
+    free |= {"head", "init_std"} if score_from_lm else set()  # (init_std: the new head's)
+    differ = [k for k in differ if k not in free]  # (vocab_size: it grew with the tokenizer)
+    if differ:
+        listing = ", ".join(f"model.{k}={theirs.get(k)!r} there but {ours.get(k)!r} here" for k in differ)
+        raise ConfigError(
+            f"train.init_from={run}: its model differs from this run's: {listing}; set those keys to the "
+            f"source's values (or use {src / 'config.yaml'} as the config)"
+        )
+    tokenizer = run_tokenizer(src)
+    if tokenizer_sha is not None and (tokenizer is None or file_sha256(tokenizer) != tokenizer_sha):
+        found = f"{tokenizer} differs from" if tokenizer else f"no {TOKENIZER} in {folder} or {src} to match"
+        raise ConfigError(
+            f"train.init_from={run}: {found} the data dir's tokenizer; prepare the data with the "
+            "source run's tokenizer, or fine-tune on the data dir it was trained on"
+        )
+    if known is not None:
+        print0(
+            f"ember: the embedding and head grow from {theirs['vocab_size']} to {model_cfg.vocab_size} rows; "
+            f"rows {known}.. start as the mean of rows 0..{known - 1}"
+        )
+    if score_from_lm:
+        print0(f"ember: every weight from {run} but its vocabulary head; the score head starts at init")
+
+    def adapt(state: dict) -> dict:
+        if known is not None:
+            state = grow_vocab(state, model_cfg.vocab_size, known)
+        if score_from_lm:  # the score head keeps its initialisation
+            state = {**state, "output.weight": model.output.weight.detach().clone()}
+        return state
+
+    load_weights(model, folder, adapt=adapt)
+
+
+def apply_lora_cfg(model, train_cfg) -> set[str]:
+    """``train.lora_rank``: adapters on the targeted block linears, everything else frozen (the
+    base in NF4 with ``train.qlora``); returns the adapters' state dict names, which are all a
+    checkpoint then holds."""
+    if not train_cfg.init_from:
+        print0("ember: note: LoRA without train.init_from adapts a freshly initialised model")
+    apply_lora(
+        model,
+        train_cfg.lora_rank,
+        train_cfg.lora_alpha,
+        train_cfg.lora_dropout,
+        tuple(train_cfg.lora_targets),
+        nf4=train_cfg.qlora,
+    )
+    print0(lora_summary(model) + (" (base in NF4)" if train_cfg.qlora else ""))
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def apply_qat_cfg(model, train_cfg) -> None:
+    """``train.qat``: every nn.Linear in the blocks fake-quantizes its weight in the forward pass,
+    and the output head at int8 as ``ember quantize`` stores it (``QATLinear``: same parameters
+    and names, so optimizer, checkpoints and the exported float weights are unchanged, and
+    ``ember quantize`` of the same scheme stores what training saw)."""
+
+    spec = QuantSpec(train_cfg.qat, train_cfg.qat_group_size)
+    if spec.scheme == "int4-weight":
+        widths = sorted({m.in_features for m in model.layers.modules() if isinstance(m, torch.nn.Linear)})
+        bad = [k for k in widths if k % spec.group_size]
+        if bad:
+            raise ConfigError(
+                f"train.qat_group_size={spec.group_size} does not divide the block linears' input widths "
+                f"{bad}; choose a group size that divides {widths}"
+            )
+    apply_qat(model, spec)

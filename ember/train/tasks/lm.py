@@ -1,0 +1,128 @@
+"""Next-token prediction on the prepared shards: ``train.task=lm``, the pretraining task.
+
+    loss, _ = LMTask(z_loss=1e-4, token_bytes=token_bytes).loss(model, (x, y))
+
+Cross-entropy on shifted windows, with the optional z-loss of PaLM (§5): ``z · logsumexp²``
+keeps the softmax normaliser near one. The batch at step ``s`` is a pure function of
+``(run.seed, s)`` (``ember.data.loader.TrainLoader``); validation scores fixed windows of the
+``val`` split with the formula ``ember eval`` uses (``language_metrics``), in bits per UTF-8
+byte of the text as well as nats per token, so runs with different tokenizers compare.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ember.data.loader import TokenDataset, TrainLoader, ValLoader
+from ember.data.manifest import read_manifest
+from ember.errors import DataError
+from ember.infer.evaluate import language_metrics
+from ember.parallel.dist import all_reduce, print0
+from ember.train.task import Task
+
+
+class LMTask(Task):
+    """``token_bytes[i]`` is the number of UTF-8 bytes token ``i`` stands for, so bits per byte
+    counts the bytes of the evaluated text exactly, whatever the tokenizer."""
+
+    name = "lm"
+    splits_model = True
+
+    def __init__(self, z_loss: float, token_bytes: torch.Tensor):
+        self.z_loss = z_loss
+        self.token_bytes = token_bytes
+
+    @classmethod
+    def build(cls, trainer, model):
+        cfg, env = trainer.cfg, trainer.env
+        token_bytes = torch.tensor(trainer.tokenizer.token_byte_lengths(trainer.model_cfg.vocab_size))
+        task = cls(cfg.train.z_loss, token_bytes.to(env.device))
+        train_set = TokenDataset(cfg.data.dir, "train")
+        loader = TrainLoader(
+            train_set,
+            cfg.train.seq_len,
+            trainer.global_rows,
+            cfg.run.seed,
+            env.dp_rank,
+            env.dp_size,
+            mode=cfg.data.sampling,
+            device=env.device,
+        )
+        return task, loader, val_loader(cfg, env)
+
+    def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
+        x, y = batch
+        logits = model(x).float()  # (B, T, V)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        if self.z_loss:
+            loss = loss + self.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return loss, {}
+
+    def validate(self, trainer) -> dict:
+        if trainer.val_loader is None:
+            return {}
+        result = self.evaluate(trainer.model, trainer.val_loader, trainer.autocast)
+        print0(
+            f"step {trainer.step:6d} | val loss {result['val_loss']:.4f} | ppl {result['val_ppl']:.2f} | "
+            f"bpb {result['val_bpb']:.4f}"
+        )
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, model, val_loader, autocast) -> dict:
+        token_bytes = self.token_bytes
+        device = token_bytes.device
+        sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, tokens, nats on text, bytes
+        was_training = model.training
+        model.eval()
+        for x, y in val_loader:
+            with autocast:
+                logits = model(x)
+            if logits is None:  # a pipeline rank without the last stage
+                continue
+            logits = logits.float()
+            if hasattr(logits, "full_tensor"):  # split by vocabulary (parallel.loss_parallel): gathered
+                logits = logits.full_tensor()
+            nats_per_token = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none")
+            text = token_bytes[y.reshape(-1)] > 0  # <|eos|> and friends stand for no bytes of text
+            nats = nats_per_token.sum()
+            sums += torch.stack(
+                [
+                    nats.double(),
+                    torch.tensor(y.numel(), device=device, dtype=torch.float64),
+                    nats_per_token[text].sum().double(),
+                    token_bytes[y].sum().double(),
+                ]
+            )
+        model.train(was_training)
+        all_reduce(sums)
+        return {f"val_{k}": v for k, v in language_metrics(*sums.tolist()).items()}
+
+
+def val_loader(cfg, env) -> ValLoader | None:
+    """Fixed validation windows, the same count on every rank (FSDP forwards are collective);
+    None, with a note, when the val split is empty or shorter than one window."""
+    t = cfg.train
+    if not read_manifest(cfg.data.dir)["splits"]["val"]["shards"]:
+        print0("ember: note: the data has no validation split (data.val_fraction=0): no evaluation")
+        return None
+    val_set = TokenDataset(cfg.data.dir, "val")
+    try:
+        probe = ValLoader(val_set, t.seq_len, t.micro_batch, max_windows=t.eval_windows)
+    except DataError as e:
+        print0(f"ember: note: no evaluation: {e}")
+        return None
+    usable = probe.n_windows_total // env.dp_size * env.dp_size
+    if not usable:
+        print0("ember: note: fewer validation windows than ranks: no evaluation")
+        return None
+    return ValLoader(
+        val_set,
+        t.seq_len,
+        t.micro_batch,
+        max_windows=usable,
+        rank=env.dp_rank,
+        world_size=env.dp_size,
+        device=env.device,
+    )
