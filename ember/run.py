@@ -21,6 +21,7 @@ to ``train/``: the trainer writes a run, this module knows its shape. Nothing is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ember.atomic import publish_dir, staging_dir, write_text_atomic
 from ember.config import ModelConfig, load_config
 from ember.data.tokenizer import Tokenizer
-from ember.errors import EmberError
+from ember.errors import ConfigError, EmberError
 from ember.model.gpt import GPT
 from ember.model.quant import pack, quantize, read_spec
 from ember.parallel.dist import get_rank
@@ -192,6 +193,18 @@ def run_tokenizer(run_dir: str | Path) -> Path | None:
     return next((p for p in candidates if p.is_file()), None)
 
 
+def load_run_tokenizer(run_dir: str | Path, key: str = "") -> tuple[Tokenizer, Path]:
+    """The run's tokenizer and the file it came from (``run_tokenizer``); an EmberError, which
+    names ``key`` (the setting that pointed here) when given, if there is none."""
+    path = run_tokenizer(run_dir)
+    if path is None:
+        where = f"no tokenizer.json in {Path(run_dir) / 'model'} or {run_dir}"
+        if key:
+            raise ConfigError(f"{key}={run_dir}: {where}; give a run directory that `ember train` or `ember import` wrote")  # fmt: skip # noqa: E501
+        raise EmberError(f"{where}; copy the tokenizer the run was trained with there")
+    return Tokenizer.load(path), path
+
+
 def load_run(
     run_dir: str | Path, ckpt: str = "last", device: str | torch.device = "cpu"
 ) -> tuple[GPT, Tokenizer]:
@@ -216,13 +229,7 @@ def load_run(
         cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError, EmberError) as e:  # ValueError: bad JSON or UTF-8
         raise EmberError(f"{config_path} is not a valid model config ({e}); re-export the weights") from None
-    tokenizer_path = run_tokenizer(run_dir)
-    if tokenizer_path is None:
-        raise EmberError(
-            f"no tokenizer.json in {run_dir / 'model'} or {run_dir}; "
-            "copy the tokenizer the run was trained with there"
-        )
-    tokenizer = Tokenizer.load(tokenizer_path)
+    tokenizer, tokenizer_path = load_run_tokenizer(run_dir)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise EmberError(
             f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {config_path} only "
@@ -252,23 +259,44 @@ def load_run(
     return model.eval(), tokenizer
 
 
-def read_checkpoint_weights(folder: Path, model: torch.nn.Module) -> None:
-    """The model weights of committed training checkpoint ``folder`` (DCP) into ``model``, which
-    is whole and on one device (``load_run --ckpt STEP``); the training state is left out."""
+# DCP wraps load failures in CheckpointException, a BaseException subclass
+CHECKPOINT_ERRORS = (OSError, ValueError, RuntimeError, KeyError, CheckpointException)
+
+
+def committed(folder: Path) -> Path:
+    """``folder``, or an EmberError if its save never finished (no commit marker)."""
     folder = Path(folder)
     if not (folder / MARKER).exists():
         raise EmberError(
             f"checkpoint {folder} has no {MARKER} marker: it was never finished; "
             "resume from an earlier step or use train.resume=auto"
         )
+    return folder
+
+
+def unreadable(folder: Path, e: BaseException) -> EmberError:
+    return EmberError(
+        f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); if it is damaged, "
+        "delete it to resume from the one before (a different model or optimizer needs a new run)"
+    )
+
+
+@contextlib.contextmanager
+def quiet_dcp():
+    """DCP warns that it 'assumes' a single process even when told so (no_dist=True)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def read_checkpoint_weights(folder: Path, model: torch.nn.Module) -> None:
+    """The model weights of committed training checkpoint ``folder`` (DCP) into ``model``, which
+    is whole and on one device (``load_run --ckpt STEP``); the training state is left out."""
+    folder = committed(folder)
     try:
         state = {"model": get_model_state_dict(model)}
-        with warnings.catch_warnings():  # DCP says it 'assumes' a single process even when told so
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        with quiet_dcp():
             dcp.load(state, checkpoint_id=str(folder), no_dist=True)
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    except (OSError, ValueError, RuntimeError, KeyError, CheckpointException) as e:
-        raise EmberError(
-            f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); if it is damaged, "
-            "delete it to resume from the one before (a different model or optimizer needs a new run)"
-        ) from None
+    except CHECKPOINT_ERRORS as e:
+        raise unreadable(folder, e) from None

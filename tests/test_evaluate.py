@@ -41,7 +41,7 @@ def test_val_split_matches_the_trainer(run):
 
     from ember.data.loader import TokenDataset, ValLoader
     from ember.infer.evaluate import score, split_text
-    from ember.train.trainer import LMTask
+    from ember.train.tasks.lm import LMTask
 
     model, tok = load_run(run)
     data_dir = _data_dir(run)

@@ -13,7 +13,8 @@ from ember.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from ember.infer.evaluate import score
 from ember.model.gpt import GPT
 from ember.run import read_metrics
-from ember.train.trainer import LMTask, Trainer
+from ember.train.tasks.lm import LMTask
+from ember.train.trainer import Trainer
 
 # ---------------------------------------------------------------- z-loss
 

@@ -23,25 +23,29 @@ only tensors, everything else is JSON.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
 
-from ember.errors import EmberError
 from ember.parallel.dist import barrier, get_rank
-from ember.run import MARKER, checkpoint_steps, step_dir, write_json
+from ember.run import (
+    CHECKPOINT_ERRORS,
+    MARKER,
+    checkpoint_steps,
+    committed,
+    quiet_dcp,
+    step_dir,
+    unreadable,
+    write_json,
+)
 
 # optimizer state keyed by parameter name, not by position in the param groups: a pipeline stage
 # has only some groups (the embedding's on the first stage, the head's on the last), so positions
@@ -51,14 +55,6 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 def _dist_on() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it 'assumes' a single process even when told so (no_dist=True)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
@@ -91,7 +87,7 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     if only is not None:
         model_sd = {k: v for k, v in model_sd.items() if k in only}
-    with _quiet_single_process():
+    with quiet_dcp():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder), no_dist=not _dist_on())
     torch.save(_rng_state(), folder / f"rng-rank{rank}.pt")
     barrier()
@@ -126,59 +122,43 @@ def _drop_unsaved_group_settings(optim_sd: dict, saved) -> dict:
 
 
 def load_checkpoint(
-    folder: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    only: set[str] | None = None,
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, only: set[str] | None = None
 ) -> dict:
-    """Load model (+ optimizer) state and this rank's RNG; returns meta.json's content. ``only``:
-    the model entries the checkpoint holds (as saved); the others stay as they are."""
-    folder = Path(folder)
-    if not (folder / MARKER).exists():
-        raise EmberError(
-            f"checkpoint {folder} has no {MARKER} marker: it was never finished; "
-            "resume from an earlier step or use train.resume=auto"
-        )
+    """Load model and optimizer state and this rank's RNG; returns meta.json's content. ``only``:
+    the model entries the checkpoint holds (as saved); the others stay as they are. (The
+    weights alone, for inference: ``ember.run.read_checkpoint_weights``.)"""
+    folder = committed(folder)
     try:
         meta = json.loads((folder / "meta.json").read_text())
-        with _quiet_single_process():
-            if optimizer is None:
-                state = {"model": get_model_state_dict(model)}
-                dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
-                set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-            else:
-                saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-                # optimizer state by parameter name (FLAT), as every checkpoint since pipeline
-                # parallel has it, or by position in the param groups (before)
-                flat = not any(k.startswith("optim.param_groups.0.") for k in saved)
-                model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))  # fmt: skip # noqa: E501
-                if only is not None:
-                    model_sd = {k: v for k, v in model_sd.items() if k in only}
-                built = [dict(group) for group in optimizer.param_groups]
-                kept = _drop_unsaved_group_settings(optim_sd, saved)
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
-                state["optim"].update(kept)
-                set_state_dict(
-                    model,
-                    optimizer,
-                    model_state_dict=state["model"],
-                    optim_state_dict=state["optim"],
-                    options=StateDictOptions(strict=only is None, flatten_optimizer_state_dict=flat),
-                )
-                for group, before in zip(optimizer.param_groups, built, strict=True):
-                    for key, value in before.items():
-                        group.setdefault(key, value)
+        saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        # optimizer state by parameter name (FLAT), as every checkpoint since pipeline
+        # parallel has it, or by position in the param groups (before)
+        flat = not any(k.startswith("optim.param_groups.0.") for k in saved)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))  # fmt: skip # noqa: E501
+        if only is not None:
+            model_sd = {k: v for k, v in model_sd.items() if k in only}
+        built = [dict(group) for group in optimizer.param_groups]
+        kept = _drop_unsaved_group_settings(optim_sd, saved)
+        state = {"model": model_sd, "optim": optim_sd}
+        with quiet_dcp():
+            dcp.load(state, checkpoint_id=str(folder), no_dist=not _dist_on())
+        state["optim"].update(kept)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=only is None, flatten_optimizer_state_dict=flat),
+        )
+        for group, before in zip(optimizer.param_groups, built, strict=True):
+            for key, value in before.items():
+                group.setdefault(key, value)
         rank_file = folder / f"rng-rank{get_rank()}.pt"
         if not rank_file.exists():  # resumed at a different world size: take rank 0's stream
             rank_file = folder / "rng-rank0.pt"
         rng = torch.load(rank_file, weights_only=True)
-    # DCP wraps load failures in CheckpointException, a BaseException subclass
-    except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError, CheckpointException) as e:
-        raise EmberError(
-            f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); if it is damaged, "
-            "delete it to resume from the one before (a different model or optimizer needs a new run)"
-        ) from None
+    except CHECKPOINT_ERRORS as e:
+        raise unreadable(folder, e) from None
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])

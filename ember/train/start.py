@@ -32,7 +32,7 @@ from ember.model.gpt import grow_vocab
 from ember.model.lora import apply_lora, lora_summary
 from ember.model.quant import QuantSpec, apply_qat, read_spec
 from ember.parallel.dist import print0
-from ember.run import load_weights, run_tokenizer
+from ember.run import load_run_tokenizer, load_weights, run_tokenizer
 
 
 def start_tokenizer(cfg, chat: bool) -> tuple[Tokenizer, Path | None, int | None]:
@@ -67,13 +67,7 @@ def chat_tokenizer(run: str) -> tuple[Tokenizer, Path | None, int | None]:
     (these tasks read no shards, so the data dir has no say), with the chat tokens appended if
     it lacks them (an imported foreign tokenizer). Returns it, the file to copy into the run
     (None when it grew: it is saved from memory) and, when it grew, its size before."""
-    path = run_tokenizer(run)
-    if path is None:
-        raise ConfigError(
-            f"train.init_from={run}: no {TOKENIZER} in {Path(run) / 'model'} or {run}; give a run "
-            "directory that `ember train` or `ember import` wrote"
-        )
-    tokenizer = Tokenizer.load(path)
+    tokenizer, path = load_run_tokenizer(run, "train.init_from")
     known = tokenizer.vocab_size
     added = add_chat_tokens(tokenizer)
     if not added:
