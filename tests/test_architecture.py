@@ -169,7 +169,9 @@ class CopyTask(Task):
     @classmethod
     def build(cls, trainer, model):
         vocab, t = trainer.tokenizer.vocab_size, trainer.cfg.train
-        loader = CopyLoader(trainer.global_rows // trainer.env.dp_size, t.seq_len, vocab, trainer.cfg.run.seed)
+        loader = CopyLoader(
+            trainer.global_rows // trainer.env.dp_size, t.seq_len, vocab, trainer.cfg.run.seed
+        )
         return cls(), loader, None
 
     def loss(self, model, batch):

@@ -2,6 +2,7 @@
 results into ``RUN/analysis/<instrument>/`` (``results.json`` and plots).
 
     model, cfg = load_for_analysis(run_dir, ckpt="last")   # float64 optional, reference attention
+    names = ckpt_names(run_dir, "all")                     # every committed checkpoint, then last
     x, y = windows(cfg, n=16, seed=0)                      # seeded training windows of the run's data
 
 Instruments: ``profile`` (torch.profiler, the step's phases, achieved FLOP/s: profile.py),
@@ -11,7 +12,8 @@ sharpness across checkpoints: curvature.py), ``memory`` (live bytes by category 
 memory.py), ``nonfinite`` and ``determinism`` (a step replayed with every tensor checked; two
 runs compared tensor by tensor: replay.py), ``lens`` (each layer through the head: lens.py);
 and the trainer's ``train.log_dynamics`` (dynamics.py). Each is checked against a slow exact
-computation on a tiny model (tests/test_analysis.py).
+computation on a tiny model (tests/test_analysis.py), and each renders its own result as the
+lines ``ember analyze`` prints (``summary(result) -> str``).
 The model runs with the reference attention (plain matmuls and softmax), which ``torch.func``
 transforms and double backward take on every device; the fused kernels are for training.
 """
@@ -27,13 +29,24 @@ import torch
 
 from ember.data.loader import TokenDataset
 from ember.errors import EmberError
-from ember.run import load_run, run_config
+from ember.run import checkpoint_steps, load_run, run_config
 
 
 def load_for_analysis(run_dir: Path, ckpt: str = "last", dtype: torch.dtype = torch.float32):
     """The run's model (train mode off, reference attention, ``dtype``) and config."""
     model, _ = load_run(run_dir, ckpt=ckpt)
     return model.set_attention("reference").to(dtype).eval(), run_config(run_dir)
+
+
+def ckpt_names(run_dir: Path, spec: str) -> list[str]:
+    """``--ckpt``: ``last``, ``best``, ``all`` (every committed checkpoint, then ``last`` if no
+    checkpoint holds the final weights) or a list of steps/names, as ``load_run`` takes them."""
+    if spec != "all":
+        return [c.strip() for c in spec.split(",") if c.strip()]
+    found = [(s, p.name) for s, p, done in checkpoint_steps(Path(run_dir) / "checkpoints") if done]
+    summary = Path(run_dir) / "summary.json"
+    final = json.loads(summary.read_text()).get("step") if summary.is_file() else None
+    return [name for _, name in found] + ([] if final in {s for s, _ in found} else ["last"])
 
 
 def windows(cfg, n: int, seed: int = 0, split: str = "train", seq_len: int | None = None):

@@ -115,6 +115,17 @@ def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: 
     return {"rows": rows, "out": str(out)}
 
 
+def summary(r: dict) -> str:
+    """What ``ember analyze RUN hessian`` prints: a line per checkpoint."""
+    lines = []
+    for row in r["rows"]:
+        lr = f"; lr {row['lr']:.2e}, 2/lr {row['two_over_lr']:.3g}" if row["lr"] else ""
+        lines.append(f"{row['ckpt']} (step {row['step']}): loss {row['loss']:.4f}; top eigenvalues "
+                     + ", ".join(f"{e:.4g}" for e in row["eigenvalues"])
+                     + f"; trace {row['trace']:.4g} ± {row['trace_stderr']:.2g}{lr} ({row['hvp_calls']} H·v products)")  # fmt: skip # noqa: E501
+    return "\n".join(lines)
+
+
 def _plot(rows: list[dict], path) -> None:
     from ember.report.report import plot_series as plot
 

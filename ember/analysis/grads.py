@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from ember.errors import EmberError
 from ember.model.gpt import layer_of
 
 
@@ -84,6 +85,8 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     from ember.analysis import load_for_analysis, windows, write_results
     from ember.run import checkpoint_step
 
+    if batch < 2:
+        raise EmberError(f"--batch {batch}: the gradient noise scale needs at least 2 windows")
     started = time.perf_counter()
     rows, influence = [], None
     for ckpt in ckpts:
@@ -100,7 +103,7 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
         _, tokenizer = load_run(run_dir, ckpt=ckpts[-1])
         ids = torch.tensor(tokenizer.encode(text))[: cfg.train.seq_len + 1]
         if len(ids) < 2:
-            raise ValueError(f"--text {text!r} is shorter than two tokens")
+            raise EmberError(f"--text {text!r} is shorter than two tokens")
         target = flat_grad(model, ids[None, :-1], ids[None, 1:])
         flat = torch.cat([t.flatten(1) for t in g.values()], dim=1)  # named_parameters' order
         scores = (flat.double() @ target.double()).tolist()
@@ -121,6 +124,29 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
         series = [("B_simple (tokens)", steps, [r["b_simple"] * r["seq_len"] for r in rows], {"marker": "o"})]
         plot(out / "noise-scale.png", series, "gradient noise scale across the run", "step", "tokens", "log")
     return {"rows": rows, "influence": influence, "out": str(out)}
+
+
+def summary(r: dict) -> str:
+    """What ``ember analyze RUN grads`` prints: per checkpoint the norms and the noise scale, the
+    last one's norms per layer, and the most and least aligned windows."""
+    lines = []
+    for row in r["rows"]:
+        norms, b = row["norms"]["total"], row["b_simple"]
+        lines.append(f"{row['ckpt']} (step {row['step']}): gradient norm per window "
+                     f"{min(norms):.3g}–{max(norms):.3g}; tr(Σ) {row['trace_sigma']:.4g}, "
+                     f"|G|² {row['g2_unbiased']:.4g} (unbiased); "
+                     f"B_simple {b:.4g} windows = {b * row['seq_len']:,.0f} tokens")  # fmt: skip
+    last = r["rows"][-1]
+    lines.append(
+        f"  {'layer':<16} {'mean':>9} {'min':>9} {'max':>9}   gradient norm per window, {last['ckpt']}"
+    )
+    for name, norms in last["norms"]["layers"].items():
+        lines.append(f"  {name:<16} {sum(norms) / len(norms):>9.4g} {min(norms):>9.4g} {max(norms):>9.4g}")
+    for key in ("most_aligned", "least_aligned") if r["influence"] else ():
+        lines.append(f"{key.replace('_', ' ')} with {r['influence']['text']!r}:")
+        for item in r["influence"][key]:
+            lines.append(f"  {item['dot']:+.4g}  window {item['window']}: {item['text'][:100]!r}")
+    return "\n".join(lines)
 
 
 def _plot(row: dict, path) -> None:

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ember.errors import EmberError
+
 
 @torch.no_grad()
 def lens(model, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -39,12 +41,14 @@ def analyze(run_dir, text: str, ckpt: str = "last") -> dict:
     from ember.analysis import load_for_analysis, write_results
     from ember.run import load_run
 
+    if not text:
+        raise EmberError("lens reads a text through every layer: give --text '...'")
     started = time.perf_counter()
     model, _ = load_for_analysis(run_dir, ckpt)
     _, tokenizer = load_run(run_dir, ckpt=ckpt)
     ids = torch.tensor(tokenizer.encode(text)[: model.cfg.max_seq_len])
     if ids.numel() < 2:
-        raise ValueError(f"--text {text!r} is shorter than two tokens")
+        raise EmberError(f"--text {text!r} is shorter than two tokens")
     readings = lens(model, ids)
     final_top = readings[-1].argmax(-1)
     layers = []
@@ -65,3 +69,13 @@ def analyze(run_dir, text: str, ckpt: str = "last") -> dict:
     title = "logit lens: each layer read through the final norm and head"
     plot(out / "lens.png", series, title, "layer (0: embedding)", "nats")
     return {"tokens": tokens, "layers": layers, "out": str(out)}
+
+
+def summary(r: dict) -> str:
+    """What ``ember analyze RUN lens`` prints: per layer, the loss, the agreement with the final
+    top token, and the top tokens."""
+    lines = [f"{'layer':<11} {'loss':>7} {'= final':>8}  top token at each position of {r['tokens']!r}"]
+    for row in r["layers"]:
+        tops = " ".join(repr(t)[1:-1] or "·" for t in row["top_tokens"])
+        lines.append(f"{row['layer']:<11} {row['loss']:>7.3f} {row['agrees_with_final']:>8.0%}  {tops[:80]}")
+    return "\n".join(lines)

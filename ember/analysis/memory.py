@@ -47,6 +47,14 @@ def analyze(run_dir, steps: int = 3) -> dict:
     return {**measured, "operations": len(timeline), "out": str(out)}
 
 
+def summary(r: dict) -> str:
+    """What ``ember analyze RUN memory`` prints: the peak and its parts."""
+    mib = lambda b: f"{b / 2**20:,.2f} MiB"  # noqa: E731
+    return (f"{r['operations']:,} operations in the tracked step; peak {mib(r['peak'])}: parameters "
+            f"{mib(r['params'])}, gradients {mib(r['grads_at_peak'])}, optimizer {mib(r['optimizer'])}, "
+            f"activations and temporaries {mib(r['activations_at_peak'])}")  # fmt: skip
+
+
 def _plot(series: dict, every: int, path) -> None:
     from ember.report.report import plot_series as plot
 

@@ -1,8 +1,9 @@
 """``ember plan CONFIG [--nproc N]``: will it fit? Bytes per rank, predicted from the config and
 the layout before anything runs, and (``--measure``) set against a few real steps.
 
-    plans = predict(cfg, world_size)        # one dict per rank: params, grads, optimizer, ...
+    plans = predict(cfg, model_cfg, world)  # one dict per rank: params, grads, optimizer, ...
     measured = measure(trainer, steps=3)    # the same components, from a live storage tracker
+    print_plan(cfg, plans, measured, ...)   # the tables `ember plan` prints
 
 A rank holds, in a step of training with AdamW (fp32 master weights, gradients and moments;
 with ``train.precision`` bf16 or fp16 the trace runs under autocast, as the trainer does):
@@ -442,3 +443,48 @@ def measure_config(cfg, steps: int = 4, timeline: bool = False) -> list[dict] | 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every if dist.get_rank() == 0 else None
+
+
+def print_plan(cfg, predicted: list[dict], measured: list[dict] | None, flops: float, config: str,
+               steps: int, peak_tflops: float = 0.0, mfu: float = 0.4) -> None:  # fmt: skip
+    """What ``ember plan CONFIG`` prints: the layout, the predicted bytes per rank, FLOPs per step
+    (and the step time at ``mfu`` of ``peak_tflops``), and against ``measured`` the ratios."""
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = lambda b: f"{b / 2**20:,.2f}"  # noqa: E731
+    p, t, first = cfg.parallel, cfg.train, predicted[0]
+    layout = [f"{k}={getattr(p, k)}" for k in ("pp", "dp_replicate", "tp") if getattr(p, k) > 1]
+    layout += [f"dp={first['dp']} ({'FSDP2' if first['fsdp'] else 'replicas'})"] if first["dp"] > 1 else []
+    if p.pp > 1:
+        layout.append(f"{p.pp_schedule}, {first['microbatches']} micro-batches of {first['rows']} rows")
+    print(f"{config} on {len(predicted)} rank(s): {', '.join(layout) or 'one process'}; "
+          f"{t.precision}, {t.optimizer}, micro-batch {first['rows']} × {t.seq_len}")  # fmt: skip
+    table = Table(title="predicted bytes per rank (MiB)")
+    for col in ("rank", "stages", "params", "grads", "optimizer", "activations", "with AC", "peak"):
+        table.add_column(col, justify="right")
+    for r in predicted:
+        sizes = [mib(r[k]) for k in ("params", "grads", "optimizer", "activations", "activations_ac", "peak")]
+        table.add_row(str(r["rank"]), ",".join(map(str, r["stages"])), *sizes)
+    Console().print(table)
+    step_s = ""
+    if peak_tflops:
+        step_s = f"; at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per rank: {flops / (mfu * peak_tflops * 1e12 * len(predicted)):.3g} s a step"  # fmt: skip # noqa: E501
+    print(f"FLOPs per step: {flops:.3e} (6N + attention, × {t.batch_tokens:,} tokens){step_s}")
+    if measured is None:
+        return
+    table = Table(title=f"predicted vs measured (MiB), the lower of the last two of {steps} steps")
+    for col in ("rank", "component", "predicted", "measured", "ratio"):
+        table.add_column(col, justify="right")
+    worst = 0.0
+    for pred, meas in zip(predicted, measured, strict=True):
+        for key in COMPONENTS:
+            a, b = pred[key], meas[key]
+            ratio = a / b if b else (1.0 if a == 0 else float("inf"))
+            worst = max(worst, difference(a, b, meas["peak"]))
+            table.add_row(str(pred["rank"]), key.replace("_", " "), mib(a), mib(b), f"{ratio:.3f}")
+        if "allocator_peak" in meas:  # CUDA
+            a, b = pred["peak"], meas["allocator_peak"]
+            table.add_row(str(pred["rank"]), "peak (allocator)", mib(a), mib(b), f"{a / b:.3f}")
+    Console().print(table)
+    print(f"largest difference: {worst:.1%} (relative; under 5% of the peak, as a share of the peak)")

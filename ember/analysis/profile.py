@@ -93,3 +93,17 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
                "peak_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
     write_results(run_dir, "profile", results, started)
     return {**results, "out": str(out)}
+
+
+def summary(r: dict) -> str:
+    """What ``ember analyze RUN profile`` prints: the step split, the top ten operators, FLOP/s."""
+    split = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in r["split_s"].items())
+    step = f"{r['steps']} steps of {r['step_s'] * 1e3:,.1f} ms on {r['device']} ({r['threads']} threads)"
+    lines = [f"{step}: {split}", f"{'operator':<44} {'calls':>7} {'self ms':>10} {'total ms':>10}"]
+    for op in r["top_ops"][:10]:
+        lines.append(f"{op['op'][:44]:<44} {op['calls']:>7} {op['self_ms']:>10.1f} {op['total_ms']:>10.1f}")
+    peak = f"{r['matmul_peak_flops'] / 1e9:,.2f} GFLOP/s ({r['fraction_of_peak']:.1%})"
+    trace = Path(r["out"]) / "trace.json"
+    lines.append(f"achieved {r['achieved_flops'] / 1e9:,.2f} GFLOP/s of the model's FLOPs; a large "
+                 f"{r['peak_dtype']} matmul here: {peak}; trace: {trace}")  # fmt: skip
+    return "\n".join(lines)

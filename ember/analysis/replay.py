@@ -32,7 +32,7 @@ from ember.errors import EmberError
 from ember.train.recorder import Recorder
 
 
-def nonfinite(run_dir, step: int, inject=None) -> dict:
+def nonfinite(run_dir, step: int | None, inject=None) -> dict:
     """Replay step ``step`` of the run from its last committed checkpoint before it (or from the
     start) and name the first non-finite tensor. ``inject(trainer)``: a test's fault, installed
     before the replayed step."""
@@ -40,6 +40,10 @@ def nonfinite(run_dir, step: int, inject=None) -> dict:
     from ember.run import checkpoint_steps, run_config
     from ember.train.trainer import scratch_trainer
 
+    if step is None:
+        raise EmberError("nonfinite replays one step: give --step S (the step the run stopped at)")
+    if step < 1:
+        raise EmberError(f"--step {step}: steps count from 1")
     started = time.perf_counter()
     cfg = run_config(run_dir)
     cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
@@ -59,11 +63,28 @@ def nonfinite(run_dir, step: int, inject=None) -> dict:
     return {**result, "out": str(out)}
 
 
+def nonfinite_summary(r: dict) -> str:
+    """What ``ember analyze RUN nonfinite`` prints: the first non-finite tensor and what fed it."""
+    replayed = f"step {r['step']} (replayed from {r['from']})"
+    first = r["first_nonfinite"]
+    if first is None:
+        return f"{replayed}: every output and gradient is finite"
+    t, fed = first["tensor"], first["before"] or {}
+    lines = [f"{replayed}: first non-finite: {first['phase']} of {first['name']} "
+             f"({t['nonfinite']} of {t['shape']} entries)"]  # fmt: skip
+    if fed:
+        lines.append(f"  just before it, {fed['phase']} {fed['name']}: absmax {fed['absmax']:.4g}, "
+                     f"mean {fed['mean']:.4g}, {fed['nonfinite']} non-finite")  # fmt: skip
+    return "\n".join(lines)
+
+
 def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1, 1)) -> dict:
     """Train ``cfg`` twice for ``steps`` steps, recording every tensor; the first step and tensor
     where the second run differs from the first. ``perturb(trainer)``: a test's non-determinism,
     installed in the second run only. ``worlds``: the two runs' world sizes; other than (1, 1) each
-    run is a torchrun launch (one thread per rank) recorded by ``record_rank``."""
+    run is a torchrun launch (one thread per rank) recorded by ``record_rank``. With the
+    ``worlds`` and the ``seconds`` it took."""
+    started = time.perf_counter()
     if worlds != (1, 1):
         if perturb is not None:
             raise ValueError("perturb installs into this process's trainer: not with other world sizes")
@@ -81,24 +102,61 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
         for world in worlds:  # a layout or batch that cannot run fails here, before any launch
             check_layout(cfg, world)
         prepare(cfg)  # once, before the ranks read the data
-        return _first_difference([_launch(cfg, steps, w) for w in worlds], steps) | {"worlds": list(worlds)}
+        runs = [_launch(cfg, steps, w) for w in worlds]
+    else:
+        runs = [_record(cfg, steps, perturb if attempt == 1 else None) for attempt in range(2)]
+    return _first_difference(runs, steps) | {"worlds": list(worlds), "seconds": time.perf_counter() - started}
+
+
+def parse_worlds(spec: str | None) -> tuple[int, int]:
+    """``--nproc`` of determinism: none → (1, 1); N → (1, N); A,B → (A, B)."""
+    if spec is None:
+        return (1, 1)
+    try:
+        sizes = [int(part) for part in spec.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise EmberError(f"--nproc {spec}: give N (one process against N ranks) or A,B (A ranks against B)")
+    return (1, sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
+
+
+def determinism_summary(r: dict, config: str) -> str:
+    """What ``ember analyze CONFIG determinism`` prints: identical, or where the runs part."""
+    one = r["worlds"] == [1, 1]
+    runs = "two runs" if one else f"runs on {r['worlds'][0]} and {r['worlds'][1]} rank(s)"
+    took = f"({r['seconds']:.1f} s)"
+    if r["identical"]:
+        what = "module outputs, their gradients, parameter gradients, parameters"
+        if not one:
+            what = "each micro-batch's module outputs, averaged gradients, gradient norms, parameters"
+        return (f"{config}: {runs} of {r['steps']} steps are identical: {r['tensors_compared']:,} tensors "
+                f"({what}) equal bit for bit {took}")  # fmt: skip
+    diff, apart = r["max_difference"], r.get("parameters_apart_at_end")
+    where = f"{r['phase']} {r['name']}".strip()
+    return (f"{config}: the {runs} part at step {r['step']}, {where}"
+            + (f": largest difference {diff:.3g} ({r['relative']:.2g} of its largest value)" if diff is not None else "")  # fmt: skip # noqa: E501
+            + (f"; after step {r['steps']} their parameters are up to {apart:.3g} apart" if apart else "")
+            + f" {took}")  # fmt: skip
+
+
+def _record(cfg, steps: int, perturb=None) -> list[list[tuple]]:
+    """One run of ``steps`` steps in this process: per step every recorded tensor, then the
+    parameters after it."""
     from ember.train.trainer import scratch_trainer
 
-    runs = []
-    for attempt in range(2):
-        with scratch_trainer(cfg, resume="never") as trainer:
-            if attempt == 1 and perturb is not None:
-                perturb(trainer)
-            batches = trainer.loader.iterate(0)
-            records = []
-            for _ in range(steps):
-                with Recorder(trainer.model, keep=True) as rec:
-                    trainer.advance(batches)
-                params = trainer.model.named_parameters()
-                after = [("parameter after the step", n, p.detach().clone()) for n, p in params]
-                records.append(rec.events + after)
-        runs.append(records)
-    return _first_difference(runs, steps)
+    with scratch_trainer(cfg, resume="never") as trainer:
+        if perturb is not None:
+            perturb(trainer)
+        batches = trainer.loader.iterate(0)
+        records = []
+        for _ in range(steps):
+            with Recorder(trainer.model, keep=True) as rec:
+                trainer.advance(batches)
+            params = trainer.model.named_parameters()
+            after = [("parameter after the step", n, p.detach().clone()) for n, p in params]
+            records.append(rec.events + after)
+    return records
 
 
 def _first_difference(runs: list, steps: int) -> dict:
@@ -210,11 +268,6 @@ def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
         events = [(f"forward (micro-batch {g})", n, t) for g in sorted(forward) for _, n, t in forward[g]]
         steps_in_order.append(events + ranks[0][s]["synced"])
     return steps_in_order
-
-
-def check_step(step: int) -> None:
-    if step < 1:
-        raise EmberError(f"--step {step}: steps count from 1")
 
 
 if __name__ == "__main__":  # a rank of ``_launch``: python -m ember.analysis.replay CONFIG STEPS OUT

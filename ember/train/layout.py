@@ -92,7 +92,11 @@ def _check_tensor_parallel(cfg, world_size: int, m, task) -> None:
         raise ConfigError("parallel.loss_parallel computes plain cross-entropy on split logits: set train.z_loss=0 and model.logit_softcap=0")  # fmt: skip # noqa: E501
     if cfg.parallel.sequence_parallel and m.pos != "rope":
         raise ConfigError("parallel.sequence_parallel needs model.pos=rope: learned positions are added to the whole sequence")  # fmt: skip # noqa: E501
-    unsupported = ((not task.splits_model, f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"))
+    unsupported = (
+        (not task.splits_model, f"train.task={t.task}"),
+        (t.lora_rank, "LoRA"),
+        (t.qat != "none", "QAT"),
+    )
     for on, what in unsupported:
         if on:
             raise ConfigError(f"parallel.tp={tp} trains the language model only for now, not {what}")
@@ -110,9 +114,9 @@ def _check_pipeline(cfg, world_size: int, model_cfg, task) -> None:
         raise ConfigError(f"parallel.pp_virtual_stages={v} needs parallel.pp_schedule=interleaved-1f1b; {p.pp_schedule} runs one stage per rank")  # fmt: skip # noqa: E501
     if model_cfg.tie_embeddings:
         raise ConfigError("model.tie_embeddings=true shares the embedding with the head, which live on the first and the last pipeline stage: set model.tie_embeddings=false with parallel.pp")  # fmt: skip # noqa: E501
-    unsupported = ((not task.splits_model, f"train.task={t.task}"), (t.lora_rank, "LoRA"), (t.qat != "none", "QAT"),
-                   (t.precision == "fp16", "fp16 (its loss scaler)"), (t.z_loss, "train.z_loss"),
-                   (p.loss_parallel, "parallel.loss_parallel"))  # fmt: skip
+    unsupported = ((not task.splits_model, f"train.task={t.task}"), (t.lora_rank, "LoRA"),
+                   (t.qat != "none", "QAT"), (t.precision == "fp16", "fp16 (its loss scaler)"),
+                   (t.z_loss, "train.z_loss"), (p.loss_parallel, "parallel.loss_parallel"))  # fmt: skip
     for on, what in unsupported:
         if on:
             raise ConfigError(f"parallel.pp={pp} trains the language model with plain cross-entropy only for now, not {what}")  # fmt: skip # noqa: E501
