@@ -61,7 +61,7 @@ Design choices:
   Its first call, which compiles, is timed apart and printed; its greedy ids are compared
   with eager ember's.
 - Quantized batch-1 rows (``--quant``, default ``int8-weight`` and ``int4-weight`` group 32):
-  a copy of the same model through ``ember.export.quantize.quantize``, eager and compiled, same
+  a copy of the same model through ``ember.model.quant.quantize``, eager and compiled, same
   prompt; its greedy ids are compared with fp32 ember's (quantization changes the numbers, so
   they may part), and its bound counts the bytes it reads (int8/int4 values, scales, zeros,
   the int8 head, one row of the fp32 embedding). One table lists every batch-1 row: tokens/s, x HF, the

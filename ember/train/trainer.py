@@ -168,7 +168,7 @@ def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
 def _find_nonfinite_module(model, task, batch, autocast) -> str:
     """Re-run the micro-batch, forward and backward, with every module output, gradient at a
     module output and parameter gradient checked in the order they are computed
-    (``ember.analysis.replay.Recorder``); say where the first non-finite one is."""
+    (``ember.train.recorder.Recorder``); say where the first non-finite one is."""
     model.zero_grad(set_to_none=True)  # the failed step's gradients would be seen again
     rec = Recorder(unwrap(model), keep=False)
     try:
