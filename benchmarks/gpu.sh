@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The checks and benchmarks that wait for a GPU, ready for one lent machine (its image has
-# torch + CUDA, transformers and peft, but not omegaconf, and it cannot download):
+# torch + CUDA, transformers and peft, and it cannot download; ember itself comes by PYTHONPATH):
 #
-#   bash benchmarks/gpu.sh deps                   # here, first: omegaconf into .gpu-deps/
-#   bash benchmarks/gpu.sh env analyze decode     # there, carrying .gpu-deps: one call (<= 8 min)
+#   bash benchmarks/gpu.sh env analyze decode     # there: one call (<= 8 min)
 #   bash benchmarks/gpu.sh lora plan              # a second call (<= 9 min)
 #   bash benchmarks/gpu.sh parallel               # a third (<= 5 min)
 #
@@ -27,9 +26,7 @@ OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 DEV=${DEV:-cuda}  # (DEV=cpu PY=.venv/bin/python: a dry run of the script's plumbing here)
-deps=$PWD
-[ -d .gpu-deps ] && deps="$PWD/.gpu-deps:$PWD"
-export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $OUT/NAME.log
@@ -46,11 +43,6 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $
 
 for what in "$@"; do
     case $what in
-    deps)  # pure Python, so this machine's copy serves the device's Python 3.12
-        site=$(PYTHONPATH= .venv/bin/python -c "import omegaconf as o; print(o.__path__[0])")
-        rm -rf .gpu-deps && mkdir -p .gpu-deps && cp -r "$site" .gpu-deps/
-        echo "copied omegaconf into .gpu-deps/ (.gitignore'd); carry it: run(..., carry=['.gpu-deps'])"
-        ;;
     env)
         stage env 60 "nvidia-smi; $PY -c 'import torch, transformers as t, peft; \
             print(torch.__version__, torch.cuda.get_device_name(), t.__version__, peft.__version__)'"
@@ -78,7 +70,7 @@ for what in "$@"; do
             --steps 30 --layouts single"
         ;;
     *)
-        echo "unknown stage $what: deps env analyze decode lora plan parallel" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel" >&2
         exit 2
         ;;
     esac

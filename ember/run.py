@@ -38,10 +38,11 @@ from ember.config import ModelConfig, load_config
 from ember.data.tokenizer import Tokenizer
 from ember.errors import ConfigError, EmberError
 from ember.model.gpt import GPT
-from ember.model.quant import pack, quantize, read_spec
+from ember.model.quant import QuantSpec, pack, quantize
 from ember.parallel.dist import get_rank
 
 MARKER = "COMMITTED"
+QUANT_FILE = "quant.json"  # in model/: the scheme of a quantized run (ember quantize)
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -184,6 +185,18 @@ def load_weights(model: torch.nn.Module, folder: Path, adapt=None) -> None:
             f"{path} does not match the model (missing {sorted(missing)[:4]}, "
             f"unexpected {sorted(unexpected)[:4]})"
         )
+
+
+def read_spec(model_dir: Path) -> QuantSpec | None:
+    """The ``QuantSpec`` of a quantized run's ``model/`` folder, or None for float weights."""
+    path = Path(model_dir) / QUANT_FILE
+    if not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        return QuantSpec(**{"head": False, **fields})  # a record without "head" predates the int8 head
+    except (OSError, ValueError, TypeError, EmberError) as e:
+        raise EmberError(f"{path} is not a valid quantization record ({e}); quantize the run again") from None
 
 
 def run_tokenizer(run_dir: str | Path) -> Path | None:

@@ -26,11 +26,10 @@ from ember.model.quant import (
     quantize,
     quantize_int4,
     quantize_int8,
-    read_spec,
     unpack_int4,
     weight_bytes,
 )
-from ember.run import load_run
+from ember.run import load_run, read_spec
 from ember.train.trainer import train
 
 SPECS = [QuantSpec("int8-weight"), QuantSpec("int8-dynamic"), QuantSpec("int4-weight", 32)]

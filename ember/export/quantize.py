@@ -28,8 +28,8 @@ from ember.errors import EmberError
 from ember.infer.engine import Engine
 from ember.infer.evaluate import score, split_text
 from ember.infer.sampling import Sampling
-from ember.model.quant import QUANT_FILE, QuantSpec, quantize, read_spec, weight_bytes
-from ember.run import export_weights, load_run, run_tokenizer
+from ember.model.quant import QuantSpec, quantize, weight_bytes
+from ember.run import QUANT_FILE, export_weights, load_run, read_spec, run_tokenizer
 
 
 def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool = False) -> Path:

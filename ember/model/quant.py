@@ -44,9 +44,7 @@ A quantized run is an ordinary run directory: ``model/quant.json`` names the sch
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +57,6 @@ SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
 GROUP_SIZES = (32, 64, 128)
 HEAD_SCHEME = "int8-weight"  # the output head's scheme when QuantSpec.head
 FAST_ROWS = 8  # inputs with at most this many rows take the CPU kernels (decode); wider ones dequantize
-QUANT_FILE = "quant.json"
 
 
 @dataclass(frozen=True)
@@ -300,18 +297,6 @@ def pack(model: nn.Module) -> nn.Module:
         if isinstance(m, QuantLinear):
             m.pack()
     return model
-
-
-def read_spec(model_dir: Path) -> QuantSpec | None:
-    """The ``QuantSpec`` of a quantized run's ``model/`` folder, or None for float weights."""
-    path = Path(model_dir) / QUANT_FILE
-    if not path.is_file():
-        return None
-    try:
-        fields = json.loads(path.read_text(encoding="utf-8"))
-        return QuantSpec(**{"head": False, **fields})  # a record without "head" predates the int8 head
-    except (OSError, ValueError, TypeError, EmberError) as e:
-        raise EmberError(f"{path} is not a valid quantization record ({e}); quantize the run again") from None
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -30,9 +30,9 @@ from ember.data.tokenizer import Tokenizer, file_sha256
 from ember.errors import ConfigError
 from ember.model.gpt import grow_vocab
 from ember.model.lora import apply_lora, lora_summary
-from ember.model.quant import QuantSpec, apply_qat, read_spec
+from ember.model.quant import QuantSpec, apply_qat
 from ember.parallel.dist import print0
-from ember.run import load_run_tokenizer, load_weights, run_tokenizer
+from ember.run import load_run_tokenizer, load_weights, read_spec, run_tokenizer
 
 
 def start_tokenizer(cfg, chat: bool) -> tuple[Tokenizer, Path | None, int | None]:
