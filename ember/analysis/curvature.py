@@ -18,11 +18,14 @@ direction whose curvature exceeds 2/lr, and full-batch training tends to hover t
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
-from ember.run import checkpoint_step
+from ember.analysis import load_for_analysis, windows, write_results
+from ember.report.report import plot_series as plot
+from ember.run import checkpoint_step, read_metrics
 
 
 class HessianOperator:
@@ -89,11 +92,6 @@ def hutchinson(op, samples: int = 20, seed: int = 0) -> tuple[float, float]:
 def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: int, seed: int) -> dict:
     """``ember analyze RUN hessian``: for each checkpoint, λ_1..λ_k, the trace and, where the run
     logged it, the learning rate at that step and 2/lr."""
-    import time
-
-    from ember.analysis import load_for_analysis, windows, write_results
-    from ember.run import read_metrics
-
     started = time.perf_counter()
     lr_at_step = {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
     rows = []
@@ -127,7 +125,6 @@ def summary(r: dict) -> str:
 
 
 def _plot(rows: list[dict], path) -> None:
-    from ember.report.report import plot_series as plot
 
     steps = [r["step"] for r in rows]
     series = [("λ_max (Lanczos)", steps, [r["eigenvalues"][0] for r in rows], {"marker": "o"})]

@@ -30,8 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 
+from ember.analysis import load_for_analysis, windows, write_results
 from ember.errors import EmberError
 from ember.model.gpt import layer_of
+from ember.report.report import plot_series as plot
+from ember.run import checkpoint_step, load_run
 
 
 def per_example_grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -82,9 +85,6 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     """``ember analyze RUN grads``: per checkpoint, per-window gradient norms (total and per
     layer) and the noise scale; with ``text``, the training windows most and least aligned with
     its gradient at the last checkpoint."""
-    from ember.analysis import load_for_analysis, windows, write_results
-    from ember.run import checkpoint_step
-
     if batch < 2:
         raise EmberError(f"--batch {batch}: the gradient noise scale needs at least 2 windows")
     started = time.perf_counter()
@@ -98,8 +98,6 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
             {"ckpt": ckpt, "step": step, "seq_len": x.size(1), "norms": grad_norms(g), **noise_scale(g)}
         )
     if text:
-        from ember.run import load_run
-
         _, tokenizer = load_run(run_dir, ckpt=ckpts[-1])
         ids = torch.tensor(tokenizer.encode(text))[: cfg.train.seq_len + 1]
         if len(ids) < 2:
@@ -118,8 +116,6 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     out = write_results(run_dir, "grads", results, started)
     _plot(rows[-1], out / "grad-norms.png")
     if len(rows) > 1 and all(r["step"] is not None for r in rows):
-        from ember.report.report import plot_series as plot
-
         steps = [r["step"] for r in rows]
         series = [("B_simple (tokens)", steps, [r["b_simple"] * r["seq_len"] for r in rows], {"marker": "o"})]
         plot(out / "noise-scale.png", series, "gradient noise scale across the run", "step", "tokens", "log")
@@ -150,7 +146,6 @@ def summary(r: dict) -> str:
 
 
 def _plot(row: dict, path) -> None:
-    from ember.report.report import plot_series as plot
 
     layers = row["norms"]["layers"]
     names = list(layers)

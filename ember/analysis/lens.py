@@ -18,7 +18,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ember.analysis import load_for_analysis, write_results
 from ember.errors import EmberError
+from ember.report.report import plot_series as plot
+from ember.run import load_run
 
 
 @torch.no_grad()
@@ -38,9 +41,6 @@ def lens(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def analyze(run_dir, text: str, ckpt: str = "last") -> dict:
-    from ember.analysis import load_for_analysis, write_results
-    from ember.run import load_run
-
     if not text:
         raise EmberError("lens reads a text through every layer: give --text '...'")
     started = time.perf_counter()
@@ -62,8 +62,6 @@ def analyze(run_dir, text: str, ckpt: str = "last") -> dict:
         })  # fmt: skip
     tokens = [tokenizer.decode([t]) for t in ids.tolist()]
     out = write_results(run_dir, "lens", {"text": text, "tokens": tokens, "layers": layers}, started)
-    from ember.report.report import plot_series as plot
-
     xs = list(range(len(layers)))
     series = [("next-token loss on the text", xs, [r["loss"] for r in layers], {"marker": "o"})]
     title = "logit lens: each layer read through the final norm and head"

@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 
+from ember.analysis import write_results
+from ember.analysis.plan import measure_config
+from ember.parallel.dist import wants_cuda
+from ember.report.report import plot_series as plot
+from ember.run import run_config
+
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 
 
 def analyze(run_dir, steps: int = 3) -> dict:
-    from ember.analysis import write_results
-    from ember.analysis.plan import measure_config
-    from ember.parallel.dist import wants_cuda
-    from ember.run import run_config
-
     started = time.perf_counter()
     cfg = run_config(run_dir)
     cuda = wants_cuda(cfg.train.device)
@@ -56,7 +57,6 @@ def summary(r: dict) -> str:
 
 
 def _plot(series: dict, every: int, path) -> None:
-    from ember.report.report import plot_series as plot
 
     xs = [i * every for i in range(len(series["params"]))]
     total = [sum(v) / 2**20 for v in zip(*series.values(), strict=True)]

@@ -55,7 +55,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from ember.data.manifest import load_tokenizer
+from ember.errors import EmberError
 from ember.model.gpt import GPT, mlp_hidden_size
+from ember.parallel.pipeline import microbatches, stage_layers, stage_model, virtual_stages
+from ember.train.start import resolve_model_config
+from ember.train.trainer import scratch_trainer
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "mlp.w1", "mlp.w3")  # split by output rows
 ROW = ("attention.wo", "mlp.w2")  # split by input columns
@@ -87,7 +92,6 @@ def _local_shape(name: str, shape: tuple, tp: int, shard: int) -> tuple:
 
 
 def _stage_model(model: GPT, cfg, pp_rank: int) -> tuple[GPT, list[int]]:
-    from ember.parallel.pipeline import stage_layers, stage_model, virtual_stages
 
     p = cfg.parallel
     if p.pp == 1:
@@ -157,8 +161,6 @@ def trace_activations(model_cfg, cfg, rows: int, pp_rank: int = 0) -> dict:
 
 def _in_flight(cfg, stage: int, microbatches: int) -> int:
     """Micro-batches whose activations a pipeline rank holds at once."""
-    from ember.parallel.pipeline import virtual_stages
-
     p = cfg.parallel
     if p.pp == 1:
         return 1
@@ -175,8 +177,6 @@ def _in_flight(cfg, stage: int, microbatches: int) -> int:
 def predict(cfg, model_cfg, world_size: int) -> list[dict]:
     """One dict per rank: bytes of parameters, gradients, optimizer state, activations (as run,
     without and with activation checkpointing) and the peak; see the module docstring."""
-    from ember.parallel.pipeline import microbatches, virtual_stages
-
     t = cfg.train
     with torch.device("meta"):
         whole = GPT(model_cfg)
@@ -404,10 +404,6 @@ def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -
 def model_config_for(cfg):
     """The model config with ``vocab_size`` resolved as the trainer will: from the prepared
     tokenizer if data.dir holds one, else data.vocab_size rounded up to model.vocab_multiple."""
-    from ember.data.manifest import load_tokenizer
-    from ember.errors import EmberError
-    from ember.train.start import resolve_model_config
-
     if cfg.model.vocab_size:
         return cfg.model
     try:
@@ -433,8 +429,6 @@ def measure_config(cfg, steps: int = 4, timeline: bool = False) -> list[dict] | 
     """On every rank of the launch (or alone): train ``steps`` steps of ``cfg`` in a scratch run
     directory and measure the last; rank 0 gets every rank's figures (others: None)."""
     import torch.distributed as dist
-
-    from ember.train.trainer import scratch_trainer
 
     with scratch_trainer(cfg, max_steps=steps) as trainer:
         mine = measure(trainer, steps, timeline=timeline)

@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+from ember.analysis import write_results
+from ember.run import run_config
+from ember.train.trainer import scratch_trainer
+
 PHASES = ("ember/data", "ember/forward", "ember/backward", "ember/optimizer")
 COMM = ("c10d", "gloo", "nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -44,10 +48,6 @@ def matmul_peak(device: torch.device, size: int = 2048, seconds: float = 1.0, dt
 def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
-
-    from ember.analysis import write_results
-    from ember.run import run_config
-    from ember.train.trainer import scratch_trainer
 
     started = time.perf_counter()
     cfg = run_config(run_dir)

@@ -22,24 +22,28 @@ and the parameters, whole.
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from ember.analysis import write_results
+from ember.config import config_to_yaml
+from ember.data.prepare import prepare
 from ember.errors import EmberError
+from ember.parallel.dist import barrier, destroy_distributed, run_ranks, wants_cuda
+from ember.run import checkpoint_steps, run_config
+from ember.train.layout import check_layout
 from ember.train.recorder import Recorder
+from ember.train.trainer import scratch_trainer
 
 
 def nonfinite(run_dir, step: int | None, inject=None) -> dict:
     """Replay step ``step`` of the run from its last committed checkpoint before it (or from the
     start) and name the first non-finite tensor. ``inject(trainer)``: a test's fault, installed
     before the replayed step."""
-    from ember.analysis import write_results
-    from ember.run import checkpoint_steps, run_config
-    from ember.train.trainer import scratch_trainer
-
     if step is None:
         raise EmberError("nonfinite replays one step: give --step S (the step the run stopped at)")
     if step < 1:
@@ -91,10 +95,6 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
         if cfg.parallel.tp * cfg.parallel.pp > 1:
             raise EmberError("determinism across world sizes compares data-parallel layouts "
                              "(parallel.data=ddp or fsdp): set parallel.tp=1 and parallel.pp=1")  # fmt: skip
-        from ember.data.prepare import prepare
-        from ember.parallel.dist import wants_cuda
-        from ember.train.layout import check_layout
-
         gpus = torch.cuda.device_count()
         if wants_cuda(cfg.train.device) and gpus < max(worlds):
             raise EmberError(f"{max(worlds)} ranks on CUDA need {max(worlds)} GPUs; {gpus} visible: "
@@ -143,8 +143,6 @@ def determinism_summary(r: dict, config: str) -> str:
 def _record(cfg, steps: int, perturb=None) -> list[list[tuple]]:
     """One run of ``steps`` steps in this process: per step every recorded tensor, then the
     parameters after it."""
-    from ember.train.trainer import scratch_trainer
-
     with scratch_trainer(cfg, resume="never") as trainer:
         if perturb is not None:
             perturb(trainer)
@@ -212,9 +210,6 @@ def record_rank(cfg, steps: int, out: Path) -> None:
     the ranks' averaging, before clipping), the gradient norm that clipping uses, and the
     parameters after the step. Written to ``out/rank{r}.pt``. Gradients at module outputs are
     left out: their scale, 1/A, differs between world sizes."""
-    from ember.parallel.dist import barrier, destroy_distributed
-    from ember.train.trainer import scratch_trainer
-
     try:
         with scratch_trainer(cfg, resume="never") as trainer:
             model = getattr(trainer.model, "module", trainer.model)  # (DDP wraps the model; FSDP2 does not)
@@ -252,11 +247,6 @@ def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
     """``record_rank`` on ``world`` ranks under torchrun (this module's ``__main__``), its records
     in one order whatever the world size: micro-batches by their index in the global batch, then
     rank 0's whole tensors."""
-    import tempfile
-
-    from ember.config import config_to_yaml
-    from ember.parallel.dist import run_ranks
-
     with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
         config = Path(tmp) / "config.yaml"
         config.write_text(config_to_yaml(cfg))

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ember.errors import EmberError
+from ember.model.hf import layout_of
 from ember.model.lora import LoRALinear, lora_layers
 
 HF_NAMES = {  # ember linear -> its HF module under the block, per layout (ember/model/hf.py's mapping)
@@ -85,8 +86,6 @@ def save_peft(
     with the embedding (and untied head) rows ``token_rows`` as trainable tokens.
     ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
     from safetensors.torch import save_file
-
-    from ember.model.hf import layout_of
 
     layout = layout_of(model.cfg)  # a ConfigError for what HF cannot represent
     layers = [layer for _, layer in lora_layers(model)]

@@ -55,8 +55,9 @@ from torch import Tensor
 from ember.data.chat import chat_ids, check_messages, render
 from ember.data.tasks import jsonl_rows, reply_of
 from ember.errors import ConfigError, EmberError
-from ember.infer.engine import Engine
+from ember.infer.engine import Engine, KVCache, distinct_left_padded
 from ember.infer.evaluate import answer_problems
+from ember.model.gpt import GPT
 from ember.model.lora import adapters_disabled
 from ember.parallel.dist import print0
 from ember.run import load_run
@@ -238,9 +239,6 @@ def shared_prefix_logits(model, x: Tensor, keep: Tensor) -> Tensor | None:
     (DDP, compiled, pipelined) or dropout while training, which the cache path does not apply.
     (DESIGN allows the model its cache argument "for inference"; this is the one training use:
     the same contract, and autograd runs through the cache's buffers.)"""
-    from ember.infer.engine import KVCache, distinct_left_padded
-    from ember.model.gpt import GPT
-
     if type(model) is not GPT or (model.training and model.cfg.dropout) or not keep.any(1).all():
         return None
     first = keep.int().argmax(1)  # each row's first kept position: its prefix is x[r, :first]

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ember.data.chat import chat_ids, render
+from ember.data.tasks import TASKS, load_jsonl
 from ember.errors import EmberError
 from ember.infer.engine import Engine
 from ember.infer.evaluate import answer_problems
@@ -69,8 +70,6 @@ class PackedDocuments:
 def data_task(spec: str, key: str = "sft.data"):
     """The embedded task ``spec`` (the value of config ``key``) names, or None for a JSONL file;
     an EmberError otherwise."""
-    from ember.data.tasks import TASKS
-
     if not spec:
         task = key.split(".")[0]
         raise EmberError(f"train.task={task} needs {key}: an embedded task name or a JSONL file")
@@ -86,8 +85,6 @@ def data_task(spec: str, key: str = "sft.data"):
 def load_conversations(sft_cfg) -> list[list[dict]]:
     """``sft.data``'s conversations: a JSONL file's rows, or ``sft.examples`` problems of an
     embedded task's train split (ember/data/tasks.py), each as [user, assistant] messages."""
-    from ember.data.tasks import load_jsonl
-
     task = data_task(sft_cfg.data)
     if task is None:
         return load_jsonl(sft_cfg.data)
