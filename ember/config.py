@@ -1,39 +1,33 @@
-"""Typed run configuration: dataclasses, YAML files with ``base:`` chains, presets
-and ``key=value`` overrides.
-
-One ``Config`` describes a whole run, in sections (``run``, ``data``, ``model``,
-``train``, ...), each a small dataclass whose fields carry a one-line help text
-(``ember config keys`` lists them)::
+"""Typed run configuration: dataclasses, YAML files with ``base:`` chains, presets and ``key=value``
+overrides. One ``Config`` describes a whole run in sections (``run``, ``data``, ``model``, ``train``,
+...), small dataclasses whose fields carry a one-line help text (``ember config keys`` lists them)::
 
     cfg = load_config("tiny", overrides=["data.vocab_size=256", "run.seed=3"])
     print(config_to_yaml(cfg))
 
-Resolution order, later wins: dataclass defaults, then the ``base:`` chain of the
-YAML file (the deepest base first), then the file itself, then the command-line
-overrides in the order given.
+Resolution order, later wins: dataclass defaults, the ``base:`` chain of the YAML file (the deepest
+base first), the file itself, then the command-line overrides in the order given.
 
 Design choices:
 
-- Each field declares its rules once: ``opt(default, help, choices=... | ge=/gt=/le=/lt=...)``.
-  One generic pass (``_Section.__post_init__``) checks every field against them, so a
-  dataclass built in code is checked like one loaded from YAML, and ``ember config keys``
-  prints the same declarations. Only rules across fields are written out.
+- Each field declares its rules once: ``opt(default, help, choices=... | ge=/gt=/le=/lt=...)``. One
+  generic pass (``_Section.__post_init__``) checks every field against them, so a dataclass built in
+  code is checked like one loaded from YAML, and ``ember config keys`` prints the same declarations.
+  Only rules across fields are written out.
 - No OmegaConf. It did the typed merge: plain dicts merged onto ``OmegaConf.structured(Config)``,
-  ``'64'`` converted for an int, ``key=value`` dotlists parsed, the dataclasses built by
-  ``to_object``. Knowing no line numbers, it needed each file parsed a second time with PyYAML's
-  node API, a pre-pass for what it let through (``true`` for a str, a list in a ``list[str]``)
-  and its exceptions translated back. Its one feature beyond that, ``${key}`` interpolation, no
-  preset uses (``configs/*.yaml``; it is still filled in, after the merge). Now each file, and
-  each override's value, is composed once into PyYAML nodes, which keep their line and source
-  text; ``_Merged.add`` walks them onto the defaults and checks each key and value against the
-  field types as it lands (``_check`` keeps OmegaConf's conversions), so an error names the file
-  and line, or the override. PyYAML's SafeLoader reads ``1e-3`` as a string, which a float field
-  converts. Measured: 967 lines became 885 (the sections and their schema walk are 550 of them,
-  the loading 278, was 355); ``import ember.config`` takes 75 ms, was 155 (medians of 15;
-  ``-X importtime`` puts omegaconf with its antlr4 and attrs at 90 ms); ``load_config("tiny")``
-  takes 11 ms, was 90.
-- A config is data: YAML is loaded with a safe loader, nothing is ever
-  ``exec``'d or ``eval``'d.
+  ``'64'`` converted for an int, ``key=value`` dotlists parsed, the dataclasses built by ``to_object``.
+  Knowing no line numbers, it needed each file parsed a second time with PyYAML's node API, a pre-pass
+  for what it let through (``true`` for a str, a list in a ``list[str]``) and its exceptions
+  translated back. Its one feature beyond that, ``${key}`` interpolation, no preset uses
+  (``configs/*.yaml``; it is still filled in, after the merge). Now each file, and each override's
+  value, is composed once into PyYAML nodes, which keep their line and source text; ``_Merged.add``
+  walks them onto the defaults and checks each key and value against the field types as it lands
+  (``_check`` keeps OmegaConf's conversions), so an error names the file and line, or the override.
+  PyYAML's SafeLoader reads ``1e-3`` as a string, which a float field converts. Measured: 967 lines
+  became 700 (the sections and their schema walk are 392 of them, the loading 258, was 355);
+  ``import ember.config`` takes 75 ms, was 155 (medians of 15; ``-X importtime`` puts omegaconf with
+  its antlr4 and attrs at 90 ms); ``load_config("tiny")`` takes 11 ms, was 90.
+- A config is data: YAML is loaded with a safe loader, nothing is ever ``exec``'d or ``eval``'d.
 """
 
 from __future__ import annotations
@@ -43,7 +37,6 @@ import difflib
 import operator
 import os
 import re
-import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,8 +50,7 @@ from ember.errors import ConfigError
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
-# Choice lists that code outside this module also reads; every other choice list is
-# declared once, on its field.
+# Choice lists that code outside this module reads too; the others are declared on their field.
 TOKENIZER_KINDS = ("bpe", "char")
 SAMPLING_MODES = ("random", "epoch")
 
@@ -75,11 +67,8 @@ def opt(
     le: float | None = None,
     lt: float | None = None,
 ) -> Any:
-    """A config field: its default, one line of help, and the values it accepts
-    (``choices``, or bounds ``ge``/``gt`` below and ``le``/``lt`` above). Declared
-    here once, they are checked by ``_Section.__post_init__`` and listed by
-    ``ember config keys``. A list default is copied per instance, a class default
-    (a section) is built per instance."""
+    """A config field: its default, one line of help and the values it accepts (``choices`` or bounds).
+    A list default is copied, a class default (a section) built, per instance."""
     bounds = [(op, b) for op, b in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if b is not None]
     meta = {"help": help_text, "choices": tuple(choices), "bounds": bounds}
     if isinstance(default, list):
@@ -101,8 +90,7 @@ def _allowed(meta: Mapping[str, Any]) -> str:
 
 
 class _InvalidValue(ConfigError):
-    """A value that parsed but is out of range; carries the key so the loader can
-    add the file and line it came from."""
+    """A value out of range; carries its key so that the loader can add where it came from."""
 
     def __init__(self, key: str, message: str) -> None:
         super().__init__(message)
@@ -115,9 +103,8 @@ def _require(ok: bool, key: str, message: str) -> None:
 
 
 class _Section:
-    """Base of the config sections (``class DataConfig(_Section, key="data")``):
-    on construction every field is checked against its declared choices and bounds.
-    A section with rules across fields adds them after ``super().__post_init__()``."""
+    """Base of the sections (``class DataConfig(_Section, key="data")``): on construction every field is
+    checked against its choices and bounds; rules across fields follow ``super().__post_init__()``."""
 
     section: ClassVar[str]
 
@@ -133,11 +120,7 @@ class _Section:
             _require(ok, key, f"{key} must be {_allowed(meta)}; got {value!r}")
 
 
-# ---------------------------------------------------------------------------
-# The sections
-# ---------------------------------------------------------------------------
-
-
+# --- The sections ---
 @dataclass
 class RunConfig(_Section, key="run"):
     name: str = opt("ember", "run name; the run lives in <out_dir>/<name>/")
@@ -147,38 +130,22 @@ class RunConfig(_Section, key="run"):
 
 @dataclass
 class DataConfig(_Section, key="data"):
-    sources: list[str] = opt(
-        ["embedded:python"], "corpus sources: embedded:<name>, files, globs or .jsonl/.parquet paths"
-    )
+    sources: list[str] = opt(["embedded:python"], "embedded:<name>, files, globs or .jsonl/.parquet paths")
     dir: str = opt("data/python", "where the tokenizer, shards and manifest are written")
     tokenizer: str = opt("bpe", "tokenizer kind: byte-level BPE or characters", choices=TOKENIZER_KINDS)
     vocab_size: int = opt(4096, "tokenizer vocabulary size, special tokens included", ge=1)
-    val_fraction: float = opt(
-        0.05, "share of each source's bytes held out for validation (by content hash, per source)", ge=0, lt=1
-    )
-    test_sources: list[str] = opt(
-        [], "sources held out by origin as the test split (never trained on); [] = a hashed share"
-    )
-    test_bytes: int = opt(
-        1_000_000, "about this many bytes of test_sources are sampled into test (0 = all)", ge=0
-    )
-    test_fraction: float = opt(
-        0.02, "without test_sources: share of each source's bytes held out as the test split", ge=0, lt=1
-    )
-    tokenizer_train_bytes: int = opt(
-        20_000_000, "at most this many bytes of text are used to train the tokenizer", gt=0
-    )
+    val_fraction: float = opt(0.05, "share of each source's bytes hashed into validation", ge=0, lt=1)
+    test_sources: list[str] = opt([], "sources held out by origin as the test split; [] = a hashed share")
+    test_bytes: int = opt(1_000_000, "about this many bytes of test_sources go into test (0 = all)", ge=0)
+    test_fraction: float = opt(0.02, "if no test_sources: share of each source's bytes for test", ge=0, lt=1)
+    tokenizer_train_bytes: int = opt(20_000_000, "at most this many bytes of text train the tokenizer", gt=0)
     jsonl_field: str = opt("text", "field holding the document text in .jsonl sources")
     parquet_column: str = opt("text", "column holding the document text in .parquet sources")
     min_chars: int = opt(1, "documents shorter than this many characters are dropped", ge=0)
-    max_nontext_fraction: float = opt(
-        0.3, "documents with a larger fraction of non-text characters are dropped", ge=0, le=1
-    )
+    max_nontext_fraction: float = opt(0.3, "drop documents above this share of non-text chars", ge=0, le=1)
     dedup: bool = opt(True, "drop exact duplicate documents (by content hash)")
     shard_tokens: int = opt(100_000_000, "maximum number of tokens per shard file", gt=0)
-    sampling: str = opt(
-        "random", "random windows, or a seeded permutation of windows per epoch", choices=SAMPLING_MODES
-    )
+    sampling: str = opt("random", "random windows or a seeded permutation per epoch", choices=SAMPLING_MODES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -202,12 +169,8 @@ class ModelConfig(_Section, key="model"):
     n_kv_head: int = opt(0, "key/value heads (GQA/MQA); 0 = n_head (plain multi-head attention)", ge=0)
     d_model: int = opt(384, "residual stream width", ge=1)
     max_seq_len: int = opt(256, "longest sequence the positions support", ge=1)
-    mlp: str = opt(
-        "gelu", "MLP: GPT-2's (gelu), Llama's (swiglu) or ReLU squared", choices=("gelu", "swiglu", "relu2")
-    )
-    mlp_hidden: int = opt(
-        0, "MLP hidden width; 0 = 4*d_model (gelu, relu2) or 8/3*d_model rounded to 64 (swiglu)", ge=0
-    )
+    mlp: str = opt("gelu", "gelu (GPT-2), swiglu (Llama), relu2 (ReLU²)", choices=("gelu", "swiglu", "relu2"))
+    mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4*d_model, swiglu: 8/3*d_model rounded to 64", ge=0)
     norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
     norm_eps: float = opt(1e-5, "epsilon of the norms", ge=0)
     pos: str = opt("learned", "positions: learned absolute embeddings or RoPE", choices=("learned", "rope"))
@@ -216,16 +179,9 @@ class ModelConfig(_Section, key="model"):
     bias: bool = opt(True, "biases in linear layers and norms (GPT-2 style)")
     dropout: float = opt(0.0, "dropout on attention weights and residual branches", ge=0, lt=1)
     qk_norm: bool = opt(False, "normalize queries and keys per head before attention")
-    init_std: float = opt(
-        0.02, "std of the normal init; residual projections are scaled by 1/sqrt(2*n_layer)", ge=0
-    )
+    init_std: float = opt(0.02, "init std (normal); residual projections scaled by 1/sqrt(2*n_layer)", ge=0)
     logit_softcap: float = opt(0.0, "cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)", ge=0)
-    head: str = opt(
-        "lm",
-        "lm: next-token logits over the vocabulary; score: one scalar per position, never tied "
-        "(a reward model, train.task=rm)",
-        choices=("lm", "score"),
-    )
+    head: str = opt("lm", "lm: next-token logits; score: untied reward per position", choices=("lm", "score"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -251,12 +207,8 @@ class ModelConfig(_Section, key="model"):
 
 @dataclass
 class TrainConfig(_Section, key="train"):
-    """Batch, budget, optimizer, schedule, precision, evaluation and checkpoint settings."""
-
     seq_len: int = opt(256, "tokens per training sequence (<= model.max_seq_len)", ge=1)
-    batch_tokens: int = opt(
-        16384, "global batch in tokens per optimizer step, across ranks and accumulation", ge=1
-    )
+    batch_tokens: int = opt(16384, "global batch in tokens per step, across ranks and accumulation", ge=1)
     micro_batch: int = opt(16, "sequences per rank per forward/backward", ge=1)
     max_steps: int = opt(0, "stop after this many optimizer steps (0 = no limit)", ge=0)
     max_tokens: int = opt(0, "stop after this many training tokens (0 = no limit)", ge=0)
@@ -264,14 +216,10 @@ class TrainConfig(_Section, key="train"):
     lr: float = opt(1e-3, "peak learning rate", ge=0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr", ge=0, le=1)
     warmup_steps: int = opt(50, "linear warmup steps", ge=0)
-    schedule: str = opt(
-        "cosine", "lr after warmup; wsd = stable, then decay", choices=("cosine", "linear", "wsd", "constant")
-    )
+    schedule: str = opt("cosine", "wsd: stable, then decay", choices=("cosine", "linear", "wsd", "constant"))
     decay_fraction: float = opt(0.2, "wsd: fraction of the budget spent decaying", gt=0, le=1)
     weight_decay: float = opt(0.1, "AdamW decay on matrices (not norms, biases, embeddings)", ge=0)
-    optimizer: str = opt(
-        "adamw", "AdamW, or Muon on block matrices and AdamW on the rest", choices=("adamw", "muon")
-    )
+    optimizer: str = opt("adamw", "muon = Muon on block matrices, AdamW elsewhere", choices=("adamw", "muon"))
     muon_lr: float = opt(0.02, "Muon peak learning rate (block matrices)", ge=0)
     muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)", ge=0, lt=1)
     muon_weight_decay: float = opt(0.0, "Muon decoupled weight decay on block matrices", ge=0)
@@ -282,9 +230,7 @@ class TrainConfig(_Section, key="train"):
     eps: float = opt(1e-8, "AdamW epsilon", ge=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
-    precision: str = opt(
-        "fp32", "fp32, or bf16/fp16 autocast (fp16 with a GradScaler)", choices=("fp32", "bf16", "fp16")
-    )
+    precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler", choices=("fp32", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile each block")
     activation_checkpointing: bool = opt(False, "recompute block activations in backward")
     deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")
@@ -293,17 +239,11 @@ class TrainConfig(_Section, key="train"):
     eval_windows: int = opt(256, "at most this many validation windows per evaluation", ge=1)
     log_every: int = opt(10, "print a log line every this many steps", ge=1)
     log_dynamics: int = opt(
-        0,
-        "every this many steps log weight/update RMS, activation RMS/kurtosis, attention entropy (0: off)",
-        ge=0,
+        0, "every this many steps log weight/update RMS, activation RMS/kurtosis, attn entropy (0: off)", ge=0
     )
     ckpt_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
     keep_last: int = opt(2, "checkpoints kept, newest first", ge=2)
-    keep_best: bool = opt(
-        True,
-        "export the weights with the best val loss to model-best/; their checkpoint is also kept "
-        "if ckpt_every saved that step",
-    )
+    keep_best: bool = opt(True, "export best-val-loss weights to model-best/, keep their checkpoint if any")
     resume: str = opt("never", "'never', 'auto' (newest committed checkpoint) or a step folder")
     resume_allow_changes: bool = opt(
         False,
@@ -311,65 +251,39 @@ class TrainConfig(_Section, key="train"):
         "never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer",
     )
     nonfinite: str = opt(
-        "stop",
-        "on NaN/Inf loss or grads: stop (naming the module) or skip the step",
-        choices=("stop", "skip"),
+        "stop", "NaN/Inf loss or grads: stop (naming the module) or skip the step", choices=("stop", "skip")
     )
     tensorboard: bool = opt(False, "also log to TensorBoard (needs the track extra)")
     qat: str = opt(
         "none",
-        "quantization-aware training: the block linears see their weights fake-quantized as "
-        "`ember quantize --scheme` of the same name stores them",
+        "QAT: block linears' weights fake-quantized as `ember quantize --scheme` of that name stores them",
         choices=("none", "int8-weight", "int4-weight"),
     )
-    qat_group_size: int = opt(
-        32, "input features per scale and zero point (int4-weight only)", choices=(32, 64, 128)
-    )
-    init_from: str = opt(
-        "", "a run directory whose final float weights (RUN/model/) start this run (fine-tuning); '' = none"
-    )
-    lora_rank: int = opt(
-        0, "LoRA: adapters of this rank on the block linears, the rest frozen (0 = off)", ge=0
-    )
+    qat_group_size: int = opt(32, "int4-weight: inputs per scale and zero point", choices=(32, 64, 128))
+    init_from: str = opt("", "fine-tune from a run directory's final float weights (RUN/model/); '' = none")
+    lora_rank: int = opt(0, "LoRA: adapters of this rank on block linears, the rest frozen (0 = off)", ge=0)
     lora_alpha: float = opt(16.0, "LoRA: the update is scaled by lora_alpha / lora_rank", gt=0)
     lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input", ge=0, lt=1)
-    lora_targets: list[str] = opt(
-        ["wq", "wk", "wv", "wo", "w1", "w2", "w3"], "LoRA: the block linears adapted (attention and MLP)"
-    )
-    lora_plus: float = opt(
-        1.0, "LoRA+: the adapters' B matrices train at train.lr times this (Hayou et al. 2024: 16)", gt=0
-    )
+    lora_targets: list[str] = opt(["wq", "wk", "wv", "wo", "w1", "w2", "w3"], "LoRA: block linears adapted")
+    lora_plus: float = opt(1.0, "LoRA+: B matrices train at lr times this (Hayou et al. 2024: 16)", gt=0)
     qlora: bool = opt(False, "LoRA over a frozen base stored in NF4 (QLoRA)")
-    lora_chat_tokens: bool = opt(
-        True,
-        "LoRA with train.task=sft: the embedding rows of the chat tokens (<|system|>, <|user|>, "
-        "<|assistant|>, <|end_turn|>) train too, as a base model never saw them",
-    )
+    lora_chat_tokens: bool = opt(True, "LoRA + train.task=sft: also train the new chat tokens' embeddings")
     task: str = opt(
         "lm",
-        "lm: next-token prediction on the shards; sft: supervised fine-tuning (see sft.*); "
-        "dpo: direct preference optimisation (see dpo.*); grpo: reinforcement learning on a task's "
-        "verifier (see grpo.*); rm: a reward model on dpo.*'s pairs (model.head=score); any task "
-        "registered in ember.train.tasks (checked when training starts)",
+        "lm: next-token prediction; sft: supervised fine-tuning; dpo: preference optimisation; grpo: RL on "
+        "a task's verifier; rm: a reward model on dpo.*'s pairs; or any task in ember.train.tasks",
     )
 
 
 @dataclass
 class SFTConfig(_Section, key="sft"):
-    """Supervised fine-tuning (``train.task=sft``): what the conversations are and how rows hold them."""
-
     data: str = opt(
-        "",
-        "conversations: an embedded task's name (its train split, e.g. add-2) or a JSONL file of "
-        "{messages} or {prompt, completion} rows",
+        "", "an embedded task (train split, e.g. add-2) or JSONL of {messages} or {prompt, completion} rows"
     )
     examples: int = opt(20000, "problems drawn from an embedded task's train split", ge=1)
     packing: bool = opt(True, "pack several conversations per row (no attention between them)")
     eval_problems: int = opt(
-        100,
-        "with an embedded task: test problems answered (greedy) at each evaluation (rm: made into "
-        "held-out pairs, which it ranks); 0 = none",
-        ge=0,
+        100, "with a task: test problems answered greedily per eval (rm: as pairs to rank); 0 = none", ge=0
     )
 
 
@@ -379,30 +293,21 @@ class DPOConfig(_Section, key="dpo"):
     model (``train.task=rm``) trains on the same pairs (data, examples, rejected, eval_problems)."""
 
     data: str = opt(
-        "",
-        "preference pairs: a JSONL file of {prompt, chosen, rejected} rows, or an embedded task's name "
-        "(its train split: the answer chosen, a corrupted one rejected)",
+        "", "a JSONL of {prompt, chosen, rejected} rows, or an embedded task (answer chosen; see rejected)"
     )
     examples: int = opt(20000, "pairs made from an embedded task's train split", ge=1)
     rejected: str = opt(
         "corrupt",
-        "with a task, the rejected reply: corrupt (a seeded near miss) or model (the starting model's own "
-        "greedy answer where it is wrong, a near miss where it is right)",
+        "corrupt (a seeded near miss) or model (the initial model's greedy answer if wrong, else near miss)",
         choices=("corrupt", "model"),
     )
     beta: float = opt(0.1, "β: the strength of the KL leash to the reference (larger: closer)", gt=0)
     loss: str = opt(
-        "sigmoid",
-        "sigmoid (DPO), robust (with label_smoothing: flipped labels expected) or ipo",
-        choices=("sigmoid", "robust", "ipo"),
+        "sigmoid", "sigmoid (DPO), robust (label_smoothing flips), ipo", choices=("sigmoid", "robust", "ipo")
     )
     label_smoothing: float = opt(0.0, "robust: the share of pairs assumed mislabelled", ge=0, lt=0.5)
-    sft_weight: float = opt(
-        0.0, "add this times the chosen replies' negative log-likelihood per token (0 = plain DPO)", ge=0
-    )
-    eval_problems: int = opt(
-        100, "with an embedded task: test problems answered (greedy) at each evaluation; 0 = none", ge=0
-    )
+    sft_weight: float = opt(0.0, "plus this times the chosen replies' NLL per token (0 = plain DPO)", ge=0)
+    eval_problems: int = opt(100, "with a task: test problems answered greedily at each eval; 0 = none", ge=0)
 
 
 @dataclass
@@ -418,17 +323,11 @@ class GRPOConfig(_Section, key="grpo"):
     top_k: int = opt(0, "sample among the k likeliest tokens (0 = all)", ge=0)
     top_p: float = opt(1.0, "nucleus sampling mass (1 = all)", gt=0, le=1)
     epsilon: float = opt(0.2, "ε: the importance ratio is clipped to [1 − ε, 1 + ε]", gt=0, lt=1)
-    beta: float = opt(
-        0.04, "β: weight of the k3 KL penalty to the reference (0 = none, and no reference forward)", ge=0
-    )
+    beta: float = opt(0.04, "β: weight of the k3 KL to the reference (0 = none, no reference forward)", ge=0)
     kl_correction: bool = opt(
-        True,
-        "multiply the k3 term by the ratio, for an unbiased reverse-KL gradient (TRL's default); "
-        "false: DeepSeekMath's bare k3",
+        True, "k3 × the ratio: an unbiased reverse-KL gradient (TRL's default); false: DeepSeekMath's bare k3"
     )
-    scale_rewards: bool = opt(
-        True, "divide advantages by the group's reward std (GRPO); false: Dr. GRPO's mean-centred rewards"
-    )
+    scale_rewards: bool = opt(True, "advantages / group reward std (GRPO); false: mean-centred (Dr. GRPO)")
     loss: str = opt(
         "token",
         "token: mean over the micro-batch's completion tokens (TRL bnpo, DAPO); sequence: mean of each "
@@ -437,17 +336,11 @@ class GRPOConfig(_Section, key="grpo"):
     )
     iterations: int = opt(1, "μ: optimizer steps on each rollout batch (>1: the clip matters)", ge=1)
     shared_prefix: bool = opt(
-        True,
-        "run each group's prompt once in the log-probability forwards (and the update's backward), "
-        "its G completions continuing from it; false: every row its whole sequence (the plain path)",
+        True, "run each group's prompt once in the log-prob forwards and backward; false: every row whole"
     )
     format_reward: float = opt(0.0, "added to the reward of a completion that closes its turn", ge=0)
     eval_problems: int = opt(100, "test problems answered (greedy) at each evaluation; 0 = none", ge=0)
-    reward_model: str = opt(
-        "",
-        "a reward model's run directory (train.task=rm): σ(its score) is the reward instead of the "
-        "verifier's (accuracy is still the verifier's)",
-    )
+    reward_model: str = opt("", "a reward model's run: σ(score) is the reward; accuracy stays the verifier's")
 
 
 @dataclass
@@ -455,35 +348,17 @@ class ParallelConfig(_Section, key="parallel"):
     """How ranks share the work (launch with `ember train CONFIG --nproc N` or torchrun)."""
 
     data: str = opt("ddp", "data parallelism across ranks: DDP or FSDP2", choices=("ddp", "fsdp"))
-    tp: int = opt(
-        1, "tensor parallel: ranks that split each block's matrices (the rest is data parallel)", ge=1
-    )
-    sequence_parallel: bool = opt(
-        False, "with parallel.tp: split the residual stream by position between the matrices (RoPE models)"
-    )
-    loss_parallel: bool = opt(
-        False, "with parallel.tp: cross-entropy on the vocabulary-split logits, never gathered whole"
-    )
-    dp_replicate: int = opt(
-        1, "HSDP (parallel.data=fsdp): shard within groups, replicate across this many of them", ge=1
-    )
-    dp_shard: int = opt(
-        -1, "FSDP2 (parallel.data=fsdp): ranks each parameter is split over; -1 = what the rest leave", ge=-1
-    )
+    tp: int = opt(1, "tensor parallel: ranks splitting each block's matrices (the rest: data parallel)", ge=1)
+    sequence_parallel: bool = opt(False, "with tp: residual stream split by position between matrices (RoPE)")
+    loss_parallel: bool = opt(False, "with tp: cross-entropy on the vocab-split logits, never gathered whole")
+    dp_replicate: int = opt(1, "HSDP (data=fsdp): shard in groups, replicate across this many of them", ge=1)
+    dp_shard: int = opt(-1, "FSDP2: ranks each parameter is split over; -1 = what the rest leave", ge=-1)
     pp: int = opt(1, "pipeline parallel: stages, each a contiguous range of blocks on its own ranks", ge=1)
-    pp_schedule: str = opt(
-        "1f1b", "with parallel.pp: the order of micro-batches", choices=("gpipe", "1f1b", "interleaved-1f1b")
-    )
-    pp_microbatches: int = opt(
-        0, "with parallel.pp: micro-batches per step; 0 = rows per rank / train.micro_batch", ge=0
-    )
-    pp_virtual_stages: int = opt(
-        0, "with parallel.pp: stages per rank; 0 = 2 for interleaved-1f1b, else 1", ge=0
-    )
+    pp_schedule: str = opt("1f1b", "order of pp micro-batches", choices=("gpipe", "1f1b", "interleaved-1f1b"))
+    pp_microbatches: int = opt(0, "pp micro-batches per step; 0 = rows per rank / train.micro_batch", ge=0)
+    pp_virtual_stages: int = opt(0, "with pp: stages per rank; 0 = 2 for interleaved-1f1b, else 1", ge=0)
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
-    timeout_s: int = opt(
-        600, "every collective's limit in seconds; past it the rank stops and names the culprit", ge=1
-    )
+    timeout_s: int = opt(600, "seconds per collective; past them the rank stops and names the culprit", ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -496,17 +371,13 @@ class ServeConfig(_Section, key="serve"):
     """`ember serve RUN`: the paged KV cache and the continuous-batching scheduler."""
 
     block_size: int = opt(8, "tokens per KV-cache block (8: half the waste of 16, no slower on CPU)", ge=1)
-    kv_memory: float = opt(
-        268435456, "KV-cache pool: bytes (> 1), or a fraction of the memory free at start (<= 1)", gt=0
-    )
+    kv_memory: float = opt(268435456, "KV-cache bytes (> 1) or fraction of free memory at start (<= 1)", gt=0)
     max_batch_tokens: int = opt(512, "tokens one step feeds at most (prefill chunks and decodes)", ge=1)
     max_seqs: int = opt(64, "sequences running at once at most", ge=1)
     max_waiting: int = opt(256, "requests allowed to wait; more get HTTP 429", ge=1)
     prefix_caching: bool = opt(True, "share the KV blocks of common prompt prefixes between requests")
     device: str = opt("cpu", "where the model runs (cpu, cuda, cuda:1, ...)")
-    threads: int = opt(
-        0, "torch threads of the engine on a CPU; 0 = every core but one, which the HTTP loop needs", ge=0
-    )
+    threads: int = opt(0, "engine's torch threads on a CPU; 0 = every core but one (for the HTTP loop)", ge=0)
 
 
 @dataclass
@@ -536,80 +407,40 @@ class Config:
         )
 
 
-# ---------------------------------------------------------------------------
-# The schema, walked: keys, types, help
-# ---------------------------------------------------------------------------
-
-
+# --- The schema, walked: keys, types, help ---
 def _fields(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field[Any]]]:
     """(dotted key, resolved type, field) for every field, sections included, in order."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = hints[f.name]
+        key, tp = prefix + f.name, hints[f.name]
         yield key, tp, f
         if dataclasses.is_dataclass(tp):
             yield from _fields(typing.cast(type, tp), key + ".")
 
 
 def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
-    if origin is not None:
-        inner = ", ".join(_type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
-    if dataclasses.is_dataclass(tp):
-        return "section"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _domain(tp: Any, meta: Mapping[str, Any]) -> str:
-    if meta.get("choices"):
-        return " | ".join(repr(c) for c in meta["choices"])
-    return f"{_type_name(tp)} {_allowed(meta)}".rstrip()
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return "section" if dataclasses.is_dataclass(tp) else tp.__name__
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-def _schema() -> dict[str, Any]:
-    """Dotted key -> type, for sections and leaves."""
-    return {key: tp for key, tp, _ in _fields(Config)}
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
 def config_keys() -> list[tuple[str, str, str, str]]:
     """(dotted key, type, default repr, help) for every leaf field, in file order; the
     type says what the field accepts: ``'bpe' | 'char'``, ``int >= 1``, ``float in [0, 1)``."""
-    return [
-        (key, _domain(tp, f.metadata), repr(_default(f)), f.metadata.get("help", ""))
-        for key, tp, f in _fields(Config)
-        if not dataclasses.is_dataclass(tp)
-    ]
+    keys = []
+    for key, tp, f in _fields(Config):
+        if not dataclasses.is_dataclass(tp):
+            choices = f.metadata["choices"]
+            domain = " | ".join(map(repr, choices)) if choices else f"{_type_name(tp)} {_allowed(f.metadata)}"
+            keys.append((key, domain.rstrip(), repr(_default(f)), f.metadata["help"]))
+    return keys
 
 
-def _suggest(key: str, candidates: Sequence[str]) -> str | None:
-    """Nearest valid key: by the full dotted key, else by its last part (a key
-    put in the wrong section)."""
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-    if close:
-        return close[0]
-    by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
-    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.8)
-    return by_leaf[close[0]] if close else None
-
-
-# ---------------------------------------------------------------------------
-# YAML, composed once: every node keeps its line and its source text
-# ---------------------------------------------------------------------------
-
-
+# --- YAML, composed once: every node keeps its line and its source text ---
 class _Layer:
     """One source of values: the YAML node of a file, or of ``{a: {b: value}}`` built
     around an override ``a.b=value``; ``where`` names a node's file and line."""
@@ -653,16 +484,9 @@ def _show(value: Any) -> str:
 def _check(key: str, tp: Any, value: Any, where: str, raw: str | None = None) -> Any:
     """``value`` as a field of type ``tp`` takes it, converted as OmegaConf's typed merge did
     (``'64'`` -> 64; ``1``, ``'yes'`` -> True; a number in a str keeps its source text ``raw``)."""
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # X | None
-        if value is None and type(None) in args:
-            return None
-        tp = next(a for a in args if a is not type(None))
     try:
         if typing.get_origin(tp) is list and isinstance(value, list):
             return [_check(f"{key}[{i}]", typing.get_args(tp)[0], v, where) for i, v in enumerate(value)]
-        if typing.get_origin(tp) is typing.Literal and value in args:
-            return value
         if tp is bool and type(value) in (bool, int, str):
             word = _WORDS.get(value.lower()) if isinstance(value, str) else None
             return word if word is not None else int(value) != 0
@@ -679,17 +503,18 @@ def _check(key: str, tp: Any, value: Any, where: str, raw: str | None = None) ->
 
 
 def _unknown(key: str, schema: Mapping[str, Any], where: str) -> ConfigError:
-    suggestion = _suggest(key, list(schema))
+    """Suggests the nearest valid key, by the dotted key or its last part (a key in the wrong section)."""
+    by_leaf = {k.rsplit(".", 1)[-1]: k for k in schema}
+    close = difflib.get_close_matches(key, list(schema), n=1, cutoff=0.6)
+    close_leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1, cutoff=0.8)
+    if close or close_leaf:
+        suggestion = close[0] if close else by_leaf[close_leaf[0]]
+        return ConfigError(f"unknown config key {key} ({where}); did you mean {suggestion}?")
     siblings = ", ".join(k for k in schema if k.rpartition(".")[0] == key.rpartition(".")[0])
-    hint = f"did you mean {suggestion}?" if suggestion else f"valid keys: {siblings}"
-    return ConfigError(f"unknown config key {key} ({where}); {hint}")
+    return ConfigError(f"unknown config key {key} ({where}); valid keys: {siblings}")
 
 
-# ---------------------------------------------------------------------------
-# Merging: the layers onto the defaults, each value checked as it lands
-# ---------------------------------------------------------------------------
-
-
+# --- Merging: the layers onto the defaults, each value checked as it lands ---
 class _Merged:
     """Every leaf's value by dotted key, the defaults' until a layer sets it, and where
     each set value came from (so a bound broken in ``__post_init__`` names it too)."""
@@ -773,11 +598,7 @@ class _Merged:
         return cls(**kwargs)
 
 
-# ---------------------------------------------------------------------------
-# Finding files: presets and base chains
-# ---------------------------------------------------------------------------
-
-
+# --- Finding files: presets and base chains ---
 def _display(path: Path) -> str:
     cwd = Path.cwd()
     return str(path.relative_to(cwd) if path.is_absolute() and path.is_relative_to(cwd) else path)
@@ -843,21 +664,15 @@ def _override_layer(override: str) -> _Layer:
         raise ConfigError(f"{source} is not key=value (for example data.vocab_size=512)")
     if "[" in key:
         raise ConfigError(f"{source}: set the whole list instead of one item, e.g. data.sources=[a,b]")
-    layer = _Layer(text, source, in_file=False)
-    node = layer.node if layer.node is not None else yaml.ScalarNode("tag:yaml.org,2002:null", "")
+    layer, tag = _Layer(text, source, in_file=False), "tag:yaml.org,2002:"
+    node = layer.node if layer.node is not None else yaml.ScalarNode(tag + "null", "")
     for part in reversed(key.split(".")):
-        node = yaml.MappingNode(
-            "tag:yaml.org,2002:map", [(yaml.ScalarNode("tag:yaml.org,2002:str", part), node)]
-        )
+        node = yaml.MappingNode(tag + "map", [(yaml.ScalarNode(tag + "str", part), node)])
     layer.node = node
     return layer
 
 
-# ---------------------------------------------------------------------------
-# Public entry points
-# ---------------------------------------------------------------------------
-
-
+# --- Public entry points ---
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """Defaults, then ``path`` (a YAML file or a preset name such as ``"tiny"``)
     with its ``base:`` chain, then ``key.sub=value`` overrides in order."""

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
@@ -129,8 +131,6 @@ def export_weights(
 ):
     """Write ``model.safetensors`` + ``model_config.json`` (+ e.g. tokenizer.json) into ``out``
     atomically. Collective under FSDP (gathers the full state); rank 0 writes."""
-    from safetensors.torch import save_file
-
     pipeline = getattr(model, "schedule", None) is not None
     # (cpu_offload gives the state to rank 0 only; a pipeline stage's first rank needs its own)
     options = StateDictOptions(full_state_dict=True, cpu_offload=not pipeline)
@@ -161,9 +161,6 @@ def export_weights(
 def load_weights(model: torch.nn.Module, folder: Path, adapt=None) -> None:
     """Load ``model.safetensors`` into ``model`` (tied weights are re-shared by the model),
     through ``adapt(state) -> state`` if given (a grown vocabulary)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder) / "model.safetensors"
     if not path.is_file():
         raise EmberError(f"{path} not found; train the run first (`ember train CONFIG`)")

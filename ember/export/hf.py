@@ -45,6 +45,9 @@ import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from safetensors import SafetensorError
+from tokenizers import Tokenizer as HFTokenizer
+
 from ember.atomic import build_dir
 from ember.config import Config, config_to_yaml
 from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
@@ -138,8 +141,6 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         raise EmberError(
             f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; ember reads gpt2, llama"
         )
-    from safetensors import SafetensorError
-
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     except (OSError, ValueError, SafetensorError) as e:  # no or damaged weights; transformers says which
@@ -222,8 +223,6 @@ def _read_tokenizer(hf_dir: Path) -> Tokenizer:
         return Tokenizer.load(hf_dir / TOKENIZER)  # ember's own layout loads as is
     except EmberError as e:
         ember_error = e
-    from tokenizers import Tokenizer as HFTokenizer
-
     try:
         hf_tok = HFTokenizer.from_file(str(hf_dir / TOKENIZER))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ember.errors import EmberError
@@ -85,8 +86,6 @@ def save_peft(
     the HF layout ``to_hf`` exports the model as (see the module docstring for GPT-2's c_attn),
     with the embedding (and untied head) rows ``token_rows`` as trainable tokens.
     ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
-    from safetensors.torch import save_file
-
     layout = layout_of(model.cfg)  # a ConfigError for what HF cannot represent
     layers = [layer for _, layer in lora_layers(model)]
     if not layers:
