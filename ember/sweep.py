@@ -49,7 +49,8 @@ from pathlib import Path
 
 from ember.atomic import write_text_atomic
 from ember.errors import ConfigError, EmberError
-from ember.run import latest_checkpoint
+from ember.report.report import md_table, plot_series, read_json
+from ember.run import latest_checkpoint, read_metrics, write_json
 from ember.stats import CONFIDENCE, permutation_test, summarize, welch
 
 SWEEP_JSON = "sweep.json"
@@ -73,16 +74,21 @@ class Sweep:
     jobs: int = 1
     alpha: float = ALPHA
 
-    def settings(self) -> list[dict[str, str]]:
-        keys = list(self.grid)
-        return [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.grid.values())]
-
     def runs(self) -> list[tuple[str, dict[str, str], int]]:
         """(name, setting, seed), seed-major: every setting's first seed comes before any second."""
-        return [(f"{setting_name(s, self.grid)}-seed{k}", s, k) for k in self.seeds for s in self.settings()]
+        return [
+            (f"{setting_name(s, self.grid)}-seed{k}", s, k)
+            for k in self.seeds
+            for s in grid_points(self.grid)
+        ]
 
 
 # ---------------------------------------------------------------- parsing and validation
+
+
+def grid_points(grid: dict[str, list[str]]) -> list[dict[str, str]]:
+    """Every combination of the grid's values, as ``{key: value}``."""
+    return [dict(zip(grid, values, strict=True)) for values in itertools.product(*grid.values())]
 
 
 def parse_grid(specs: list[str]) -> dict[str, list[str]]:
@@ -170,14 +176,10 @@ def plan_sweep(
         if key in RESERVED:
             raise EmberError(f"override {o!r}: the sweep sets {key} itself; {RESERVED[key]}")
     parsed = parse_grid(list(grid))
-    if seed_list is not None:
-        if not seed_list or len(set(seed_list)) < len(seed_list):
-            raise EmberError("--seed-list needs distinct seeds, e.g. --seed-list 0,1,2")
-        seed_values = list(seed_list)
-    else:
-        if seeds is None or seeds < 1:
-            raise EmberError(f"--seeds must be at least 1 (got {seeds}); statistics need 2 or more")
-        seed_values = list(range(seeds))
+    if seed_list is not None and (not seed_list or len(set(seed_list)) < len(seed_list)):
+        raise EmberError("--seed-list needs distinct seeds, e.g. --seed-list 0,1,2")
+    if seed_list is None and (seeds is None or seeds < 1):
+        raise EmberError(f"--seeds must be at least 1 (got {seeds}); statistics need 2 or more")
     parse_metric(metric)
     if jobs < 1:
         raise EmberError(f"--jobs must be at least 1 (got {jobs})")
@@ -186,7 +188,7 @@ def plan_sweep(
     sweep = Sweep(
         config=str(config),
         grid=parsed,
-        seeds=seed_values,
+        seeds=list(seed_list) if seed_list is not None else list(range(seeds)),
         metric=metric,
         baseline=parse_baseline(baseline, parsed),
         out=Path(out) if out is not None else Path("runs") / f"sweep-{Path(str(config)).stem}",
@@ -195,7 +197,7 @@ def plan_sweep(
         alpha=alpha,
     )
     load_config(config, overrides)  # the base alone first: its errors are not the grid's
-    for setting in sweep.settings():
+    for setting in grid_points(parsed):
         try:
             load_config(config, [*overrides, *(f"{k}={v}" for k, v in setting.items())])
         except ConfigError as e:
@@ -203,7 +205,7 @@ def plan_sweep(
     names = [name for name, _, _ in sweep.runs()]
     if len(set(names)) < len(names):
         raise EmberError("two grid settings give the same run directory name; use distinct values")
-    previous = _read_json(sweep.out / SWEEP_JSON)
+    previous = read_json(sweep.out / SWEEP_JSON)
     if previous and (previous.get("config"), previous.get("overrides")) != (sweep.config, overrides):
         raise EmberError(
             f"{sweep.out} holds a sweep of {previous.get('config')} "
@@ -216,20 +218,12 @@ def plan_sweep(
 # ---------------------------------------------------------------- one run
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
 def read_metric(run_dir: Path, metric: str) -> float:
     """The metric from the run's files: ``summary.KEY`` from ``summary.json``; ``val.KEY`` /
     ``test.KEY`` from ``eval.json["results"][split][KEY]``. Raises EmberError if absent or not finite."""
     source, key = parse_metric(metric)
     name = "summary.json" if source == "summary" else "eval.json"
-    record = _read_json(Path(run_dir) / name)
+    record = read_json(Path(run_dir) / name)
     if record is None:
         raise EmberError(f"no readable {name} in {run_dir}")
     if source != "summary":
@@ -263,12 +257,6 @@ def _call(cmd: list[str], log: Path, env: dict[str, str]) -> int:
         return subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
 
 
-def run_eval(run_dir: Path, split: str, env: dict[str, str] | None = None) -> int:
-    """``ember eval RUN --split SPLIT``, logged to ``RUN/eval.log``; it writes ``RUN/eval.json``."""
-    cmd = [sys.executable, "-m", "ember", "eval", str(run_dir), "--split", split]
-    return _call(cmd, Path(run_dir) / "eval.log", env or _child_env(1))
-
-
 def _tail(path: Path, lines: int = 12) -> str:
     try:
         return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
@@ -279,6 +267,10 @@ def _tail(path: Path, lines: int = 12) -> str:
 def _run_one(sweep: Sweep, name: str, setting: dict[str, str], seed: int, env: dict[str, str]) -> dict:
     run_dir = sweep.out / RUNS / name
     result = {"name": name, "setting": setting, "seed": seed, "value": None, "status": "ok", "error": None}
+
+    def failed(error: str, log: str = "train.log") -> dict:
+        return {**result, "status": "failed", "error": error, "log": log}
+
     try:
         return {**result, "value": read_metric(run_dir, sweep.metric), "status": "skipped"}
     except EmberError:
@@ -298,36 +290,27 @@ def _run_one(sweep: Sweep, name: str, setting: dict[str, str], seed: int, env: d
         ]
         code = _call(cmd, run_dir / "train.log", env)
         if code != 0:
-            return {
-                **result,
-                "status": "failed",
-                "error": f"ember train exited with code {code}",
-                "log": "train.log",
-            }
+            return failed(f"ember train exited with code {code}")
     source = parse_metric(sweep.metric)[0]
     if source != "summary":
-        code = run_eval(run_dir, source, env)
+        cmd = [sys.executable, "-m", "ember", "eval", str(run_dir), "--split", source]  # writes eval.json
+        code = _call(cmd, run_dir / "eval.log", env)
         if code != 0:
-            return {
-                **result,
-                "status": "failed",
-                "error": f"ember eval exited with code {code}",
-                "log": "eval.log",
-            }
+            return failed(f"ember eval exited with code {code}", "eval.log")
     try:
         return {**result, "value": read_metric(run_dir, sweep.metric)}
     except EmberError as e:
-        return {**result, "status": "failed", "error": str(e), "log": "train.log"}
+        return failed(str(e))
 
 
 # ---------------------------------------------------------------- statistics
 
 
-def _verdict(diff: float | None, w: dict, alpha: float) -> str:
-    if w.get("p") is None or diff is None or not math.isfinite(w["p"]):
+def _verdict(w: dict, alpha: float) -> str:
+    if w["p"] is None or not math.isfinite(w["p"]):
         return "no data"
     if w["p"] <= alpha:
-        return "lower" if diff < 0 else "higher"
+        return "lower" if w["diff"] < 0 else "higher"
     return "no significant difference"
 
 
@@ -335,8 +318,6 @@ def analyze(record: dict) -> list[dict]:
     """Per setting: n, mean, std, CI; and against the baseline: the difference of means with
     its Welch CI, Welch's p, the permutation p and the verdict. Failed runs are left out."""
     grid, baseline, alpha = record["grid"], record["baseline"], record["alpha"]
-    keys = list(grid)
-    settings = [dict(zip(keys, values, strict=True)) for values in itertools.product(*grid.values())]
 
     def values_of(setting):
         runs = [r for r in record["runs"] if r["setting"] == setting and r["value"] is not None]
@@ -344,14 +325,14 @@ def analyze(record: dict) -> list[dict]:
 
     base = values_of(baseline)
     rows = []
-    for setting in settings:
+    for setting in grid_points(grid):
         values = values_of(setting)
         row = {"name": setting_name(setting, grid), "setting": setting, "values": values, **summarize(values)}
         if setting == baseline:
             row.update(baseline=True, welch=None, permutation=None, verdict="baseline")
         else:
             w, perm = welch(values, base, record["confidence"]), permutation_test(values, base)
-            row.update(baseline=False, welch=w, permutation=perm, verdict=_verdict(w["diff"], w, alpha))
+            row.update(baseline=False, welch=w, permutation=perm, verdict=_verdict(w, alpha))
         rows.append(row)
     return rows
 
@@ -365,28 +346,18 @@ def _g(x: float | None, spec: str = ".5g") -> str:
 
 def table(record: dict) -> tuple[list[str], list[list[str]]]:
     """The summary table (header, rows) that sweep.md and the terminal show."""
-    pct = f"{100 * record['confidence']:g}%"
-    header = [
-        "setting",
-        "n",
-        f"mean ± {pct} CI",
-        f"Δ vs baseline [{pct} CI]",
-        "Welch p",
-        "perm. p",
-        "verdict",
-    ]
+    ci = f"{100 * record['confidence']:g}% CI"
+    header = ["setting", "n", f"mean ± {ci}", f"Δ vs baseline [{ci}]", "Welch p", "perm. p", "verdict"]
     rows = []
     for s in record["settings"]:
-        ci = f" ± {_g(s['ci_high'] - s['mean'], '.2g')}" if s["ci_high"] is not None else ""
+        half = f" ± {_g(s['ci_high'] - s['mean'], '.2g')}" if s["ci_high"] is not None else ""
         w, perm = s["welch"] or {}, s["permutation"] or {}
-        delta = "—"
-        if w.get("diff") is not None:
-            delta = f"{w['diff']:+.4g}"
-            if w.get("ci_low") is not None:
-                delta += f" [{w['ci_low']:+.3g}, {w['ci_high']:+.3g}]"
+        delta = "—" if w.get("diff") is None else f"{w['diff']:+.4g}"
+        if w.get("ci_low") is not None:  # only where there is a diff
+            delta += f" [{w['ci_low']:+.3g}, {w['ci_high']:+.3g}]"
         pm = _g(perm.get("p"), ".3g") + ("" if perm.get("exact", True) else " (MC)")
         rows.append(
-            [s["name"], str(s["n"]), _g(s["mean"]) + ci, delta, _g(w.get("p"), ".3g"), pm, s["verdict"]]
+            [s["name"], str(s["n"]), _g(s["mean"]) + half, delta, _g(w.get("p"), ".3g"), pm, s["verdict"]]
         )
     return header, rows
 
@@ -401,9 +372,7 @@ def _markdown(record: dict, plots: list[tuple[str, str]] | None) -> str:
         f"Metric `{record['metric']}` over seeds {', '.join(map(str, record['seeds']))}; "
         f"{len(record['runs'])} runs ({len(failed)} failed). Baseline: `{base}`.",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows),
+        md_table(header, rows),
         "",
         f"Δ is the setting's mean minus the baseline's, with Welch's {100 * record['confidence']:g}% CI. "
         f"The verdict (lower / higher / no significant difference at α = {record['alpha']:g}) comes from "
@@ -414,127 +383,78 @@ def _markdown(record: dict, plots: list[tuple[str, str]] | None) -> str:
     ]
     if failed:
         lines += ["## Failed runs (left out of the statistics)", ""]
-        lines += [
-            f"- `{r['name']}`: {r['error']} (see runs/{r['name']}/{r.get('log', 'train.log')})"
-            for r in failed
-        ]
-        lines += [""]
+        lines += [f"- `{r['name']}`: {r['error']} (see runs/{r['name']}/{r['log']})" for r in failed] + [""]
     if plots is None:
         lines += ["Plots skipped: matplotlib is not installed (pip install 'ember[plots]').", ""]
     elif plots:
         lines += ["## Plots", ""] + [f"![{title}]({PLOTS}/{name})\n" for title, name in plots]
-    lines += ["## Runs", "", "| run | seed | value | status |", "|---|---|---|---|"]
-    lines += [
-        f"| {r['name']} | {r['seed']} | {_g(r['value'], '.6g')} | {r['status']} |" for r in record["runs"]
-    ]
+    runs = [[r["name"], r["seed"], r["value"], r["status"]] for r in record["runs"]]
+    lines += ["## Runs", "", md_table(["run", "seed", "value", "status"], runs)]
     return "\n".join(lines) + "\n"
-
-
-def _loss_curve(run_dir: Path) -> dict[int, float]:
-    curve = {}
-    try:
-        text = (run_dir / "metrics.jsonl").read_text(encoding="utf-8")
-    except OSError:
-        return curve
-    for line in text.splitlines():
-        try:
-            r = json.loads(line)
-            curve[int(r["step"])] = float(r["loss"])
-        except (ValueError, KeyError, TypeError):
-            continue  # eval records, a truncated last line
-    return curve
 
 
 def _draw_plots(record: dict, sweep_dir: Path) -> list[tuple[str, str]] | None:
     """metric-vs-KEY.png per swept key (95% CI error bars) and loss.png (mean over seeds);
     None when matplotlib is missing."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401  (plot_series draws with it)
     except ImportError:
         return None
     plots_dir = sweep_dir / PLOTS
     plots_dir.mkdir(parents=True, exist_ok=True)
-    drawn = []
-
-    def save(fig, name, title):
-        tmp = plots_dir / f".{name}.tmp-{os.getpid()}"
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, plots_dir / name)
-        drawn.append((title, name))
-
-    grid, metric = record["grid"], record["metric"]
+    grid, metric, drawn = record["grid"], record["metric"], []
     for key, values in grid.items():
         try:
             xs = [float(v) for v in values]
-        except ValueError:
+            axes = {"xscale": "log"} if min(xs) > 0 and max(xs) / min(xs) >= 10 else {}
+        except ValueError:  # values that are not numbers: evenly spaced, labelled
             xs = list(range(len(values)))
-        fig = Figure(figsize=(6, 4), dpi=100, layout="tight")
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        others = [k for k in grid if k != key]
-        for i, rest in enumerate(itertools.product(*(grid[k] for k in others))):
-            fixed = dict(zip(others, rest, strict=True))
-            pts = [
-                (x, s["mean"], s["mean"] - s["ci_low"] if s["ci_low"] is not None else 0.0)
-                for x, v in zip(xs, values, strict=True)
+            axes = {"xticks": xs, "xticklabels": values}
+        others = {k: v for k, v in grid.items() if k != key}
+        series = []
+        for i, fixed in enumerate(grid_points(others)):
+            line = [
+                s
                 for s in record["settings"]
-                if s["setting"] == {**fixed, key: v} and s["mean"] is not None
+                if fixed.items() <= s["setting"].items() and s["mean"] is not None
             ]
-            if pts:
-                label = setting_name(fixed, {k: grid[k] for k in others}) if others else None
-                ax.errorbar(*zip(*pts, strict=True), marker="o", capsize=4, color=f"C{i}", label=label)
-        if xs != list(range(len(values))) and min(xs) > 0 and max(xs) / min(xs) >= 10:
-            ax.set_xscale("log")
-        if xs == list(range(len(values))):
-            ax.set_xticks(xs, values)
-        ax.set(
-            title=f"{metric} vs {key} (mean, {100 * record['confidence']:g}% CI)", xlabel=key, ylabel=metric
-        )
-        ax.grid(alpha=0.3)
-        if others:
-            ax.legend(fontsize=8)
-        save(fig, f"metric-vs-{key}.png", f"{metric} vs {key}")
+            err = [s["mean"] - s["ci_low"] if s["ci_low"] is not None else 0.0 for s in line]
+            style = {"yerr": err, "marker": "o", "capsize": 4, "color": f"C{i}"}
+            x = [xs[values.index(s["setting"][key])] for s in line]  # settings are in grid order
+            series.append((setting_name(fixed, others), x, [s["mean"] for s in line], style))
+        title = f"{metric} vs {key} (mean, {100 * record['confidence']:g}% CI)"
+        if plot_series(plots_dir / f"metric-vs-{key}.png", series, title, key, metric, **axes):
+            drawn.append((f"{metric} vs {key}", f"metric-vs-{key}.png"))
 
-    fig = Figure(figsize=(7, 4), dpi=100, layout="tight")
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    loss = []
     for i, s in enumerate(record["settings"]):
         curves = [
-            _loss_curve(sweep_dir / RUNS / r["name"])
-            for r in record["runs"]
-            if r["setting"] == s["setting"] and r["value"] is not None
+            {r["step"]: float(r["loss"]) for r in read_metrics(sweep_dir / RUNS / run["name"]) if "loss" in r}
+            for run in record["runs"]
+            if run["setting"] == s["setting"] and run["value"] is not None
         ]
-        steps = sorted(set().union(*curves)) if curves else []
+        steps = sorted(set().union(*curves))
         means = [math.fsum(c[t] for c in curves if t in c) / sum(t in c for c in curves) for t in steps]
-        if steps:
-            ax.plot(steps, means, color=f"C{i}", label=f"{s['name']} (n={len(curves)})")
-    ax.set(title="Training loss, mean over seeds", xlabel="step", ylabel="loss (nats/token)")
-    ax.grid(alpha=0.3)
-    if ax.get_lines():
-        ax.legend(fontsize=8)
-    save(fig, "loss.png", "Training loss, mean over seeds")
+        loss.append((f"{s['name']} (n={len(curves)})", steps, means, {"color": f"C{i}"}))
+    title = "Training loss, mean over seeds"
+    if plot_series(plots_dir / "loss.png", loss, title, "step", "loss (nats/token)"):
+        drawn.append((title, "loss.png"))
     return drawn
 
 
-def write_outputs(record: dict, sweep_dir: Path) -> Path:
-    """sweep.json, plots/ and sweep.md (last) into ``sweep_dir``; the path of sweep.md."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(sweep_dir / SWEEP_JSON, json.dumps(record, indent=2) + "\n")
-    plots = _draw_plots(record, sweep_dir)
-    write_text_atomic(sweep_dir / SWEEP_MD, _markdown(record, plots))
+def _write_markdown(record: dict, sweep_dir: Path) -> Path:
+    """plots/ and sweep.md from ``record`` (with its ``settings``); the path of sweep.md."""
+    write_text_atomic(sweep_dir / SWEEP_MD, _markdown(record, _draw_plots(record, sweep_dir)))
     return sweep_dir / SWEEP_MD
 
 
 def render_sweep(sweep_dir: Path) -> Path:
     """Redraw sweep.md + plots from an existing sweep.json (``ember report SWEEP``)."""
-    record = _read_json(Path(sweep_dir) / SWEEP_JSON)
+    record = read_json(Path(sweep_dir) / SWEEP_JSON)
     if record is None or "runs" not in record:
         raise EmberError(f"{sweep_dir / SWEEP_JSON} is missing or unreadable; run `ember sweep` again")
     record["settings"] = analyze(record)
-    plots = _draw_plots(record, Path(sweep_dir))
-    write_text_atomic(Path(sweep_dir) / SWEEP_MD, _markdown(record, plots))
-    return Path(sweep_dir) / SWEEP_MD
+    return _write_markdown(record, Path(sweep_dir))
 
 
 # ---------------------------------------------------------------- the sweep
@@ -550,15 +470,14 @@ def run_sweep(sweep: Sweep, command: str | None = None, log=print) -> dict:
     prepared = set()
     for _, setting, _ in todo:  # once, here: parallel runs must not race to prepare the same data
         cfg = load_config(sweep.config, [*sweep.overrides, *(f"{k}={v}" for k, v in setting.items())])
-        if json.dumps(vars(cfg.data), sort_keys=True, default=str) not in prepared:
-            prepared.add(json.dumps(vars(cfg.data), sort_keys=True, default=str))
+        data = json.dumps(vars(cfg.data), sort_keys=True, default=str)
+        if data not in prepared:
+            prepared.add(data)
             prepare(cfg, command=command, log=log)
 
     env = _child_env(sweep.jobs)
-    log(
-        f"sweep: {len(runs)} runs ({len(runs) - len(todo)} trained before) into {sweep.out}, "
-        f"{sweep.jobs} at a time"
-    )
+    done = len(runs) - len(todo)
+    log(f"sweep: {len(runs)} runs ({done} trained before) into {sweep.out}, {sweep.jobs} at a time")
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=sweep.jobs) as pool:
         futures = {pool.submit(_run_one, sweep, name, s, k, env): name for name, s, k in runs}
@@ -583,9 +502,10 @@ def run_sweep(sweep: Sweep, command: str | None = None, log=print) -> dict:
     }
     record["settings"] = analyze(record)
     record["failed"] = [r["name"] for r in record["runs"] if r["status"] == "failed"]
-    write_outputs(record, sweep.out)
+    write_json(sweep.out / SWEEP_JSON, record)  # sweep.json, then plots/ and sweep.md last
+    _write_markdown(record, sweep.out)
     for r in record["runs"]:
         if r["status"] == "failed":
-            tail = _tail(sweep.out / RUNS / r["name"] / r.get("log", "train.log"))
+            tail = _tail(sweep.out / RUNS / r["name"] / r["log"])
             log(f"run {r['name']} failed: {r['error']}; its log ends:\n{tail}")
     return record

@@ -78,7 +78,8 @@ class Run:
 # ---------------------------------------------------------------- reading a run
 
 
-def _read_json(path: Path) -> dict | None:
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; None if it is missing, unreadable or not an object."""
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -130,13 +131,13 @@ def load_run(path: Path, label: str | None = None) -> Run:
         path=path,
         label=label or path.name,
         config=config if isinstance(config, dict) else None,
-        env=_read_json(path / "env.json"),
-        summary=_read_json(path / "summary.json"),
+        env=read_json(path / "env.json"),
+        summary=read_json(path / "summary.json"),
         train=train,
         evals=evals,
         bad_lines=bad,
         tasks=tasks,
-        eval=_read_json(path / "eval.json"),
+        eval=read_json(path / "eval.json"),
         samples=samples.read_text(encoding="utf-8", errors="replace") if samples.is_file() else None,
     )
 
@@ -152,10 +153,9 @@ def _labels(paths: list[Path]) -> list[str]:
 
 
 def _find_manifest(run: Run) -> tuple[Path | None, dict | None, str]:
-    """(data dir, manifest, note): the data directory of ``run`` as found, or why not. A relative
-    ``data.dir`` is tried from the current directory, the run directory and the two above it
-    (``runs/NAME`` sits beside ``data/``), and taken only if its manifest was made from the same
-    sources and tokenizer settings as the run's config."""
+    """(data dir, manifest, note): the run's data directory, tried as the module docstring says
+    (``runs/NAME`` sits beside ``data/``) and taken only if its manifest was made from the same
+    sources and tokenizer settings as the run's config; else why not."""
     data_cfg = (run.config or {}).get("data") or {}
     if not data_cfg.get("dir"):
         return None, None, "config.yaml is missing or names no data.dir"
@@ -190,9 +190,10 @@ def _matplotlib():
 
 
 def plot_series(
-    path: Path, series: list[tuple], title: str, xlabel: str, ylabel: str, yscale: str = "linear"
+    path: Path, series: list[tuple], title: str, xlabel: str, ylabel: str, yscale: str = "linear", **axes
 ) -> bool:
-    """Draw ``series`` of (label, xs, ys, line style) into one PNG; False if there is nothing to draw."""
+    """Draw ``series`` of (label, xs, ys, line style) into one PNG, with error bars where a style
+    has ``yerr``; ``axes`` are further ``Axes.set`` properties. False if there is nothing to draw."""
     series = [s for s in series if s[1]]
     if not series:
         return False
@@ -201,8 +202,8 @@ def plot_series(
     Canvas(fig)
     ax = fig.add_subplot()
     for label, xs, ys, style in series:
-        ax.plot(xs, ys, label=label, **style)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale=yscale)
+        (ax.errorbar if "yerr" in style else ax.plot)(xs, ys, label=label, **style)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, yscale=yscale, **axes)
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend()
@@ -230,9 +231,7 @@ def _running_mean(ys: list[float], window: int) -> list[float]:
 def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
     """Write the PNGs; return (title, file name) of those drawn."""
     plots_dir.mkdir(parents=True, exist_ok=True)
-    many = len(runs) > 1
-    drawn = []
-    loss = []
+    many, drawn, loss = len(runs) > 1, [], []
     for i, run in enumerate(runs):
         prefix = f"{run.label} " if many else ""
         val_style = {"color": f"C{i if many else 1}", "linestyle": "--", "marker": "o", "markersize": 3}
@@ -297,7 +296,7 @@ def _cell(value) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _table(header: list[str], rows: list[list]) -> str:
+def md_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
@@ -334,21 +333,17 @@ def _final_metrics(run: Run) -> dict[str, str | None]:
     tps = [v for v in (_num(r.get("tokens_per_s")) for r in run.train) if v is not None and math.isfinite(v)]
     mfu = [v for v in (_num(r.get("mfu")) for r in run.train) if v is not None]
     mem = [v for v in (_num(r.get("peak_mem_mb")) for r in run.train) if v is not None]
-    steps = _num(s.get("step", last_train.get("step")))
-    tokens = _num(s.get("tokens", last_train.get("tokens")))
     params = _num(s.get("n_params"))
 
     def pick(key):
         return _num(last_eval.get(key, s.get(key)))
 
     return {
-        "steps": _fmt(steps, ",.0f"),
-        "tokens": _fmt(tokens, ",.0f"),
+        "steps": _fmt(_num(s.get("step", last_train.get("step"))), ",.0f"),
+        "tokens": _fmt(_num(s.get("tokens", last_train.get("tokens"))), ",.0f"),
         "parameters": None if params is None else f"{params:,.0f} ({params / 1e6:.2f}M)",
         "final train loss": _fmt(_num(s.get("loss", last_train.get("loss"))), ".4f"),
-        "best val loss": None
-        if best is None
-        else f"{best:.4f}" + (f" (step {best_step})" if best_step else ""),
+        "best val loss": _fmt(best, ".4f", f" (step {best_step})" if best_step else ""),
         "final val loss": _fmt(pick("val_loss"), ".4f"),
         "final val perplexity": _fmt(pick("val_ppl"), ".2f"),
         "final val bits/byte": _fmt(pick("val_bpb"), ".4f"),
@@ -416,21 +411,19 @@ def _demote(markdown: str) -> str:
 
 
 def _config_section(runs: list[Run], out: Path) -> list[str]:
-    links = ", ".join(
-        f"[{run.label}]({_rel(run.path / 'config.yaml', out)})" for run in runs if run.config is not None
-    )
+    configs = [run for run in runs if run.config is not None]
+    links = ", ".join(f"[{run.label}]({_rel(run.path / 'config.yaml', out)})" for run in configs)
     lines = ["## Configuration", ""]
     if len(runs) == 1:
         return lines + ([f"Resolved config: {links}."] if links else ["No readable config.yaml."]) + [""]
     missing = [run.label for run in runs if run.config is None]
     if missing:
         lines += [f"No readable config.yaml in: {', '.join(missing)}; they are left out of the diff.", ""]
-    configs = [run for run in runs if run.config is not None]
     if len(configs) >= 2:
         diff = config_diff([run.config for run in configs])
         if diff:
             header = ["key", *(run.label for run in configs)]
-            lines += ["Keys whose values differ:", "", _table(header, [[k, *vs] for k, vs in diff]), ""]
+            lines += ["Keys whose values differ:", "", md_table(header, [[k, *vs] for k, vs in diff]), ""]
         else:
             lines += ["The configs are identical.", ""]
     return lines + ([f"Resolved configs: {links}.", ""] if links else [])
@@ -449,26 +442,18 @@ def _data_section(runs: list[Run], out: Path) -> list[str]:
         if manifest is None:
             lines += [f"No data manifest: {note}.", ""]
             continue
-        tok = manifest["tokenizer"]
+        tok, columns = manifest["tokenizer"], ("documents", "tokens", "bytes")
+        sources = [
+            [d.get("spec"), _count(d.get("documents")), _count(d.get("bytes"))] for d in manifest["sources"]
+        ]
+        splits = [[name, *(_count(d.get(k)) for k in columns)] for name, d in manifest["splits"].items()]
         lines += [
             f"Data directory [{where}]({_rel(where / MANIFEST, out)}); tokenizer {tok.get('kind', '?')}, "
             f"vocabulary {_count(tok.get('vocab_size', '?'))}, shards of {manifest.get('dtype', '?')}.",
             "",
-            _table(
-                ["source", "documents", "bytes"],
-                [
-                    [s.get("spec"), _count(s.get("documents")), _count(s.get("bytes"))]
-                    for s in manifest["sources"]
-                ],
-            ),
+            md_table(["source", "documents", "bytes"], sources),
             "",
-            _table(
-                ["split", "documents", "tokens", "bytes"],
-                [
-                    [name, *(_count(s.get(k)) for k in ("documents", "tokens", "bytes"))]
-                    for name, s in manifest["splits"].items()
-                ],
-            ),
+            md_table(["split", *columns], splits),
             "",
         ]
         cleaning = manifest["cleaning"]
@@ -501,7 +486,7 @@ def _eval_section(runs: list[Run]) -> list[str]:
     many = len(runs) > 1
     header = (["run"] if many else []) + ["data", *metric_keys]
     body = [([label] if many else []) + [name, *(m.get(k) for k in metric_keys)] for label, name, m in rows]
-    return ["## Evaluation (eval.json)", "", *notes, *([""] if notes else []), _table(header, body), ""]
+    return ["## Evaluation (eval.json)", "", *notes, *([""] if notes else []), md_table(header, body), ""]
 
 
 ANALYSIS_SUMMARY = {  # instrument: what its results.json says in a line
@@ -537,10 +522,10 @@ def _analysis_section(runs: list[Run], out: Path) -> list[str]:
         path = root / name / "results.json"
         if not path.is_file():
             continue
+        results = read_json(path) or {}
         try:
-            results = json.loads(path.read_text(encoding="utf-8"))
             text = summary(results)
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             text = f"{path} could not be read"
         lines += [f"- **{name}** ({results.get('seconds', '?')} s): {text}"]
         for image in sorted((root / name).glob("*.png")):
@@ -564,7 +549,7 @@ def _env_section(runs: list[Run]) -> list[str]:
     if not keys:
         return ["## Environment", "", "No env.json.", ""]
     header = ["", *(run.label for run in runs)] if len(runs) > 1 else ["key", "value"]
-    return ["## Environment", "", _table(header, [[k, *(env.get(k) for env in envs)] for k in keys]), ""]
+    return ["## Environment", "", md_table(header, [[k, *(env.get(k) for env in envs)] for k in keys]), ""]
 
 
 # ---------------------------------------------------------------- the report
@@ -584,32 +569,24 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
 
     many = len(runs) > 1
-    title = (
-        f"# Run comparison: {', '.join(r.label for r in runs)}" if many else f"# Run report: {runs[0].label}"
-    )
-    lines = [title, ""]
+    labels = ", ".join(r.label for r in runs)
+    lines = [f"# Run comparison: {labels}" if many else f"# Run report: {labels}", ""]
     if many:
-        lines += [_table(["run", "directory"], [[r.label, f"{r.path}"] for r in runs]), ""]
+        lines += [md_table(["run", "directory"], [[r.label, f"{r.path}"] for r in runs]), ""]
     for run in runs:
         if run.bad_lines:
-            lines += [
-                f"Note: {run.bad_lines} unreadable line(s) in {run.path / 'metrics.jsonl'} skipped.",
-                "",
-            ]
+            lines += [f"Note: {run.bad_lines} unreadable line(s) in {run.path}/metrics.jsonl skipped.", ""]
         if run.summary is None:
-            lines += [
-                f"Note: no summary.json in {run.path} (training unfinished?); numbers from the last records.",
-                "",
-            ]
+            note = f"no summary.json in {run.path} (training unfinished?); numbers from the last records"
+            lines += [f"Note: {note}.", ""]
 
-    lines += ["## Curves", ""]
-    for plot_title, name in _draw_plots(runs, out / PLOTS):
-        lines += [f"![{plot_title}]({PLOTS}/{name})", ""]
+    plots = _draw_plots(runs, out / PLOTS)
+    lines += ["## Curves", "", *(f"![{plot_title}]({PLOTS}/{name})\n" for plot_title, name in plots)]
 
     finals = [_final_metrics(run) for run in runs]
     keys = [k for k in finals[0] if any(f[k] is not None for f in finals)]
     header = ["metric", *(run.label for run in runs)] if many else ["metric", "value"]
-    lines += ["## Final metrics", "", _table(header, [[k, *(f[k] for f in finals)] for k in keys]), ""]
+    lines += ["## Final metrics", "", md_table(header, [[k, *(f[k] for f in finals)] for k in keys]), ""]
 
     lines += _config_section(runs, out)
     lines += _data_section(runs, out)
