@@ -125,7 +125,6 @@ def summary(r: dict) -> str:
 
 
 def _plot(rows: list[dict], path) -> None:
-
     steps = [r["step"] for r in rows]
     series = [("λ_max (Lanczos)", steps, [r["eigenvalues"][0] for r in rows], {"marker": "o"})]
     if all(r["two_over_lr"] for r in rows):

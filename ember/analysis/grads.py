@@ -146,7 +146,6 @@ def summary(r: dict) -> str:
 
 
 def _plot(row: dict, path) -> None:
-
     layers = row["norms"]["layers"]
     names = list(layers)
     means = [sum(v) / len(v) for v in layers.values()]

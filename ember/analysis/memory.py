@@ -57,7 +57,6 @@ def summary(r: dict) -> str:
 
 
 def _plot(series: dict, every: int, path) -> None:
-
     xs = [i * every for i in range(len(series["params"]))]
     total = [sum(v) / 2**20 for v in zip(*series.values(), strict=True)]
     lines = [("total", xs, total, {"color": "black"})]

@@ -92,7 +92,6 @@ def _local_shape(name: str, shape: tuple, tp: int, shard: int) -> tuple:
 
 
 def _stage_model(model: GPT, cfg, pp_rank: int) -> tuple[GPT, list[int]]:
-
     p = cfg.parallel
     if p.pp == 1:
         return model, [0]

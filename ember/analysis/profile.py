@@ -46,7 +46,6 @@ def matmul_peak(device: torch.device, size: int = 2048, seconds: float = 1.0, dt
 
 
 def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict:
-
     from torch.profiler import ProfilerActivity, profile
 
     started = time.perf_counter()
