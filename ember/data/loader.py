@@ -15,20 +15,18 @@ Example::
 
 Design choices:
 
-- Windows of ``seq_len + 1`` tokens never cross a shard boundary, so a window
-  is one contiguous memmap slice and no shard needs to know its neighbours.
-- ``"random"`` mode draws starts with ``np.random.default_rng([seed, step])``:
-  a fresh generator per step is what makes any step reproducible on its own.
-  ``"epoch"`` mode visits the stride-``seq_len`` windows in a seeded
-  permutation per epoch; sample ``i = step*B + row`` fixes its epoch and its
-  place in that epoch's permutation, so it too needs no cursor.
+- Windows of ``seq_len + 1`` tokens never cross a shard boundary, so a window is one contiguous
+  memmap slice and no shard needs to know its neighbours.
+- ``"random"`` mode draws starts with ``np.random.default_rng([seed, step])``: a fresh generator per
+  step is what makes any step reproducible on its own. ``"epoch"`` mode visits the
+  stride-``seq_len`` windows in a seeded permutation per epoch; sample ``i = step*B + row`` fixes
+  its epoch and its place in that epoch's permutation, so it too needs no cursor.
 - Every rank draws all ``B`` starts (cheap) but reads only its own rows.
-- Prefetching is a thread, not worker processes: reading a few memmap slices
-  is cheap, the thread only has to hide page faults and the pinned host
-  copy, and a thread shares the memmaps and needs no pickling. Host tensors
-  are freshly allocated pinned memory each step; PyTorch's caching host
-  allocator does not reuse a pinned block until its non-blocking copy is done,
-  so no buffer is overwritten while in flight.
+- Prefetching is a thread, not worker processes: reading a few memmap slices is cheap, the thread
+  only has to hide page faults and the pinned host copy, and a thread shares the memmaps and needs
+  no pickling. Host tensors are freshly allocated pinned memory each step; PyTorch's caching host
+  allocator does not reuse a pinned block until its non-blocking copy is done, so no buffer is
+  overwritten while in flight.
 """
 
 from __future__ import annotations
@@ -48,14 +46,13 @@ from ember.data.prefetch import Prefetcher
 from ember.data.shards import read_shard
 from ember.errors import ConfigError, DataError
 
+_REBUILD = "re-run `ember data prepare ... --force`"
+
 
 class TokenDataset:
-    """All shards of one split in a data directory, as read-only memmaps.
-
-    If ``manifest.json`` exists its shard list is authoritative (files not
-    listed are ignored, listed files must exist with the listed token count);
-    otherwise the shards are ``{split}-*.bin`` sorted by name.
-    """
+    """All shards of one split in a data directory, as read-only memmaps. If ``manifest.json``
+    exists its shard list is authoritative (files not listed are ignored, listed files must exist
+    with the listed token count); otherwise the shards are ``{split}-*.bin`` sorted by name."""
 
     def __init__(self, data_dir: str | os.PathLike, split: str, *, verify: bool = False):
         self.data_dir = Path(data_dir)
@@ -71,14 +68,13 @@ class TokenDataset:
             path = self.data_dir / entry["name"]
             if "n_tokens" in entry and not path.is_file():
                 raise DataError(
-                    f"shard {path} is listed in {self.data_dir / 'manifest.json'} but missing; "
-                    "re-run `ember data prepare ... --force`"
+                    f"shard {path} is listed in {self.data_dir / 'manifest.json'} but missing; {_REBUILD}"
                 )
             tokens = read_shard(path, verify_sha256=entry.get("sha256") if verify else None)
             if "n_tokens" in entry and len(tokens) != entry["n_tokens"]:
                 raise DataError(
                     f"shard {path} has {len(tokens)} tokens but manifest.json lists "
-                    f"{entry['n_tokens']}; re-run `ember data prepare ... --force`"
+                    f"{entry['n_tokens']}; {_REBUILD}"
                 )
             self.names.append(path.name)
             self.shards.append(tokens)
@@ -92,17 +88,15 @@ class TokenDataset:
         try:
             manifest = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DataError(f"cannot read {path}: {e}; re-run `ember data prepare ... --force`") from e
+            raise DataError(f"cannot read {path}: {e}; {_REBUILD}") from e
         splits = manifest.get("splits", {}) if isinstance(manifest, dict) else None
         if not isinstance(splits, dict):
-            raise DataError(f"{path} has no 'splits' table; re-run `ember data prepare ... --force`")
+            raise DataError(f"{path} has no 'splits' table; {_REBUILD}")
         if self.split not in splits:
             return []
         entries = splits[self.split].get("shards") if isinstance(splits[self.split], dict) else None
         if not isinstance(entries, list):
-            raise DataError(
-                f"{path}: splits.{self.split} has no 'shards' list; re-run `ember data prepare ... --force`"
-            )
+            raise DataError(f"{path}: splits.{self.split} has no 'shards' list; {_REBUILD}")
         for i, entry in enumerate(entries):
             name = entry.get("name") if isinstance(entry, dict) else None
             if (
@@ -112,7 +106,7 @@ class TokenDataset:
             ):
                 raise DataError(
                     f"{path}: splits.{self.split}.shards[{i}] needs a plain file 'name' and an "
-                    "integer 'n_tokens'; re-run `ember data prepare ... --force`"
+                    f"integer 'n_tokens'; {_REBUILD}"
                 )
         return entries
 
@@ -130,9 +124,6 @@ class TokenDataset:
         return shard[start : start + length]
 
 
-# ----------------------------------------------------------------------------- windows
-
-
 def _stride_counts(shard_tokens: np.ndarray, seq_len: int) -> np.ndarray:
     """Non-overlapping windows per shard: starts k*seq_len with k*seq_len + seq_len + 1 <= n."""
     return np.maximum(shard_tokens - 1, 0) // seq_len
@@ -146,11 +137,10 @@ def _locate(counts: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def _too_small(dataset: TokenDataset, seq_len: int) -> DataError:
-    largest = int(dataset.shard_tokens.max())
     return DataError(
         f"the {dataset.split} split in {dataset.data_dir} is too small for seq_len={seq_len}: "
         f"a window needs {seq_len + 1} tokens inside one shard and the largest shard has "
-        f"{largest}; lower seq_len or prepare more data"
+        f"{int(dataset.shard_tokens.max())}; lower seq_len or prepare more data"
     )
 
 
@@ -201,9 +191,6 @@ class _EpochSampler:
             window[mask] = self._perm(epoch)[pos[mask]]
         shard, k = _locate(self.counts, window)
         return shard, k * self.seq_len
-
-
-# ----------------------------------------------------------------------------- batches
 
 
 def _gather(
@@ -258,9 +245,7 @@ class TrainLoader:
             )
         if mode not in MODES:
             raise ConfigError(f"unknown sampling mode {mode!r}; choose one of {MODES}")
-        self.dataset = dataset
-        self.seq_len = seq_len
-        self.global_batch = global_batch
+        self.dataset, self.seq_len, self.global_batch = dataset, seq_len, global_batch
         self.local_batch = global_batch // world_size
         self.seed, self.rank, self.world_size, self.mode = seed, rank, world_size, mode
         self.device = torch.device(device)
@@ -312,13 +297,10 @@ class TrainLoader:
 
 
 class ValLoader:
-    """A fixed list of validation windows, yielded in order as (x, y) batches.
-
-    Windows are the non-overlapping stride-``seq_len`` windows from the start of
-    the split; if there are more than ``max_windows``, evenly spaced ones are
-    kept. Rank ``r`` takes windows ``i`` with ``i % world_size == r``, so ranks
-    may differ by one window (and then by one batch).
-    """
+    """A fixed list of validation windows, yielded in order as (x, y) batches: the non-overlapping
+    stride-``seq_len`` windows from the start of the split, evenly spaced ones if there are more
+    than ``max_windows``. Rank ``r`` takes windows ``i`` with ``i % world_size == r``, so ranks may
+    differ by one window (and then by one batch)."""
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 FORMAT = "ember-shards"
 FORMAT_VERSION = 2  # 2: a test split, split rules and per-stratum token ranges
+_REBUILD = "re-run `ember data prepare CONFIG --force`"
 
 
 def write_manifest(directory: str | os.PathLike, manifest: dict) -> None:
@@ -37,19 +38,15 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DataError(
-            f"{path} is not valid JSON ({e}); re-run `ember data prepare CONFIG --force`"
-        ) from None
+        raise DataError(f"{path} is not valid JSON ({e}); {_REBUILD}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(f"{path} is not an ember data manifest; re-run `ember data prepare CONFIG --force`")
+        raise DataError(f"{path} is not an ember data manifest; {_REBUILD}")
     missing = [k for k in ("splits", "tokenizer", "sources", "cleaning") if k not in manifest]
     if missing:
-        raise DataError(f"{path} lacks {', '.join(missing)}; re-run `ember data prepare CONFIG --force`")
+        raise DataError(f"{path} lacks {', '.join(missing)}; {_REBUILD}")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise DataError(
-            f"{path} has format version {manifest.get('format_version')}, this ember reads "
-            f"{FORMAT_VERSION}; re-run `ember data prepare CONFIG --force`"
-        )
+        version = manifest.get("format_version")
+        raise DataError(f"{path} has format version {version}, this ember reads {FORMAT_VERSION}; {_REBUILD}")
     return manifest
 
 
@@ -59,13 +56,12 @@ def load_tokenizer(directory: str | os.PathLike, manifest: dict | None = None) -
     manifest = manifest or read_manifest(directory)
     path = directory / TOKENIZER
     if not path.is_file():
-        raise DataError(f"{path} is missing; re-run `ember data prepare CONFIG --force`")
+        raise DataError(f"{path} is missing; {_REBUILD}")
     expected = manifest["tokenizer"]["sha256"]
     actual = file_sha256(path)
     if actual != expected:
         raise DataError(
             f"{path} does not match {directory / MANIFEST} (sha256 {actual[:12]}… vs {expected[:12]}…): "
-            "the shards were encoded with a different tokenizer; restore it or re-run "
-            "`ember data prepare CONFIG --force`"
+            f"the shards were encoded with a different tokenizer; restore it or {_REBUILD}"
         )
     return Tokenizer.load(path)

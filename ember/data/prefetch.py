@@ -22,8 +22,7 @@ _DONE = object()
 class Prefetcher:
     """Iterate ``items`` in a daemon thread, up to ``depth`` items ahead, through a bounded
     queue; iterating the Prefetcher yields them in order. An error in the thread is raised
-    by the consumer; ``stop()`` (or leaving the loop) ends the thread without waiting on a
-    full queue. Used for training batches and for reading sources in ``ember data prepare``."""
+    by the consumer; ``stop()`` (or leaving the loop) ends the thread without waiting on a full queue."""
 
     def __init__(self, items: Iterable, depth: int = 2, name: str = "ember-prefetch"):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)

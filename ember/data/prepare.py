@@ -81,8 +81,7 @@ def _test_specs(data_cfg, log) -> list[str]:
 def _clean_documents(
     sources: list[Source], plan: SplitPlan, cleaner: Cleaner
 ) -> Iterator[tuple[str, str, str]]:
-    """Yield (split, stratum, text) for every document that survives cleaning and has a split,
-    in source order."""
+    """(split, stratum, text) of each document that survives cleaning and has a split, in order."""
     for source in sources:
         for doc in source.documents():
             digest = content_digest(doc.text)
@@ -92,8 +91,9 @@ def _clean_documents(
                     yield split, doc.stratum, doc.text
 
 
-def _tokenizer_texts(sources, plan, data_cfg) -> Iterator[str]:
-    """Training text for the tokenizer: cleaned training-split documents, up to the byte budget."""
+def _tokenizer_texts(sources, plan, data_cfg, sizes: list[int]) -> Iterator[str]:
+    """Training text for the tokenizer: cleaned training-split documents, up to the byte budget.
+    The UTF-8 size of each text yielded is appended to ``sizes``."""
     budget = data_cfg.tokenizer_train_bytes
     cleaner = Cleaner(data_cfg.min_chars, data_cfg.max_nontext_fraction, data_cfg.dedup)
     for split, _, text in _clean_documents(sources, plan, cleaner):
@@ -101,7 +101,8 @@ def _tokenizer_texts(sources, plan, data_cfg) -> Iterator[str]:
             continue
         if len(text) > budget:
             text = text[:budget]
-        budget -= len(text.encode("utf-8"))
+        sizes.append(len(text.encode("utf-8")))
+        budget -= sizes[-1]
         yield text
         if budget <= 0:
             return
@@ -142,8 +143,6 @@ def _check_target(target: Path, fingerprint: str, force: bool) -> dict | None:
         return None
     if manifest.get("fingerprint") == fingerprint:
         return manifest
-    if manifest.get("format_version") != FORMAT_VERSION:  # ours, and unreadable by this ember
-        return None
     raise DataError(
         f"{target} holds data prepared from different inputs (config or source files changed); "
         "pass --force to rebuild it there, or set data.dir to a new directory"
@@ -176,7 +175,7 @@ def prepare(
 
     tmp = staging_dir(target)
     try:
-        manifest = _build(cfg, sources, test_sources, tmp, fingerprint, command, log)
+        manifest = _build(data_cfg, sources, test_sources, tmp, fingerprint, command, log)
         publish_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -185,9 +184,8 @@ def prepare(
 
 
 def _build(
-    cfg, sources: list[Source], test_sources: list[Source], out: Path, fingerprint: str, command, log
+    data_cfg, sources: list[Source], test_sources: list[Source], out: Path, fingerprint: str, command, log
 ) -> dict:
-    data_cfg = cfg.data
     t0 = time.perf_counter()
     log("assigning documents to train/val/test by content hash")
     plan = plan_splits(sources, test_sources, data_cfg)
@@ -196,17 +194,10 @@ def _build(
         f"training a {data_cfg.tokenizer} tokenizer (vocab {data_cfg.vocab_size}) "
         f"on up to {data_cfg.tokenizer_train_bytes / 1e6:.0f} MB of text"
     )
-    train_bytes = 0
-
-    def counted(texts):
-        nonlocal train_bytes
-        for text in texts:
-            train_bytes += len(text.encode("utf-8"))
-            yield text
-
-    tokenizer = Tokenizer.train(
-        data_cfg.tokenizer, counted(_tokenizer_texts(sources, plan, data_cfg)), data_cfg.vocab_size
-    )
+    sizes: list[int] = []
+    texts = _tokenizer_texts(sources, plan, data_cfg, sizes)
+    tokenizer = Tokenizer.train(data_cfg.tokenizer, texts, data_cfg.vocab_size)
+    train_bytes = sum(sizes)
     if train_bytes == 0:
         raise DataError(
             f"no training text left after cleaning {', '.join(data_cfg.sources)} "
@@ -230,10 +221,8 @@ def _build(
             for (s, stratum, text), ids in zip(batch, encoded, strict=True):
                 if s != split:
                     continue
-                parts.append(np.asarray(ids, dtype=dtype))
-                parts.append(eos)
-                c = counts[split]
-                runs = strata[split]
+                parts += [np.asarray(ids, dtype=dtype), eos]
+                c, runs = counts[split], strata[split]
                 if not runs or runs[-1]["name"] != stratum:
                     runs.append(
                         {"name": stratum, "offset": c["tokens"], "documents": 0, "bytes": 0, "tokens": 0}
@@ -252,18 +241,12 @@ def _build(
             f"the corpus is empty after cleaning ({json.dumps(cleaner.counts)}); "
             "check data.sources, data.min_chars and data.max_nontext_fraction"
         )
-    wanted = {
-        "train": True,
-        "val": data_cfg.val_fraction > 0,
-        "test": not plan.rule["test"].startswith("none"),
-    }
-    for split in SPLITS:
-        if counts[split]["documents"] == 0 and wanted[split]:
-            fix = {
-                "train": "lower data.val_fraction/data.test_fraction",
-                "val": "raise data.val_fraction",
-                "test": "raise data.test_bytes or data.test_fraction",
-            }[split]
+    for split, wanted, fix in (
+        ("train", True, "lower data.val_fraction/data.test_fraction"),
+        ("val", data_cfg.val_fraction > 0, "raise data.val_fraction"),
+        ("test", not plan.rule["test"].startswith("none"), "raise data.test_bytes or data.test_fraction"),
+    ):
+        if wanted and counts[split]["documents"] == 0:
             raise DataError(
                 f"no document fell into the {split} split ({kept} documents); add documents or {fix}"
             )

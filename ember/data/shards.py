@@ -39,6 +39,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -79,7 +80,20 @@ class ShardInfo:
     sha256: str  # hex digest of the token payload (the bytes after the header)
 
 
-class ShardWriter:
+class _Sealing:
+    """``with``: ``close()`` (seal) on success, ``abort()`` (discard) on an exception."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class ShardWriter(_Sealing):
     """Streams tokens into one shard file; ``close()`` seals it and returns its info."""
 
     def __init__(self, path: str | os.PathLike, dtype: np.dtype | type | str):
@@ -139,21 +153,11 @@ class ShardWriter:
             self._file = None
         self._tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> ShardWriter:
-        return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-
-class ShardSplitWriter:
+class ShardSplitWriter(_Sealing):
     """Writes one split as ``{split}-000000.bin``, ``{split}-000001.bin``, ... of at most
-    ``max_tokens`` tokens each. A document may straddle two shards: the loader
-    samples windows inside a shard, so a split document only loses the windows
-    that would cross the boundary."""
+    ``max_tokens`` tokens each. A document may straddle two shards: the loader samples windows
+    inside a shard, so a split document only loses the windows that would cross the boundary."""
 
     def __init__(
         self,
@@ -207,25 +211,14 @@ class ShardSplitWriter:
         self.infos = []
         self._closed = True
 
-    def __enter__(self) -> ShardSplitWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def _corrupt(path: Path, problem: str) -> DataError:
     return DataError(f"corrupt shard {path}: {problem}; {_FIX}")
 
 
 def read_shard(path: str | os.PathLike, verify_sha256: str | None = None) -> np.memmap:
-    """Validate a shard's header and size and return its tokens as a read-only memmap.
-
-    With ``verify_sha256`` the payload is hashed (one full read) and compared.
-    """
+    """Validate a shard's header and size and return its tokens as a read-only memmap; with
+    ``verify_sha256`` the payload is hashed (one full read) and compared."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"shard {path} does not exist; run `ember data prepare` to create it")

@@ -39,19 +39,19 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember.errors import DataError
 
-EMBEDDED = ("embedded:python", "embedded:python-docs", "embedded:python-stdlib", "embedded:python-tests")
 PARTS = {
     "python": ["docs", "stdlib"],
     "python-docs": ["docs"],
     "python-stdlib": ["stdlib"],
     "python-tests": ["tests"],
 }
+EMBEDDED = tuple(f"embedded:{name}" for name in PARTS)
 STDLIB_EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 )
@@ -83,15 +83,13 @@ class SourceStats:
     _hash: object = field(default_factory=hashlib.sha256, repr=False)
 
     def to_dict(self) -> dict:
-        return {
-            "spec": self.spec,
-            "sha256": self._hash.hexdigest(),
-            "files": self.files,
-            "documents": self.documents,
-            "bytes": self.bytes,
-            "binary_skipped": self.binary_skipped,
-            "invalid_utf8": self.invalid_utf8,
-        }
+        counts = ("files", "documents", "bytes", "binary_skipped", "invalid_utf8")
+        return {"spec": self.spec, "sha256": self._hash.hexdigest(), **{k: getattr(self, k) for k in counts}}
+
+    def read(self, raw: bytes) -> None:
+        """Count and hash bytes read from the source."""
+        self._hash.update(raw)
+        self.bytes += len(raw)
 
 
 def _decode(raw: bytes, stats: SourceStats) -> str:
@@ -111,9 +109,7 @@ class Source:
     """A resolved source string. ``documents()`` may be called more than once."""
 
     def __init__(self, spec: str, jsonl_field: str = "text", parquet_column: str = "text"):
-        self.spec = spec
-        self.jsonl_field = jsonl_field
-        self.parquet_column = parquet_column
+        self.spec, self.jsonl_field, self.parquet_column = spec, jsonl_field, parquet_column
         self.stats = SourceStats(spec)
         self.parts: list[str] = []  # "docs", "stdlib", "tests"
         self.files: list[Path] = []
@@ -132,9 +128,7 @@ class Source:
 
     def _read(self, stats: SourceStats) -> Iterator[Document]:
         if "docs" in self.parts:
-            for doc in _pydoc_topics(stats):
-                doc.stratum = "embedded:python-docs"
-                yield doc
+            yield from _pydoc_topics(stats)
         stratum = f"embedded:python-{self.parts[-1]}" if self.parts else self.spec
         for path in self.files:
             stats.files += 1
@@ -179,17 +173,13 @@ def open_source(spec: str, data_cfg=None) -> Source:
     return Source(spec, data_cfg.jsonl_field, data_cfg.parquet_column)
 
 
-# ---------------------------------------------------------------- embedded sources
-
-
 def _pydoc_topics(stats: SourceStats) -> Iterator[Document]:
     from pydoc_data.topics import topics
 
     for key in sorted(topics):
         raw = topics[key].encode("utf-8")
-        stats._hash.update(raw)
-        stats.bytes += len(raw)
-        yield Document(topics[key], f"pydoc_data.topics:{key}")
+        stats.read(raw)
+        yield Document(topics[key], f"pydoc_data.topics:{key}", "embedded:python-docs")
 
 
 def _test_root() -> Path:
@@ -202,49 +192,40 @@ def tests_available() -> bool:
     return root.is_dir() and any(root.glob("test_*.py"))
 
 
+def _walk(root: Path, keep_file: Callable[[str], bool], skip_dirs: frozenset = frozenset()) -> list[Path]:
+    """The files below ``root`` that ``keep_file`` accepts, by relative path; hidden folders and
+    ``skip_dirs`` are not entered."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
+        files.extend(Path(dirpath, f) for f in filenames if keep_file(f))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
 def _test_files() -> list[Path]:
-    root = _test_root()
     if not tests_available():
         raise DataError(
-            f"embedded:python-tests: this Python has no test suite under {root} (some distributions "
+            f"embedded:python-tests: this Python has no test suite under {_test_root()} (some distributions "
             "strip it); drop it from data.test_sources to hold out a hashed share of the training "
             "sources instead (data.test_fraction)"
         )
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
-        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return _walk(_test_root(), lambda name: name.endswith(".py"), frozenset({"__pycache__"}))
 
 
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS and not d.startswith(".")]
-        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
+    files = _walk(root, lambda name: name.endswith(".py"), STDLIB_EXCLUDED_DIRS)
     if not files:
         raise DataError(
             f"no standard library .py files found under {root}; this Python ships without sources"
         )
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-# ---------------------------------------------------------------- paths
-
-
-def _walk_dir(root: Path) -> list[Path]:
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        files.extend(Path(dirpath, f) for f in filenames if not f.startswith("."))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+    return files
 
 
 def _resolve_path(spec: str) -> list[Path]:
     path = Path(spec).expanduser()
     if path.is_dir():
-        return _walk_dir(path)
+        return _walk(path, lambda name: not name.startswith("."))
     if path.is_file():
         return [path]
     if any(ch in spec for ch in "*?["):
@@ -261,19 +242,14 @@ def _resolve_path(spec: str) -> list[Path]:
     )
 
 
-def _read_bytes(path: Path) -> bytes:
+def _text_document(path: Path, stats: SourceStats) -> Iterator[Document]:
     try:
-        return path.read_bytes()
+        raw = path.read_bytes()
     except OSError as e:
         raise DataError(
             f"cannot read source file {path} ({e.strerror or e}); fix its permissions or remove it"
         ) from None
-
-
-def _text_document(path: Path, stats: SourceStats) -> Iterator[Document]:
-    raw = _read_bytes(path)
-    stats._hash.update(raw)
-    stats.bytes += len(raw)
+    stats.read(raw)
     if b"\x00" in raw[:BINARY_SNIFF_BYTES]:
         stats.binary_skipped += 1
         return
@@ -283,8 +259,7 @@ def _text_document(path: Path, stats: SourceStats) -> Iterator[Document]:
 def _jsonl_documents(path: Path, field_name: str, stats: SourceStats) -> Iterator[Document]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            stats._hash.update(raw)
-            stats.bytes += len(raw)
+            stats.read(raw)
             if not raw.strip():
                 continue
             try:
@@ -322,8 +297,7 @@ def _parquet_documents(path: Path, column: str, stats: SourceStats) -> Iterator[
         ) from None
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
-            stats._hash.update(block)
-            stats.bytes += len(block)
+            stats.read(block)
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for a file that is not Parquet

@@ -24,11 +24,10 @@ The rules, each a pure function of the documents' content and the config:
 - **test** comes from ``data.test_sources`` (the ``python`` preset: CPython's own test
   suite, which the training sources leave out), sampled the same way from every group of
   them (``test_asyncio/``, the root ``test_*.py``, ...) with the fraction that makes about
-  ``data.test_bytes``; a
-  test document that duplicates a training one is dropped (deduplication sees the training
-  sources first). Without test sources (none given, or ``embedded:python-tests`` missing from
-  this Python), ``data.test_fraction`` of each training group is sampled the same way from
-  what val left. ``plan.rule`` says which rule
+  ``data.test_bytes``; a test document that duplicates a training one is dropped
+  (deduplication sees the training sources first). Without test sources (none given, or
+  ``embedded:python-tests`` missing from this Python), ``data.test_fraction`` of each
+  training group is sampled the same way from what val left. ``plan.rule`` says which rule
   applied and goes into the manifest.
 - A stratum always keeps at least one training document.
 - Adding files to a folder can move documents of that folder between splits (the size ranks
@@ -104,10 +103,8 @@ def plan_splits(train_sources, test_sources, data_cfg) -> SplitPlan:
     plan = SplitPlan()
     for stratum, groups in train_strata.items():
         for docs in groups.values():
-            for digest, _ in docs:
-                plan.assign[(stratum, digest)] = "train"
-            for digest in _sample(docs, data_cfg.val_fraction, b"val"):
-                plan.assign[(stratum, digest)] = "val"
+            plan.assign.update({(stratum, digest): "train" for digest, _ in docs})
+            plan.assign.update({(stratum, d): "val" for d in _sample(docs, data_cfg.val_fraction, b"val")})
         _keep_one(plan, stratum, groups, "val")
     plan.rule["val"] = (
         f"per stratum and top-level folder, a systematic sample of {data_cfg.val_fraction:g} of the "
@@ -119,20 +116,18 @@ def plan_splits(train_sources, test_sources, data_cfg) -> SplitPlan:
         share = min(1.0, (data_cfg.test_bytes or available) / available)
         for stratum, groups in test_strata.items():
             for docs in groups.values():
-                for digest in _sample(docs, share, b"test"):
-                    plan.assign[(stratum, digest)] = "test"
+                plan.assign.update({(stratum, d): "test" for d in _sample(docs, share, b"test")})
         plan.rule["test"] = (
             f"held out by origin: {', '.join(s.spec for s in test_sources)}, per top-level folder a "
             f"systematic sample of {share:.3g} of the documents by size "
             f"(data.test_bytes={data_cfg.test_bytes:,})"
         )
     elif data_cfg.test_fraction > 0:
+        share = data_cfg.test_fraction / (1.0 - data_cfg.val_fraction)
         for stratum, groups in train_strata.items():
             for docs in groups.values():
                 pool = [(d, n) for d, n in docs if plan.assign[(stratum, d)] == "train"]
-                share = data_cfg.test_fraction / (1.0 - data_cfg.val_fraction)
-                for digest in _sample(pool, share, b"test"):
-                    plan.assign[(stratum, digest)] = "test"
+                plan.assign.update({(stratum, d): "test" for d in _sample(pool, share, b"test")})
             _keep_one(plan, stratum, groups, "test")
         plan.rule["test"] = (
             f"hashed share of the training sources: per stratum and top-level folder, a systematic "

@@ -45,37 +45,26 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.2f} MB"
 
 
+def _table(title: str, *columns: str) -> Table:
+    return Table(*columns, title=title, title_justify="left")
+
+
 def print_manifest(manifest: dict, directory: Path, console: Console | None = None) -> None:
     console = console or Console(width=max(Console().width, 120))
     console.print(f"[bold]{directory}[/bold]  (ember {manifest['ember_version']}, {manifest['created']})")
 
-    sources = Table(
-        "source",
-        "files",
-        "documents",
-        "size",
-        "binary skipped",
-        "invalid UTF-8",
-        "sha256",
-        title="sources",
-        title_justify="left",
+    sources = _table(
+        "sources", "source", "files", "documents", "size", "binary skipped", "invalid UTF-8", "sha256"
     )
     for s in manifest["sources"]:
-        sources.add_row(
-            s["spec"],
-            f"{s['files']:,}",
-            f"{s['documents']:,}",
-            _mb(s["bytes"]),
-            f"{s['binary_skipped']:,}",
-            f"{s['invalid_utf8']:,}",
-            s["sha256"][:16],
+        files, documents, skipped, invalid = (
+            f"{s[k]:,}" for k in ("files", "documents", "binary_skipped", "invalid_utf8")
         )
+        sources.add_row(s["spec"], files, documents, _mb(s["bytes"]), skipped, invalid, s["sha256"][:16])
     console.print(sources)
 
     c = manifest["cleaning"]
-    cleaning = Table(
-        "documents in", "too short", "non-text", "duplicate", "kept", title="cleaning", title_justify="left"
-    )
+    cleaning = _table("cleaning", "documents in", "too short", "non-text", "duplicate", "kept")
     cleaning.add_row(*(f"{c[k]:,}" for k in ("documents_in", "too_short", "nontext", "duplicate", "kept")))
     console.print(cleaning)
 
@@ -85,9 +74,7 @@ def print_manifest(manifest: dict, directory: Path, console: Console | None = No
         f"sha256 {t['sha256'][:16]}, shards {manifest['dtype']}"
     )
 
-    splits = Table(
-        "split", "documents", "size", "tokens", "bytes/token", "shards", title="splits", title_justify="left"
-    )
+    splits = _table("splits", "split", "documents", "size", "tokens", "bytes/token", "shards")
     for name, s in manifest["splits"].items():
         ratio = f"{s['bytes'] / s['tokens']:.2f}" if s["tokens"] else "-"
         splits.add_row(

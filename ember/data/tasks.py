@@ -34,6 +34,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import operator
 import random
 import re
 import string
@@ -42,7 +43,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.data.chat import check_messages
+from ember.data.chat import END_TURN, check_messages
 from ember.errors import EmberError
 
 Conversation = list[dict]  # [{"role": "system" | "user" | "assistant", "content": str}, ...]
@@ -50,7 +51,6 @@ Conversation = list[dict]  # [{"role": "system" | "user" | "assistant", "content
 SPLITS = ("train", "test")
 TEST_BUCKETS = 5  # one candidate in five (by hash) belongs to the test split
 MAX_STREAK = 3000  # candidates in a row that are taken or of the other split: no new ones are left
-END_TURN = "<|end_turn|>"  # ember/data/tokenizer.py's SPECIAL_TOKENS: where an assistant turn ends
 
 
 @dataclass
@@ -81,11 +81,6 @@ def reply_of(completion: str) -> str:
     return completion.split(END_TURN, 1)[0]
 
 
-def first_line(completion: str) -> str:
-    """The first non-blank line of the reply, stripped: what an exact task compares."""
-    return reply_of(completion).strip().split("\n", 1)[0].strip()
-
-
 class Task:
     """A seeded problem generator with fixed train/test splits and a verifier."""
 
@@ -99,9 +94,8 @@ class Task:
             raise EmberError(f"split {split!r}: choose one of {', '.join(SPLITS)}")
         problems, seen, i, streak = [], set(), 0, 0
         while len(problems) < n and streak < MAX_STREAK:  # a long run of misses: the split is used up
-            rng = random.Random(_digest(f"{self.name}:{split}:{i}"))
+            prompt, answer = self.make(random.Random(_digest(f"{self.name}:{split}:{i}")))
             i += 1
-            prompt, answer = self.make(rng)
             if split_of(prompt) != split or prompt in seen:
                 streak += 1
                 continue
@@ -111,22 +105,16 @@ class Task:
         return problems
 
     def score(self, problem: Problem, completion: str) -> float:
-        """Exact match: 1.0 if ``first_line(completion) == problem.answer``, else 0.0."""
-        return float(first_line(completion) == problem.answer)
+        """Exact match: 1.0 if the reply's first non-blank line, stripped, is ``problem.answer``."""
+        return float(reply_of(completion).strip().split("\n", 1)[0].strip() == problem.answer)
 
 
-def _add(k: int) -> Callable[[random.Random], tuple[str, str]]:
+def _arithmetic(k: int, symbol: str) -> Callable[[random.Random], tuple[str, str]]:
+    op = {"+": operator.add, "*": operator.mul}[symbol]
+
     def make(rng: random.Random) -> tuple[str, str]:
         a, b = rng.randrange(10 ** (k - 1), 10**k), rng.randrange(10 ** (k - 1), 10**k)
-        return f"What is {a} + {b}?", str(a + b)
-
-    return make
-
-
-def _mul(k: int) -> Callable[[random.Random], tuple[str, str]]:
-    def make(rng: random.Random) -> tuple[str, str]:
-        a, b = rng.randrange(10 ** (k - 1), 10**k), rng.randrange(10 ** (k - 1), 10**k)
-        return f"What is {a} * {b}?", str(a * b)
+        return f"What is {a} {symbol} {b}?", str(op(a, b))
 
     return make
 
@@ -152,8 +140,7 @@ def _count(rng: random.Random) -> tuple[str, str]:
 
 
 def _normalize(text: str) -> list[str]:
-    text = text.lower().translate(str.maketrans("", "", string.punctuation))
-    return text.split()
+    return text.lower().translate(str.maketrans("", "", string.punctuation)).split()
 
 
 def token_f1(prediction: str, reference: str) -> float:
@@ -183,8 +170,7 @@ def _paragraph(text: str) -> str:
 
 def _is_prose(paragraph: str) -> bool:
     """Not a heading underline, an indented grammar or code block, a bullet or a version note."""
-    lines = paragraph.splitlines()
-    if any(line.strip() and set(line.strip()) <= set("*=-~^") for line in lines):
+    if any(line.strip() and set(line.strip()) <= set("*=-~^") for line in paragraph.splitlines()):
         return False
     notes = ("*", "-", "New in version", "Changed in version", "Deprecated", "**Source code:**")
     return not paragraph[:1].isspace() and not paragraph.startswith(notes) and len(paragraph) > 40
@@ -267,25 +253,20 @@ def _near_sums(answer: str, rng: random.Random) -> list[str]:
     value = int(answer)
     candidates = [value + d for d in (-100, -10, -1, 1, 10, 100) if value + d > 0]
     candidates.append(int(answer[::-1]) if answer[::-1] != answer else value + 2)
-    picked = []
-    for c in rng.sample(candidates, len(candidates)):
-        if str(c) != answer and str(c) not in picked:
-            picked.append(str(c))
-    return picked[:3]
+    picked = dict.fromkeys(str(c) for c in rng.sample(candidates, len(candidates)) if str(c) != answer)
+    return list(picked)[:3]
 
 
 TASKS: dict[str, Task] = {
-    "add-2": Task("add-2", _add(2), "2-digit addition, exact match"),
-    "add-3": Task("add-3", _add(3), "3-digit addition, exact match"),
-    "mul-2": Task("mul-2", _mul(2), "2-digit multiplication, exact match"),
+    "add-2": Task("add-2", _arithmetic(2, "+"), "2-digit addition, exact match"),
+    "add-3": Task("add-3", _arithmetic(3, "+"), "3-digit addition, exact match"),
+    "mul-2": Task("mul-2", _arithmetic(2, "*"), "2-digit multiplication, exact match"),
     "sort": Task("sort", _sort, "sort 3-8 integers below 100, exact match"),
     "reverse": Task("reverse", _reverse, "reverse 3-12 lowercase letters, exact match"),
     "count": Task("count", _count, "count a letter in a word, exact match"),
     "pydoc": PydocTask(),
 }
-TASKS |= {
-    "add-2-choice": ChoiceTask("add-2-choice", TASKS["add-2"], _near_sums),
-}
+TASKS["add-2-choice"] = ChoiceTask("add-2-choice", TASKS["add-2"], _near_sums)
 
 
 # ---------------------------------------------------------------- users' conversations

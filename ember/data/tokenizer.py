@@ -75,14 +75,8 @@ def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-to-unicode alphabet, inverted: each printable stand-in back to its byte
     (the table HF ``tokenizers``' ByteLevel uses; openai/gpt-2 encoder.py ``bytes_to_unicode``)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    shifted = [b for b in range(256) if b not in keep]  # stand in as chr(256), chr(257), ...
+    return {chr(b): b for b in keep} | {chr(256 + i): b for i, b in enumerate(shifted)}
 
 
 def _parts(component) -> list[dict]:
@@ -147,8 +141,6 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.unk_id = ids["bos"], ids["eos"], ids["unk"]
         self.pad_id = ids["pad"] if ids["pad"] is not None else ids["eos"]  # as transformers users do
 
-    # ------------------------------------------------------------------ training
-
     @classmethod
     def train(cls, kind: str, texts: Iterable[str], vocab_size: int) -> Tokenizer:
         if kind not in KINDS:
@@ -189,8 +181,6 @@ class Tokenizer:
         hf.add_special_tokens(SPECIAL_TOKENS)
         hf.decoder = decoders.Sequence([decoders.Replace("<|unk|>", "\ufffd"), decoders.Fuse()])
         return cls(hf)
-
-    # ------------------------------------------------------------------ use
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -260,8 +250,6 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self.hf.id_to_token(i)
 
-    # ------------------------------------------------------------------ files
-
     def to_str(self) -> str:
         return self.hf.to_str()
 
@@ -273,8 +261,7 @@ class Tokenizer:
         """Write atomically (temp file then rename); returns the sha256 of the file written. A
         foreign tokenizer also writes its ``specials.json`` beside ``path``."""
         text = self.to_str()
-        if self.specials is not None:
-            self.save_specials(Path(path).parent)
+        self.save_specials(Path(path).parent)
         write_text_atomic(path, text)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -314,14 +301,11 @@ class Tokenizer:
         return {role: None if i is None else self.hf.id_to_token(i) for role, i in ids.items()}
 
     def describe(self) -> dict:
-        if self.specials is not None:
+        if self.specials is None:
+            specials = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+        else:
             specials = {tok: self.hf.token_to_id(tok) for tok in self.special_tokens().values() if tok}
-            return {"kind": self.kind, "vocab_size": self.vocab_size, "special_tokens": specials}
-        return {
-            "kind": self.kind,
-            "vocab_size": self.vocab_size,
-            "special_tokens": {tok: i for i, tok in enumerate(SPECIAL_TOKENS)},
-        }
+        return {"kind": self.kind, "vocab_size": self.vocab_size, "special_tokens": specials}
 
 
 def file_sha256(path: str | os.PathLike) -> str:
