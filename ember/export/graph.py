@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ember.atomic import staging_dir
 from ember.errors import EmberError
+from ember.model.gpt import causal_mask
 from ember.run import load_run
 
 TARGETS = ("pt2", "aoti", "onnx", "onnx-decode")
@@ -78,10 +79,8 @@ class PastCache:
         k = torch.cat([self.past[2 * i], k], dim=2)  # (B, n_kv_head, P + T, hd)
         v = torch.cat([self.past[2 * i + 1], v], dim=2)
         self.present += [k, v]
-        T, S = q.size(2), k.size(2)
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-        gqa = q.size(1) != k.size(1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        mask = causal_mask(q.size(2), k.size(2), q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.size(1) != k.size(1))
 
 
 class Decoder(torch.nn.Module):
@@ -93,8 +92,7 @@ class Decoder(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cache = PastCache(list(past))
-        logits = self.model(idx, cache)
-        return (logits, *cache.present)
+        return (self.model(idx, cache), *cache.present)
 
 
 def _empty_past(model: torch.nn.Module, B: int, P: int) -> list[torch.Tensor]:
@@ -107,8 +105,7 @@ def ort_greedy(path: str | Path, prompt: list[int], max_new_tokens: int, eos_id:
     """Greedy decoding through an ``onnx-decode`` file with onnxruntime: the new token ids."""
     session = _onnxruntime().InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
-    n_kv_head, head_dim = session.get_inputs()[1].shape[1], session.get_inputs()[1].shape[3]
-    past = [np.zeros((1, n_kv_head, 0, head_dim), np.float32) for _ in names[1:]]
+    past = [np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32) for i in session.get_inputs()[1:]]
     idx, new = np.array([prompt], np.int64), []
     for _ in range(max_new_tokens):
         logits, *past = session.run(None, dict(zip(names, [idx, *past], strict=True)))

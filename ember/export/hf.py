@@ -97,8 +97,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
     special = dict(
         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id
     )
-    for key, value in special.items():
-        setattr(hf.config, key, value)
+    hf.config.update(special)
     hf.generation_config = transformers.GenerationConfig(**special)
     tokens = {f"{role}_token": tok for role, tok in tokenizer.special_tokens().items() if tok is not None}
     if tokenizer.hf.token_to_id(END_TURN) is not None:  # an ember tokenizer: the chat format's tokens

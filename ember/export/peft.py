@@ -84,8 +84,7 @@ def save_peft(
 ) -> Path:
     """Write the adapters in PEFT's format (adapter_config.json + adapter_model.safetensors) for
     the HF layout ``to_hf`` exports the model as (see the module docstring for GPT-2's c_attn),
-    with the embedding (and untied head) rows ``token_rows`` as trainable tokens.
-    ``PeftModel.from_pretrained(to_hf(base), out_dir)`` then gives the adapted model's logits."""
+    with the embedding (and untied head) rows ``token_rows`` as trainable tokens."""
     layout = layout_of(model.cfg)  # a ConfigError for what HF cannot represent
     layers = [layer for _, layer in lora_layers(model)]
     if not layers:
@@ -111,6 +110,7 @@ def save_peft(
         for name, weight in tables.items():
             delta = weight.detach()[rows].float().contiguous()
             tensors[f"base_model.model.{name}.token_adapter.trainable_tokens_delta"] = delta
+    fused = [A.size(0) for hf, (A, _) in pairs.items() if hf.endswith("c_attn")]
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -119,17 +119,14 @@ def save_peft(
         "lora_alpha": first.alpha,
         "lora_dropout": first.dropout.p if isinstance(first.dropout, nn.Dropout) else 0.0,
         "target_modules": targets,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        # GPT-2's c_attn: rank k·r and alpha k·α, so that PEFT's scale alpha / r stays α / r
+        "rank_pattern": {"c_attn": fused[0]} if fused else {},
+        "alpha_pattern": {"c_attn": first.alpha * fused[0] / first.rank} if fused else {},
         "bias": "none",
         "trainable_token_indices": token_indices,
         "fan_in_fan_out": layout == "gpt2",  # Conv1D stores its weight (in, out)
         "inference_mode": True,
     }
-    fused = [A.size(0) for hf, (A, _) in pairs.items() if hf.endswith("c_attn")]
-    if fused:  # rank k·r and alpha k·α: PEFT's scale alpha / r stays α / r
-        config["rank_pattern"] = {"c_attn": fused[0]}
-        config["alpha_pattern"] = {"c_attn": first.alpha * fused[0] / first.rank}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

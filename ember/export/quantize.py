@@ -112,14 +112,12 @@ def report(
     rows = {"fp32": measure(base)}
     for spec in specs:
         rows[spec.label] = measure(quantize(copy.deepcopy(base), spec))
-    ref = rows["fp32"]
+    ref, ref_ids = rows["fp32"], rows["fp32"]["ids"]
     for row in rows.values():
-        rows_ids = zip(row["ids"], ref["ids"], strict=True)
+        rows_ids = zip(row.pop("ids"), ref_ids, strict=True)
         pairs = [(a, b) for x, y in rows_ids for a, b in zip(x, y, strict=True)]
         row["agree"] = sum(a == b for a, b in pairs) / len(pairs)
         row["bpb_change"] = row["bpb"] / ref["bpb"] - 1
-    for row in rows.values():
-        del row["ids"]
     out = {
         "run": str(run),
         "measured_on": f"test split of {data_dir}: {ref['documents']} documents, {ref['tokens']:,} tokens, "

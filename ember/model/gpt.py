@@ -38,8 +38,6 @@ Design choices:
 - ``forward(idx, keep=mask)`` returns only the masked positions' logits: a second argument
   beyond the cache that DESIGN rule 1 allows, because losses that read a few positions (SFT's
   and DPO's replies) would otherwise pay for the head, most of a small model's step, everywhere.
-- GELU is the tanh approximation (``gelu_new`` in GPT-2 and HF), so GPT-2
-  checkpoints match exactly.
 - Tied embeddings share one Parameter. ``to_empty()`` gives each module a fresh
   tensor, which would untie it, so ``GPT.to_empty`` ties again.
 """
@@ -62,12 +60,8 @@ Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
 
 class KVCache(Protocol):
-    """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds them).
-
-    A forward of T new tokens calls ``extend(T)`` once, then every layer calls ``attend``
-    once. Per-row lengths and left padding live in the cache: its positions and its
-    attention say where each row's tokens sit, and the model never sees a mask.
-    """
+    """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds them):
+    a forward of T new tokens calls ``extend(T)`` once, then every layer calls ``attend`` once."""
 
     def extend(self, T: int) -> Tensor:
         """Take T more tokens in every row; their position ids, (T,) or (B, T)."""
@@ -139,9 +133,7 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-# ---------------------------------------------------------------------------
-# Positions
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------------ positions
 
 
 class LearnedPositions(nn.Module):
@@ -202,9 +194,7 @@ def keep_qk(q: Tensor, k: Tensor, rope: Rope | None) -> tuple[Tensor, Tensor]:
     return q, k
 
 
-# ---------------------------------------------------------------------------
-# Attention
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------------ attention
 
 
 def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
@@ -288,13 +278,12 @@ class Attention(nn.Module):
         return self.resid_dropout(self.wo(y))
 
 
-# ---------------------------------------------------------------------------
-# MLP and block
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------------ MLP and block
 
 
 class GeluMLP(nn.Module):
-    """GPT-2: w2(gelu(w1 x)), with the tanh approximation GPT-2 was trained with."""
+    """GPT-2: w2(gelu(w1 x)), GELU's tanh approximation (``gelu_new`` in GPT-2 and HF), so that
+    GPT-2 checkpoints match exactly."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -370,9 +359,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-# ---------------------------------------------------------------------------
-# The model
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------------ the model
 
 
 class GPT(nn.Module):
@@ -409,9 +396,7 @@ class GPT(nn.Module):
         """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
         continues the sequences it holds, at the positions it gives (a cache is sized to at
         most max_seq_len tokens by whoever builds it: the engine checks prompts). ``keep``, a
-        (B, T) bool mask: only those positions' logits, (N, vocab_size), as a loss that reads
-        a few positions needs (SFT's trained tokens; the head is much of a small model's cost,
-        as with transformers' ``logits_to_keep``)."""
+        (B, T) bool mask: only those positions' logits, (N, vocab_size) (module docstring)."""
         T = idx.size(1) if self.tok_embeddings is not None else idx.size(1) * self.stream_shards
         if T > self.cfg.max_seq_len and cache is None:  # a cache gives positions: a packed row may be longer
             raise ConfigError(
@@ -467,9 +452,8 @@ class GPT(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every child in order at ``init_std`` (see ``init_module``), the tied head
         as the embedding. ``seed`` draws from a private generator; None uses the global RNG."""
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=self.tok_embeddings.weight.device).manual_seed(seed)
+        device = self.tok_embeddings.weight.device
+        generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
         for module in self.children():
             if module is not self.output or getattr(module, "weight", None) is not self.tok_embeddings.weight:
                 init_module(module, self.cfg.init_std, generator)

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 # (HF key, ember keys concatenated along dim 0, transpose)
 Mapping = list[tuple[str, tuple[str, ...], bool]]
+HF_CLASSES = {  # (causal LM, reward model) per layout
+    "gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification"),
+    "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+}
 
 
 def layout_of(cfg: ModelConfig) -> str:
@@ -98,8 +102,6 @@ def _gpt2_mapping(cfg: ModelConfig) -> Mapping:
             (f"{hf}.mlp.c_proj.weight", (f"{ours}.mlp.w2.weight",), True),
             (f"{hf}.mlp.c_proj.bias", (f"{ours}.mlp.w2.bias",), False),
         ]
-    if not cfg.tie_embeddings:
-        m.append(("lm_head.weight", ("output.weight",), False))
     return m
 
 
@@ -125,17 +127,30 @@ def _llama_mapping(cfg: ModelConfig) -> Mapping:
             (f"{hf}.post_attention_layernorm.weight", (f"{ours}.mlp_norm.weight",), False),
         ]
         m += [(f"{hf}.{a}.{p}", (f"{ours}.{b}.{p}",), False) for a, b in linears for p in params]
-    if not cfg.tie_embeddings:
-        m.append(("lm_head.weight", ("output.weight",), False))
     return m
+
+
+def _mapping(cfg: ModelConfig, layout: str) -> Mapping:
+    """The layout's table and the head: HF's ``score`` for a reward model, ``lm_head`` when untied."""
+    m = _gpt2_mapping(cfg) if layout == "gpt2" else _llama_mapping(cfg)
+    if cfg.head == "score":
+        return [*m, ("score.weight", ("output.weight",), False)]
+    return m if cfg.tie_embeddings else [*m, ("lm_head.weight", ("output.weight",), False)]
 
 
 def _hf_config(cfg: ModelConfig, layout: str) -> Any:
     import transformers
 
+    common = dict(
+        vocab_size=cfg.vocab_size,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     if layout == "gpt2":
         return transformers.GPT2Config(
-            vocab_size=cfg.vocab_size,
+            **common,
             n_positions=cfg.max_seq_len,
             n_embd=cfg.d_model,
             n_layer=cfg.n_layer,
@@ -146,13 +161,9 @@ def _hf_config(cfg: ModelConfig, layout: str) -> Any:
             embd_pdrop=cfg.dropout,
             attn_pdrop=cfg.dropout,
             layer_norm_epsilon=cfg.norm_eps,
-            initializer_range=cfg.init_std,
-            tie_word_embeddings=cfg.tie_embeddings,
-            bos_token_id=None,
-            eos_token_id=None,
         )
     return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
+        **common,
         hidden_size=cfg.d_model,
         intermediate_size=mlp_hidden_size(cfg),
         num_hidden_layers=cfg.n_layer,
@@ -163,13 +174,9 @@ def _hf_config(cfg: ModelConfig, layout: str) -> Any:
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,  # transformers 5 moves it into rope_parameters
-        tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=cfg.bias,
         mlp_bias=cfg.bias,
         attention_dropout=cfg.dropout,
-        initializer_range=cfg.init_std,
-        bos_token_id=None,
-        eos_token_id=None,
     )
 
 
@@ -195,20 +202,11 @@ def to_hf(model: GPT) -> PreTrainedModel:
 
     cfg = model.cfg
     layout = layout_of(cfg)
-    mapping = _gpt2_mapping(cfg) if layout == "gpt2" else _llama_mapping(cfg)
-    hf_class = transformers.GPT2LMHeadModel if layout == "gpt2" else transformers.LlamaForCausalLM
+    mapping = _mapping(cfg, layout)
     config = _hf_config(cfg, layout)
     if cfg.head == "score":
-        mapping = [e for e in mapping if e[0] != "lm_head.weight"] + [
-            ("score.weight", ("output.weight",), False)
-        ]
-        hf_class = (
-            transformers.GPT2ForSequenceClassification
-            if layout == "gpt2"
-            else transformers.LlamaForSequenceClassification
-        )
         config.num_labels = 1
-    hf = hf_class(config)
+    hf = getattr(transformers, HF_CLASSES[layout][cfg.head == "score"])(config)
     _check_mapping(mapping, {name for name, _ in hf.named_parameters()}, "HF", pick=0)
     ours, theirs = model.state_dict(), hf.state_dict()
     with torch.no_grad():
@@ -284,14 +282,10 @@ def from_hf(hf_model: PreTrainedModel) -> GPT:
     """A ``GPT`` (CPU, the HF model's dtype cast to fp32) with the weights of an HF
     GPT-2 or Llama causal LM."""
     config = hf_model.config
-    if config.model_type == "gpt2":
-        cfg = _config_from_gpt2(config)
-        mapping = _gpt2_mapping(cfg)
-    elif config.model_type == "llama":
-        cfg = _config_from_llama(config)
-        mapping = _llama_mapping(cfg)
-    else:
+    if config.model_type not in ("gpt2", "llama"):
         raise ConfigError(f"cannot import an HF {config.model_type!r} model; ember reads 'gpt2' and 'llama'")
+    cfg = _config_from_gpt2(config) if config.model_type == "gpt2" else _config_from_llama(config)
+    mapping = _mapping(cfg, config.model_type)
     with torch.device("meta"):
         model = GPT(cfg)
     model.to_empty(device="cpu")

@@ -24,15 +24,10 @@ runs an fp32 ``linear``; the adapters above are fp32.
 
 Written by hand, not with PEFT and bitsandbytes: adapters are what ember teaches (DESIGN), and
 bitsandbytes has no CPU kernels for this machine. ``ember.export.peft.save_peft`` writes PEFT's
-format for both layouts ``to_hf`` exports, so ``PeftModel.from_pretrained`` on ember's exported
-base reproduces the adapted logits within 1e-5 (tests/test_lora.py). Llama: one adapter per
-q/k/v/o/gate/up/down projection. GPT-2 keeps q, k and v in one ``Conv1D`` (``c_attn``, output [q
-| k | v]) while ember adapts them apart; one adapter of rank 3r on ``c_attn`` is exactly the
-three of rank r: A is the three A's stacked (3r × in) and B is block-diagonal (3d × 3r), so each
-output block sees only its own rank-r update. The config says so with ``rank_pattern`` (3r) and
-``alpha_pattern`` (3α, keeping the scale α / r), and ``fan_in_fan_out`` is true for Conv1D.
-(PEFT draws one dropout mask for the fused input where ember draws three: equal at inference,
-where dropout is off.)
+format for both layouts ``to_hf`` exports (GPT-2's fused ``c_attn`` as one adapter of rank 3r,
+see its docstring), so ``PeftModel.from_pretrained`` on ember's exported base reproduces the
+adapted logits within 1e-5 (tests/test_lora.py). (PEFT draws one dropout mask for the fused
+input where ember draws three: equal at inference, where dropout is off.)
 
 Checkpoints: ``lora_state_dict`` holds only the adapters (``layers.0.attention.wq.lora_A``, ...);
 the frozen base reloads from where it came from. ``LoRALinear`` and ``NF4Linear`` define
@@ -43,6 +38,7 @@ the frozen base reloads from where it came from. ``LoRALinear`` and ``NF4Linear`
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -178,8 +174,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base, self.rank, self.alpha = base, rank, alpha
         self.in_features, self.out_features = base.in_features, base.out_features
-        device = next(base.parameters(), None)
-        device = device.device if device is not None else next(base.buffers()).device
+        device = next(itertools.chain(base.parameters(), base.buffers())).device
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device))
         self.scale = alpha / rank
@@ -268,8 +263,7 @@ def lora_counts(model: nn.Module) -> tuple[int, int]:
 def lora_summary(model: nn.Module) -> str:
     """One line for the log: ``"LoRA r=8: 73,728 trainable of 1,450,000 parameters (5.08%)"``."""
     trainable, total = lora_counts(model)
-    layers = list(lora_layers(model))
-    rank = layers[0][1].rank if layers else 0
+    rank = next((layer.rank for _, layer in lora_layers(model)), 0)
     return f"LoRA r={rank}: {trainable:,} trainable of {total:,} parameters ({trainable / total:.2%})"
 
 
@@ -290,13 +284,13 @@ def adapters_disabled(model: nn.Module):
 def merge_lora(model: nn.Module) -> nn.Module:
     """Replace every ``LoRALinear`` by a plain nn.Linear holding W + (α / r) B A. In place."""
     for name, layer in list(lora_layers(model)):
-        parent = model.get_submodule(name.rpartition(".")[0])
+        parent, _, attr = name.rpartition(".")
         bias = layer.base.bias is not None
         merged = nn.Linear(layer.in_features, layer.out_features, bias=bias, device=layer.lora_A.device)
         merged.weight.copy_(layer.merged_weight())
         if bias:
             merged.bias.copy_(layer.base.bias)
-        setattr(parent, name.rpartition(".")[2], merged)
+        setattr(model.get_submodule(parent), attr, merged)
     return model
 
 

@@ -275,8 +275,7 @@ def quantize(model: nn.Module, spec: QuantSpec, empty: bool = False) -> nn.Modul
     ``model.safetensors``). In place."""
     for parent, name, linear, layer_spec in _targets(model, spec):
         if empty:
-            device = linear.weight.device
-            bias = linear.bias is not None
+            bias, device = linear.bias is not None, linear.weight.device
             new = QuantLinear(linear.in_features, linear.out_features, bias, layer_spec, device)
         else:
             new = QuantLinear.from_linear(linear, layer_spec)

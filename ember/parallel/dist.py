@@ -95,6 +95,7 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_name, local_rank)
     mesh = dp_mesh = None
+    tp, replicas, pp = parallel_cfg.tp, parallel_cfg.dp_replicate, parallel_cfg.pp
     if world_size > 1:
         backend = parallel_cfg.backend
         if backend == "auto":
@@ -107,7 +108,6 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
             )
         from torch.distributed.device_mesh import init_device_mesh
 
-        tp, replicas, pp = parallel_cfg.tp, parallel_cfg.dp_replicate, parallel_cfg.pp
         if world_size % (tp * replicas * pp):
             raise ConfigError(f"parallel.pp × dp_replicate × tp = {pp} × {replicas} × {tp} does not divide the {world_size} ranks")  # fmt: skip # noqa: E501
         # rank = (pp_rank * dp + dp_rank) * tp + tp_rank: a tensor-parallel group is tp adjacent
@@ -119,11 +119,8 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
         shape = (*((pp,) if pp > 1 else ()), *shape, *((tp,) if tp > 1 else ()))
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         dp_mesh = mesh[dp] if len(names) > len(dp) else mesh
-    elif parallel_cfg.tp > 1 or parallel_cfg.pp > 1:
-        n = parallel_cfg.tp * parallel_cfg.pp
-        raise ConfigError(f"parallel.tp={parallel_cfg.tp} × parallel.pp={parallel_cfg.pp} needs {n} ranks: launch with --nproc {n}")  # fmt: skip # noqa: E501
-    tp = parallel_cfg.tp if world_size > 1 else 1
-    pp = parallel_cfg.pp if world_size > 1 else 1
+    elif tp > 1 or pp > 1:  # so alone tp = pp = 1 (the config checks ge=1)
+        raise ConfigError(f"parallel.tp={tp} × parallel.pp={pp} needs {tp * pp} ranks: launch with --nproc {tp * pp}")  # fmt: skip # noqa: E501
     _ENV = DistEnv(rank, world_size, local_rank, device, mesh, tp, dp_mesh, pp)
     return _ENV
 
@@ -174,12 +171,9 @@ def print0(*args, **kwargs) -> None:
 def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """In place across ranks (no-op alone); ``op`` in sum, max, min, avg."""
     if dist.is_available() and dist.is_initialized():
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, "SUM" if op == "avg" else op.upper()))  # gloo has no AVG
         if op == "avg":
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
             t /= dist.get_world_size()
-        else:
-            dist.all_reduce(t, op=ops[op])
     return t
 
 
@@ -188,9 +182,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-# ---------------------------------------------------------------------------
-# Hangs that explain themselves
-# ---------------------------------------------------------------------------
+# ------------------------------------------------------------------ hangs that explain themselves
 
 FAULT_ENV = "EMBER_FAULT"  # tests: "RANK:STEP:exit|sleep": that rank exits (code 1) or hangs at STEP
 _BEAT_S = 1.0  # a rank writes its heartbeat this often

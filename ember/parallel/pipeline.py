@@ -107,10 +107,7 @@ class PipelineGPT(GPT):
         out = None
         group_rank = dist.get_rank(self.group)
         size = dist.get_world_size(self.group)
-        for s in range(self.n_stages):  # stage s runs on pipeline rank s % size
-            if s not in self.ids:
-                continue
-            i = self.ids.index(s)
+        for i, s in enumerate(self.ids):  # stage s runs on pipeline rank s % size, in stage order
             if s == 0:
                 x = idx
             else:  # the stream from the rank before: its shape and dtype, then the tensor
