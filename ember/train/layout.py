@@ -45,6 +45,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     if t.lora_rank and world_size > 1 and cfg.parallel.data == "fsdp":
         raise ConfigError("LoRA runs on one device or under DDP (parallel.data=ddp), not FSDP yet")
     task = task_class(t.task)
+    if not task.shards_params and world_size > 1 and cfg.parallel.data == "fsdp":
+        raise ConfigError(f"train.task={t.task} runs on one device or under DDP (parallel.data=ddp)")
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)
     m = model_cfg or cfg.model

@@ -30,6 +30,7 @@ class Task:
     chat = False  # trains on conversations: the starting run's tokenizer (chat tokens added), no shards
     reference_on_resume = False  # train.init_from is loaded on resume too: the reference is those weights
     splits_model = False  # may run under parallel.tp and parallel.pp
+    shards_params = True  # may run under FSDP2 (a reference copy or rollouts want whole weights)
 
     @classmethod
     def check_layout(cls, cfg, world_size: int, dp: int) -> None:

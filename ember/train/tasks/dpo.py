@@ -314,11 +314,7 @@ class DPOTask(SFTTask):
 
     name = "dpo"
     reference_on_resume = True
-
-    @classmethod
-    def check_layout(cls, cfg, world_size: int, dp: int) -> None:
-        if world_size > 1 and cfg.parallel.data == "fsdp":
-            raise ConfigError(f"train.task={cls.name} runs on one device or under DDP (parallel.data=ddp)")
+    shards_params = False
 
     @classmethod
     def prepare(cls, trainer, model) -> None:

@@ -282,6 +282,7 @@ class GRPOTask(SFTTask):
 
     name = "grpo"
     reference_on_resume = True
+    shards_params = False
 
     def __init__(self, grpo_cfg, tokenizer):
         super().__init__(False, tokenizer, grpo_cfg.data, grpo_cfg.eval_problems)
@@ -289,8 +290,6 @@ class GRPOTask(SFTTask):
 
     @classmethod
     def check_layout(cls, cfg, world_size: int, dp: int) -> None:
-        if world_size > 1 and cfg.parallel.data == "fsdp":
-            raise ConfigError(f"train.task={cls.name} runs on one device or under DDP (parallel.data=ddp)")
         check_groups(cfg.train.batch_tokens // cfg.train.seq_len, dp, cfg.grpo.group)
 
     @classmethod
