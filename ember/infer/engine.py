@@ -36,7 +36,7 @@ Design choices:
   are then copied to each of them, and from there they decode (and sample) apart.
 - **A finished row keeps its slot.** Its group decodes until every row is done and
   ignores that row's tokens (as nanochat does); compacting the cache would copy it on
-  every finish. Continuous batching with a paged cache is the scheduler's job, later.
+  every finish. Continuous batching with a paged cache is the scheduler's job (scheduler.py).
 - **Each row samples from its own generator**, seeded ``seed + row``: in fp32 a
   prompt's completion does not depend on the other prompts in the call, and the same
   (prompt, row, seed) gives the same text. (In bf16 the padded batch rounds differently
@@ -72,10 +72,6 @@ from ember.infer.sampling import Sampling
 from ember.model.gpt import sdpa_attention
 from ember.run import load_run
 
-# ---------------------------------------------------------------------------
-# KV cache
-# ---------------------------------------------------------------------------
-
 
 def distinct_left_padded(
     rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | None
@@ -102,17 +98,11 @@ def visible(slots: Tensor, pad: Tensor, n_keys: int) -> Tensor:
 
 
 class KVCache:
-    """Keys and values of every attention layer, up to ``max_len`` slots per row; the
-    ``KVCache`` protocol of ember/model/gpt.py, attending with SDPA over the slots held.
-
-    ``pad`` (one count per row) says how many slots at the start of each row are left
-    padding: they get position 0 and are masked from every real query. Without pads the
-    positions are the slots and attention is plainly causal (no mask is built).
-
-    Nothing is read from the model: a layer's buffers are allocated on its first
-    ``attend``, shaped (B, n_kv_head, max_len, head_dim) after the keys it receives and in
-    their dtype and device (a tensor-parallel shard, a wrapped or quantized ``wk``, autocast
-    all need no special case), and never grow. ``device`` is where positions are made.
+    """Keys and values of every attention layer, up to ``max_len`` slots per row, attended with
+    SDPA over the slots held; ``pad``: each row's left-pad slots (module docstring). A layer's
+    buffers, (B, n_kv_head, max_len, head_dim), are allocated on its first ``attend`` in the
+    dtype and device of the keys it receives (a tensor-parallel shard, a wrapped or quantized
+    ``wk``, autocast need no special case) and never grow. ``device`` is where positions are made.
     """
 
     def __init__(self, max_len: int, pad: Sequence[int] | None = None, device: torch.device | None = None):
@@ -180,11 +170,6 @@ class StaticKVCache(KVCache):
         return (self.slots - self.pad[:, None]).clamp(min=0)  # (B or 1, T)
 
 
-# ---------------------------------------------------------------------------
-# Sampling
-# ---------------------------------------------------------------------------
-
-
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
     """logits (B, V) with everything outside the top-k, then outside the nucleus, set to -inf."""
     if top_k and top_k < logits.size(-1):
@@ -228,11 +213,6 @@ def sample_next(
     return (cdf <= target).sum(dim=-1).clamp(max=probs.size(-1) - 1)  # zero-probability ids are never drawn
 
 
-# ---------------------------------------------------------------------------
-# Rows and streams
-# ---------------------------------------------------------------------------
-
-
 @dataclass
 class Completion:
     """One prompt's result."""
@@ -270,22 +250,14 @@ class Row:
         strings, nobody streaming): decode once, when the row ends, not at every token."""
         if self.finish_reason is not None:
             return ""
-        if lazy and not stop:
-            if token in ends:
-                self.finish_reason, self.end_id = "eos", token
-            else:
-                self.ids.append(token)
-                self.finish_reason = "length" if len(self.ids) == max_new else None
-            if self.finish_reason is None:
-                return ""
-            self.text = tokenizer.decode(self.ids)
-            return self.text
         if token in ends:
             self.finish_reason, self.end_id = "eos", token
-            full = tokenizer.decode(self.ids)
         else:
             self.ids.append(token)
-            full = tokenizer.decode(self.ids)
+        if lazy and not stop and self.finish_reason is None and len(self.ids) < max_new:
+            return ""
+        full = tokenizer.decode(self.ids)
+        if self.finish_reason is None:
             hits = [i for i in (full.find(s) for s in stop) if i >= 0]
             if hits:
                 self.finish_reason = "stop"
@@ -304,8 +276,6 @@ class _Stream:
 
     def __init__(self, engine: Engine, rows: list[Row], max_new_tokens: int) -> None:
         self.engine, self.rows = engine, rows
-        # Rows that repeat a prompt (GRPO's group, a request's n) prefill it once: one row per
-        # distinct prompt, and the cache and logits are copied out to every row after it.
         pad_id = getattr(engine.tokenizer, "pad_id", 0)  # any id would do: the mask hides pad slots
         prompts = [r.prompt for r in rows]  # next_input: (distinct prompts, width)
         self.next_input, pad, inverse = distinct_left_padded(prompts, pad_id, engine.device)
@@ -350,11 +320,6 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
                 n = k
                 break
     return n
-
-
-# ---------------------------------------------------------------------------
-# Engine
-# ---------------------------------------------------------------------------
 
 
 def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
@@ -410,8 +375,6 @@ class Engine:
         """A run directory's model at ``ckpt`` (default: the final weights), by ``load_run``."""
         return cls(*load_run(run_dir, ckpt, device))
 
-    # -- prompts ------------------------------------------------------------
-
     def _encode(
         self, prompts: Sequence[str], max_new_tokens: int, truncate: bool
     ) -> list[tuple[list[int], int]]:
@@ -433,11 +396,8 @@ class Engine:
             if not ids:
                 raise EmberError(f"prompt {i + 1} is empty; give at least one character of text to continue")
             if len(ids) > room and not truncate:
-                lower = (
-                    f"lower --max-new-tokens to {max_seq_len - len(ids)} or less, or "
-                    if len(ids) < max_seq_len
-                    else ""
-                )
+                fits = len(ids) < max_seq_len
+                lower = f"lower --max-new-tokens to {max_seq_len - len(ids)} or less, or " if fits else ""
                 raise EmberError(
                     f"prompt {i + 1} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
                     f"{len(ids) + max_new_tokens}, beyond the model's max_seq_len={max_seq_len}; "
@@ -447,41 +407,29 @@ class Engine:
             encoded.append((ids[dropped:], dropped))
         return encoded
 
-    # -- generation -------------------------------------------------------
-
     def _start(
         self, prompts: Sequence[str], sampling: Sampling, truncate: bool, lazy: bool = False
     ) -> tuple[list[Row], Iterator[tuple[int, str]]]:
         """Check the seeds, encode the prompts, set up the rows and their stream; returns the
         rows and the (not yet started) iterator of their text pieces."""
         sampling.check_seed(len(prompts))
-        rows = []
-        for i, (ids, dropped) in enumerate(self._encode(prompts, sampling.max_new_tokens, truncate)):
-            generator = None
-            if sampling.temperature > 0:
-                generator = torch.Generator(device=self.device).manual_seed(sampling.seed + i)
-            rows.append(Row(i, ids, dropped, generator))
-        stream, s = _Stream(self, rows, sampling.max_new_tokens), sampling
-        pieces = self._decode(stream, s.max_new_tokens, s.temperature, s.top_k, s.top_p, s.stop, s.ignore_eos, lazy)  # fmt: skip # noqa: E501
-        return rows, pieces
+        encoded = self._encode(prompts, sampling.max_new_tokens, truncate)
+        rows = [Row(i, ids, dropped, self.generator(sampling, i)) for i, (ids, dropped) in enumerate(encoded)]
+        return rows, self._decode(_Stream(self, rows, sampling.max_new_tokens), sampling, lazy)
 
-    def _decode(
-        self,
-        stream: _Stream,
-        max_new_tokens: int,
-        temperature: float,
-        top_k: int | None,
-        top_p: float | None,
-        stop: list[str],
-        ignore_eos: bool,
-        lazy: bool = False,
-    ) -> Iterator[tuple[int, str]]:
+    def _decode(self, stream: _Stream, sampling: Sampling, lazy: bool) -> Iterator[tuple[int, str]]:
         """Step the stream; yield (row, text piece) whenever a row's text grows."""
-        ends = self.ends(ignore_eos)
+        s, ends = sampling, self.ends(sampling.ignore_eos)
         while not stream.done:
-            for row, token in zip(stream.rows, stream.step(temperature, top_k, top_p), strict=True):
-                if piece := row.push(token, self.tokenizer, ends, stop, max_new_tokens, lazy):
+            for row, token in zip(stream.rows, stream.step(s.temperature, s.top_k, s.top_p), strict=True):
+                if piece := row.push(token, self.tokenizer, ends, s.stop, s.max_new_tokens, lazy):
                     yield row.row, piece
+
+    def generator(self, sampling: Sampling, i: int) -> torch.Generator | None:
+        """Row i's own sampler, seeded ``seed + i``; None when greedy."""
+        if sampling.temperature > 0:
+            return torch.Generator(device=self.device).manual_seed(sampling.seed + i)
+        return None
 
     def ends(self, ignore_eos: bool = False) -> set[int]:
         """The ids that end a row: ``<|eos|>`` and ``<|end_turn|>`` (none with ``ignore_eos``)."""

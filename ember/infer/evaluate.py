@@ -38,11 +38,14 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from ember.data.chat import chat_ids, render
 from ember.data.loader import TokenDataset
 from ember.data.manifest import read_manifest
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
 from ember.run import load_run, record_eval
 from ember.stats import wilson_interval
 
@@ -64,18 +67,9 @@ def split_text(data_dir: str | Path, split: str) -> tuple[np.ndarray, list[dict]
             f"data.{'test_sources or data.test_fraction' if split == 'test' else 'val_fraction'} set, "
             "or evaluate other text with --data"
         )
-    ds = TokenDataset(data_dir, split)
-    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in ds.shards])
-    strata = info.get("strata") or [
-        {
-            "name": split,
-            "offset": 0,
-            "documents": info["documents"],
-            "bytes": info["bytes"],
-            "tokens": len(tokens),
-        }
-    ]
-    return tokens, strata
+    tokens = np.concatenate([np.asarray(s, dtype=np.int64) for s in TokenDataset(data_dir, split).shards])
+    whole = {"name": split, "offset": 0, "documents": info["documents"], "bytes": info["bytes"]}
+    return tokens, info.get("strata") or [{**whole, "tokens": len(tokens)}]
 
 
 def source_text(specs: list[str], tokenizer: Tokenizer) -> tuple[np.ndarray, list[dict]]:
@@ -164,12 +158,8 @@ def score(
 
     def metrics(row) -> dict:
         nats, count, text_nats, nbytes, docs = row
-        return {
-            **language_metrics(nats, count, text_nats, nbytes),
-            "documents": int(docs),
-            "tokens": int(count),
-            "bytes": int(nbytes),
-        }
+        counts = {"documents": int(docs), "tokens": int(count), "bytes": int(nbytes)}
+        return {**language_metrics(nats, count, text_nats, nbytes), **counts}
 
     result = metrics(sums.sum(0))
     result.update(document_ci95(per_doc[per_doc[:, 1] > 0]))
@@ -254,8 +244,6 @@ def choose(model, tokenizer, problem) -> str:
     """The option of ``problem.meta["options"]`` the model finds likeliest as the reply: the sum of
     log-probabilities of its tokens and the closing ``<|end_turn|>`` (so "13" does not win as a
     prefix of "132") after the chat-format prompt."""
-    from ember.data.chat import chat_ids, render
-
     prompt = render(tokenizer, problem.messages()[:-1], add_generation_prompt=True)[0]
     end = chat_ids(tokenizer)["end"]
     best, best_score = None, -math.inf
@@ -271,9 +259,6 @@ def choose(model, tokenizer, problem) -> str:
 def answer_problems(engine, task, problems: list, max_new_tokens: int = 32, batch: int = 16) -> list[tuple]:
     """(problem, the model's answer, its reward) for each problem: greedy replies in the chat
     format scored by the task's verifier, or for multiple-choice problems the likeliest option."""
-    from ember.data.chat import render
-    from ember.infer.sampling import Sampling
-
     model, tokenizer = engine.model, engine.tokenizer
     outputs = []
     if problems and "options" in problems[0].meta:  # multiple choice: by log-likelihood
@@ -286,8 +271,7 @@ def answer_problems(engine, task, problems: list, max_new_tokens: int = 32, batc
     for start in range(0, len(problems), batch):
         chunk = problems[start : start + batch]
         prompts = [render(tokenizer, p.messages()[:-1], add_generation_prompt=True)[0] for p in chunk]
-        completions = engine.generate(prompts, greedy, truncate=True)
-        for problem, completion in zip(chunk, completions, strict=True):
+        for problem, completion in zip(chunk, engine.generate(prompts, greedy, truncate=True), strict=True):
             outputs.append((problem, completion.text, float(task.score(problem, completion.text))))
     return outputs
 
@@ -303,20 +287,17 @@ def evaluate_task(
 ) -> dict:
     """Greedy answers of the run's model to ``n`` problems of ``task_name``'s **test** split, each
     prompt in the chat format (ember/data/chat.py), scored by the task's verifier: the mean reward
-    (exact-match accuracy for the exact tasks; multiple-choice tasks are scored by ``choose``,
-    no generation), its 95% Wilson interval (over problems, taking
-    rewards of 1 as successes), and a few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``.
+    (exact-match accuracy for the exact tasks; multiple-choice tasks are scored by ``choose``, no
+    generation), its 95% Wilson interval (over problems, taking rewards of 1 as successes), and a
+    few examples. Recorded in ``RUN/eval.json`` as ``task:NAME``.
     ``skip``: answer test problems ``skip .. skip + n - 1``, so the first ``skip`` (those a
     training run evaluated on, and that picked its settings) are left out."""
     from ember.data.tasks import TASKS
-    from ember.infer.engine import Engine
 
     if task_name not in TASKS:
         raise EmberError(f"--task {task_name!r}: unknown task; choose one of {', '.join(TASKS)}")
-    task = TASKS[task_name]
-    run_dir = Path(run_dir)
-    model, tokenizer = load_run(run_dir, ckpt)
-    engine = Engine(model, tokenizer)
+    task, run_dir = TASKS[task_name], Path(run_dir)
+    engine = Engine(*load_run(run_dir, ckpt))
     if skip < 0 or n < 1:
         raise EmberError(f"--n {n} --skip {skip}: answer at least one problem, skipping none or more")
     problems = task.generate("test", skip + n)[skip:]
@@ -329,7 +310,6 @@ def evaluate_task(
         for p, text, reward in outputs[:5]
     ]
     exact = sum(r == 1.0 for r in rewards)
-    lo, hi = wilson_interval(exact, len(rewards))
     result = {
         "task": task_name,
         "problems": len(rewards),
@@ -337,7 +317,7 @@ def evaluate_task(
         "skipped": skip,
         "mean_reward": sum(rewards) / len(rewards),
         "accuracy": exact / len(rewards),
-        "accuracy_ci95": [lo, hi],
+        "accuracy_ci95": list(wilson_interval(exact, len(rewards))),
         "ckpt": ckpt,
         "examples": examples,
     }

@@ -188,9 +188,8 @@ class BlockManager:
         the shared last block is copied on the first write of either."""
         for block in seq.table:
             self._share(block)
-        copy = PagedSequence(list(seq.tokens), list(seq.table), seq.computed, list(seq.hashes))
-        copy.cached_tokens = seq.cached_tokens
-        return copy
+        tokens, table, hashes = list(seq.tokens), list(seq.table), list(seq.hashes)
+        return PagedSequence(tokens, table, seq.computed, hashes, seq.cached_tokens)
 
     def release(self, seq: PagedSequence) -> None:
         """Give ``seq``'s blocks back (finished, cancelled or preempted); cached ones stay findable."""
@@ -249,9 +248,9 @@ class PagedKVCache:
 
     def extend(self, T: int) -> Tensor:
         assert T == self.slots.numel(), f"planned {self.slots.numel()} tokens, fed {T}"
+        bs = self.blocks.block_size
         for src, dst in self.blocks.copies:  # copy-on-write, before anything is written
             for pool in (*self.k.values(), *self.v.values()):
-                bs = self.blocks.block_size
                 pool[dst * bs : (dst + 1) * bs] = pool[src * bs : (src + 1) * bs]
         self.blocks.copies.clear()
         return self.positions

@@ -48,6 +48,12 @@ from ember.infer.paged import BlockManager, PagedKVCache, PagedSequence, blocks_
 from ember.infer.sampling import Sampling
 
 
+def top_logprobs(logp: torch.Tensor, k: int) -> dict[int, float]:
+    """{id: log-probability} of the ``k`` likeliest ids of a log-probability row (V,)."""
+    values, indices = logp.topk(k)
+    return dict(zip(indices.tolist(), values.tolist(), strict=True))
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence of text to generate; ``row`` holds its text state as the engine's rows do."""
@@ -56,9 +62,7 @@ class Request:
     sampling: Sampling
     seq: PagedSequence
     row: Row
-    prompt_len: int
     state: str = "waiting"  # waiting | running | finished
-    preemptions: int = 0
     forks: list[Request] = field(default_factory=list)  # answers 2..n, started from this one's prompt
     logprobs_top: int | None = None  # record each sampled token's log-probability and this many alternatives
     logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
@@ -89,7 +93,7 @@ class Scheduler:
         if max_batch_tokens < 1 or max_seqs < 1:
             raise EmberError(
                 f"serve.max_batch_tokens and serve.max_seqs must be >= 1; got {max_batch_tokens}, {max_seqs}"
-            )  # noqa: E501
+            )
         if num_blocks is None:
             dtype = next(engine.model.parameters()).dtype
             num_blocks = blocks_for(kv_memory or 2**26, engine.model.cfg, block_size, dtype)
@@ -100,10 +104,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self._ids = itertools.count()
-        self.preemptions = self.steps = self.tokens_generated = 0
+        self.preemptions = self.tokens_generated = 0
         self.slots_used = self.slots_held = 0  # summed over steps: cached tokens, and block slots they own
-
-    # -- requests -----------------------------------------------------------
 
     def add(
         self, prompt: str | list[int], sampling: Sampling, n: int = 1, logprobs: int | None = None
@@ -123,13 +125,8 @@ class Scheduler:
             )
         requests = []
         for i in range(n):
-            generator = None
-            if sampling.temperature > 0:
-                generator = torch.Generator(device=self.engine.device).manual_seed(sampling.seed + i)
-            row = Row(i, ids, 0, generator)
-            request = Request(next(self._ids), sampling, PagedSequence(list(ids)), row, len(ids))
-            request.logprobs_top = logprobs
-            requests.append(request)
+            seq, row = PagedSequence(list(ids)), Row(i, ids, 0, self.engine.generator(sampling, i))
+            requests.append(Request(next(self._ids), sampling, seq, row, logprobs_top=logprobs))
         requests[0].forks = requests[1:]  # they join when the first has read the prompt
         self.waiting.append(requests[0])
         return requests
@@ -157,12 +154,10 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    # -- a step -------------------------------------------------------------
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.blocks.release(request.seq)  # its tokens stay: they are recomputed on readmission
-        request.state, request.preemptions = "waiting", request.preemptions + 1
+        request.state = "waiting"
         self.waiting.appendleft(request)
         self.preemptions += 1
 
@@ -174,11 +169,9 @@ class Scheduler:
                 continue  # preempted in this loop, or no budget left (it waits a step)
             seq = request.seq
             n = min(len(seq.tokens) - seq.computed, budget)
-            while self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
-                self._preempt(self.running[-1])
+            while request.state == "running" and self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
+                self._preempt(self.running[-1])  # the newest, maybe this one
                 preempted = True
-                if request.state != "running":
-                    break
             if request.state == "running":
                 self.blocks.reserve(seq, n)
                 work.append((request, n))
@@ -206,7 +199,6 @@ class Scheduler:
         work = self._schedule()
         if not work:
             return []
-        self.steps += 1
         self.cache.plan([(r.seq, n) for r, n in work])
         ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
@@ -257,9 +249,7 @@ class Scheduler:
         s, row = request.sampling, request.row
         if request.logprobs_top is not None:  # the model's distribution, before temperature and filters
             logp = logits.log_softmax(-1)
-            top = logp.topk(request.logprobs_top) if request.logprobs_top else None
-            alts = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
-            request.logprobs.append((token, logp[token].item(), alts))
+            request.logprobs.append((token, logp[token].item(), top_logprobs(logp, request.logprobs_top)))
         ends = self.engine.ends(s.ignore_eos)
         piece = row.push(token, self.engine.tokenizer, ends, s.stop, s.max_new_tokens)
         self.tokens_generated += 1

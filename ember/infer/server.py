@@ -51,7 +51,7 @@ from ember.config import ServeConfig
 from ember.errors import EmberError
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
-from ember.infer.scheduler import Request, Scheduler
+from ember.infer.scheduler import Request, Scheduler, top_logprobs
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
 
@@ -62,11 +62,6 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):  # fmt: skip # noqa: E501
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
-
-
-# ---------------------------------------------------------------------------
-# The engine thread
-# ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -89,7 +84,6 @@ class EngineLoop:
     def __init__(self, scheduler: Scheduler, max_waiting: int):
         self.scheduler, self.max_waiting = scheduler, max_waiting
         self.commands: queue.Queue = queue.Queue()
-        self.started = time.monotonic()
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
         self.errors = 0
         self.thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
@@ -160,13 +154,11 @@ class EngineLoop:
                 self.recent.popleft()
             reports: dict[asyncio.AbstractEventLoop, list] = {}
             for request, piece in events:
-                job = request.job
+                job, ids, lps = request.job, request.row.ids, request.logprobs
                 i = job.requests.index(request)
-                sent = job.sent[i]
-                new, lps = request.row.ids[sent[0] :], request.logprobs[sent[1] :]
-                job.sent[i] = [len(request.row.ids), len(request.logprobs)]
+                (n_ids, n_lps), job.sent[i] = job.sent[i], [len(ids), len(lps)]
                 finish = request.row.finish_reason if request.done else None
-                item = (i, piece, new, lps if job.logprobs is not None else None, finish)
+                item = (i, piece, ids[n_ids:], lps[n_lps:] if job.logprobs is not None else None, finish)
                 reports.setdefault(job.loop, []).append((job.events, item))
             for loop, items in reports.items():  # one wake-up of the event loop per step, not per request
                 loop.call_soon_threadsafe(_deliver, items)
@@ -189,18 +181,8 @@ def prompt_logprobs(engine: Engine, ids: list[int], top: int) -> list:
     with torch.inference_mode():
         logits = engine.model(torch.tensor([ids], device=engine.device))[0].float()
     logp = logits[:, : engine.n_valid].log_softmax(-1)
-    out = [(ids[0], None, {})]
-    for t in range(1, len(ids)):
-        row = logp[t - 1]
-        values, indices = row.topk(top) if top else (torch.zeros(0), torch.zeros(0))
-        alts = dict(zip(indices.tolist(), values.tolist(), strict=True))
-        out.append((ids[t], row[ids[t]].item(), alts))
-    return out
-
-
-# ---------------------------------------------------------------------------
-# The HTTP API
-# ---------------------------------------------------------------------------
+    rest = [(t, row[t].item(), top_logprobs(row, top)) for t, row in zip(ids[1:], logp[:-1], strict=True)]
+    return [(ids[0], None, {}), *rest]
 
 
 def _bodies():
@@ -257,8 +239,7 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
     CompletionBody, ChatBody = _bodies()
     kv = serve.kv_memory
     if kv <= 1:  # a fraction of free memory
-        free = torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else _free_ram()
-        kv = free * kv
+        kv *= torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else _free_ram()
     scheduler = Scheduler(engine, kv_memory=int(kv), block_size=serve.block_size,
                           max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                           prefix_caching=serve.prefix_caching)  # fmt: skip
@@ -277,9 +258,6 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         has_chat = True
     except EmberError:
         has_chat = False
-
-    app.state.scheduler = scheduler
-    app.state.engine_loop = loop_holder
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
@@ -359,11 +337,23 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
             if finished < n:
                 loop_holder["loop"].cancel(job)
 
+    async def collect(answers: AsyncIterator[tuple] | None, n: int) -> tuple[list, list, list, int]:
+        """The n answers' texts, log-probabilities and finish reasons, and the tokens they made, once
+        all have finished (``answers`` None: none asked for, as with echo and max_tokens 0)."""
+        texts, lps, finishes, made = [""] * n, [[] for _ in range(n)], ["length"] * n, 0
+        if answers is not None:
+            async for i, piece, new, new_lps, finish in answers:
+                texts[i] += piece
+                made += len(new)
+                lps[i] += new_lps or []
+                finishes[i] = FINISH.get(finish, finishes[i])
+        return texts, lps, finishes, made
+
     def token_text(t: int) -> str:
         return engine.tokenizer.decode([t])
 
-    def completion_logprobs(entries, offset: int) -> dict:
-        tokens, lps, tops, offsets = [], [], [], []
+    def completion_logprobs(entries) -> dict:
+        tokens, lps, tops, offsets, offset = [], [], [], [], 0
         for t, lp, alts in entries:
             tokens.append(token_text(t))
             lps.append(lp)
@@ -380,8 +370,7 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         tok = engine.tokenizer
-        name_of = tok.hf.id_to_token
-        eos, bos = name_of(tok.eos_id), name_of(tok.bos_id)
+        eos, bos = tok.hf.id_to_token(tok.eos_id), tok.hf.id_to_token(tok.bos_id)
         return {"eos_token": eos, "bos_token": bos, "eos_token_id": tok.eos_id, "model_max_length": max_len,
                 "vocab_size": engine.n_valid}  # fmt: skip
 
@@ -428,10 +417,15 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         text = "".join(f"# TYPE {k} {kind}\n{k} {v}\n" for k, (kind, v) in lines.items())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    def sse(head: dict, choices: AsyncIterator[tuple[int, dict]], prompt_tokens: int) -> StreamingResponse:
+        """Server-Sent Events: a chunk per (tokens made, choice) of ``choices``, a last one with the usage."""
+
         async def body():
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+            made = 0
+            async for tokens, choice in choices:
+                made += tokens
+                yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, made)})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream")
@@ -454,9 +448,11 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": name}
 
-        async def prompt_part(ids: list[int], text: str) -> tuple[str, list]:
+        async def prompt_part(prompt, ids: list[int]) -> tuple[str, list]:
+            """What ``echo`` puts before each answer: the prompt's text and its tokens' log-probabilities."""
             if not body.echo:
                 return "", []
+            text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(ids)
             if body.logprobs is None:
                 return text, []
             job = Job(asyncio.get_running_loop())
@@ -467,36 +463,25 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
             ids, limit = encoded[0], limits[0]
 
             async def chunks():
-                echo, echo_lps = await prompt_part(ids, prompts[0] if isinstance(prompts[0], str) else engine.tokenizer.decode(ids))  # fmt: skip # noqa: E501
-                made = 0
+                echo, echo_lps = await prompt_part(prompts[0], ids)
                 if echo:
                     for i in range(body.n):
-                        lp = completion_logprobs(echo_lps, 0) if body.logprobs is not None else None
-                        yield {**head, "choices": [{"index": i, "text": echo, "logprobs": lp, "finish_reason": None}]}  # fmt: skip # noqa: E501
+                        lp = completion_logprobs(echo_lps) if body.logprobs is not None else None
+                        yield 0, {"index": i, "text": echo, "logprobs": lp, "finish_reason": None}
                 if limit:
                     async for i, piece, new, lps, finish in run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs):  # fmt: skip # noqa: E501
-                        made += len(new)
-                        lp = completion_logprobs(lps, 0) if lps is not None else None
-                        yield {**head, "choices": [{"index": i, "text": piece, "logprobs": lp, "finish_reason": FINISH.get(finish) if finish else None}]}  # fmt: skip # noqa: E501
-                yield {**head, "choices": [], "usage": usage(len(ids), made)}
+                        lp = completion_logprobs(lps) if lps is not None else None
+                        yield len(new), {"index": i, "text": piece, "logprobs": lp, "finish_reason": FINISH.get(finish)}  # fmt: skip # noqa: E501
 
-            return sse(chunks())
+            return sse(head, chunks(), len(ids))
         choices, prompt_tokens, made = [], 0, 0
-        for p, (ids, limit) in enumerate(zip(encoded, limits, strict=True)):
-            text0 = prompts[p] if isinstance(prompts[p], str) else engine.tokenizer.decode(ids)
-            echo, echo_lps = await prompt_part(ids, text0)
-            texts, lps, finishes = [""] * body.n, [[] for _ in range(body.n)], ["length"] * body.n
-            if limit:
-                async for i, piece, new, new_lps, finish in run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs):  # fmt: skip # noqa: E501
-                    texts[i] += piece
-                    made += len(new)
-                    lps[i] += new_lps or []
-                    finishes[i] = FINISH.get(finish, finishes[i]) if finish else finishes[i]
-            prompt_tokens += len(ids)
+        for prompt, ids, limit in zip(prompts, encoded, limits, strict=True):
+            echo, echo_lps = await prompt_part(prompt, ids)
+            answers = run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs) if limit else None
+            texts, lps, finishes, answer_tokens = await collect(answers, body.n)
+            prompt_tokens, made = prompt_tokens + len(ids), made + answer_tokens
             for i in range(body.n):
-                lp = None
-                if body.logprobs is not None:
-                    lp = completion_logprobs(echo_lps + lps[i], 0)
+                lp = completion_logprobs(echo_lps + lps[i]) if body.logprobs is not None else None
                 choices.append({"index": len(choices), "text": echo + texts[i], "logprobs": lp,
                                 "finish_reason": finishes[i]})  # fmt: skip
         return {**head, "choices": choices, "usage": usage(prompt_tokens, made)}
@@ -523,34 +508,24 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         sampling = sampling_of(body, limit, seed)
 
         def chat_logprobs(entries) -> dict:
-            def top(alts):
+            def alternatives(alts):
                 return [{"token": token_text(a), "logprob": v} for a, v in alts.items()]
 
-            return {"content": [{"token": token_text(t), "logprob": lp, "top_logprobs": top(alts)}
+            return {"content": [{"token": token_text(t), "logprob": lp, "top_logprobs": alternatives(alts)}
                                 for t, lp, alts in entries]}  # fmt: skip
 
         if body.stream:
-            chunk_head = {**head, "object": "chat.completion.chunk"}
 
             async def chunks():
                 for i in range(body.n):
-                    yield {**chunk_head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}  # fmt: skip # noqa: E501
-                made = 0
+                    yield 0, {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}  # fmt: skip # noqa: E501
                 async for i, piece, new, lps, finish in run(http, ids, sampling, body.n, top):
-                    made += len(new)
-                    choice = {"index": i, "delta": {"content": piece} if piece else {},
-                              "logprobs": chat_logprobs(lps) if lps is not None else None,
-                              "finish_reason": FINISH.get(finish) if finish else None}  # fmt: skip
-                    yield {**chunk_head, "choices": [choice]}
-                yield {**chunk_head, "choices": [], "usage": usage(len(ids), made)}
+                    yield len(new), {"index": i, "delta": {"content": piece} if piece else {},
+                                     "logprobs": chat_logprobs(lps) if lps is not None else None,
+                                     "finish_reason": FINISH.get(finish)}  # fmt: skip
 
-            return sse(chunks())
-        texts, lps, finishes, made = [""] * body.n, [[] for _ in range(body.n)], ["length"] * body.n, 0
-        async for i, piece, new, new_lps, finish in run(http, ids, sampling, body.n, top):
-            texts[i] += piece
-            made += len(new)
-            lps[i] += new_lps or []
-            finishes[i] = FINISH.get(finish, finishes[i]) if finish else finishes[i]
+            return sse({**head, "object": "chat.completion.chunk"}, chunks(), len(ids))
+        texts, lps, finishes, made = await collect(run(http, ids, sampling, body.n, top), body.n)
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                     "finish_reason": finishes[i], "logprobs": None if top is None else chat_logprobs(lps[i])}
                    for i in range(body.n)]  # fmt: skip
@@ -567,8 +542,6 @@ def _free_ram() -> int:
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    import os
-
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
