@@ -36,8 +36,7 @@ class HessianOperator:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.n = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype
-        logits = model(x)
-        self.loss = F.cross_entropy(logits.flatten(0, 1).to(self.dtype), y.flatten())
+        self.loss = F.cross_entropy(model(x).flatten(0, 1).to(self.dtype), y.flatten())
         self.grads = torch.autograd.grad(self.loss, self.params, create_graph=True)
         self.calls = 0
 
@@ -52,10 +51,9 @@ class HessianOperator:
 def lanczos(op, k: int = 1, iters: int = 30, seed: int = 0) -> list[float]:
     """The ``k`` largest eigenvalues of the symmetric operator ``op`` (descending), from ``iters``
     Lanczos steps with full reorthogonalisation (float64 basis)."""
-    n = op.n
-    m = min(iters, n)
+    m = min(iters, op.n)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(n, generator=gen, dtype=torch.float64)
+    q = torch.randn(op.n, generator=gen, dtype=torch.float64)
     basis = [q / q.norm()]
     alphas, betas = [], []
     for j in range(m):
@@ -74,8 +72,7 @@ def lanczos(op, k: int = 1, iters: int = 30, seed: int = 0) -> list[float]:
     if betas:
         off = torch.stack(betas[: len(alphas) - 1])
         T = T + torch.diag(off, 1) + torch.diag(off, -1)
-    ritz = torch.linalg.eigvalsh(T)
-    return sorted(ritz.tolist(), reverse=True)[:k]
+    return sorted(torch.linalg.eigvalsh(T).tolist(), reverse=True)[:k]  # the Ritz values
 
 
 def hutchinson(op, samples: int = 20, seed: int = 0) -> tuple[float, float]:
@@ -109,7 +106,12 @@ def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: 
     settings = {"batch": batch, "seed": seed, "iters": iters, "samples": samples}
     out = write_results(run_dir, "hessian", {**settings, "rows": rows}, started)
     if len(rows) > 1:
-        _plot(rows, out / "sharpness.png")
+        steps = [r["step"] for r in rows]
+        series = [("λ_max (Lanczos)", steps, [r["eigenvalues"][0] for r in rows], {"marker": "o"})]
+        if all(r["two_over_lr"] for r in rows):
+            series.append(("2 / lr", steps, [r["two_over_lr"] for r in rows], {"linestyle": "--"}))
+        title = "sharpness across the run (edge of stability: λ_max = 2 / lr)"
+        plot(out / "sharpness.png", series, title, "step", "curvature", "log")
     return {"rows": rows, "out": str(out)}
 
 
@@ -122,18 +124,3 @@ def summary(r: dict) -> str:
                      + ", ".join(f"{e:.4g}" for e in row["eigenvalues"])
                      + f"; trace {row['trace']:.4g} ± {row['trace_stderr']:.2g}{lr} ({row['hvp_calls']} H·v products)")  # fmt: skip # noqa: E501
     return "\n".join(lines)
-
-
-def _plot(rows: list[dict], path) -> None:
-    steps = [r["step"] for r in rows]
-    series = [("λ_max (Lanczos)", steps, [r["eigenvalues"][0] for r in rows], {"marker": "o"})]
-    if all(r["two_over_lr"] for r in rows):
-        series.append(("2 / lr", steps, [r["two_over_lr"] for r in rows], {"linestyle": "--"}))
-    plot(
-        path,
-        series,
-        "sharpness across the run (edge of stability: λ_max = 2 / lr)",
-        "step",
-        "curvature",
-        "log",
-    )

@@ -114,7 +114,11 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
                      "least_aligned": [show(i) for i in order[:top]]}  # fmt: skip
     results = {"batch": batch, "seed": seed, "rows": rows, "influence": influence}
     out = write_results(run_dir, "grads", results, started)
-    _plot(rows[-1], out / "grad-norms.png")
+    layers = rows[-1]["norms"]["layers"]
+    means = [sum(v) / len(v) for v in layers.values()]
+    series = [("mean over windows", list(range(len(layers))), means, {"marker": "o"})]
+    title = f"per-window gradient norm by layer ({rows[-1]['ckpt']})"
+    plot(out / "grad-norms.png", series, title, " | ".join(layers), "L2 norm")
     if len(rows) > 1 and all(r["step"] is not None for r in rows):
         steps = [r["step"] for r in rows]
         series = [("B_simple (tokens)", steps, [r["b_simple"] * r["seq_len"] for r in rows], {"marker": "o"})]
@@ -143,11 +147,3 @@ def summary(r: dict) -> str:
         for item in r["influence"][key]:
             lines.append(f"  {item['dot']:+.4g}  window {item['window']}: {item['text'][:100]!r}")
     return "\n".join(lines)
-
-
-def _plot(row: dict, path) -> None:
-    layers = row["norms"]["layers"]
-    names = list(layers)
-    means = [sum(v) / len(v) for v in layers.values()]
-    series = [("mean over windows", list(range(len(names))), means, {"marker": "o"})]
-    plot(path, series, f"per-window gradient norm by layer ({row['ckpt']})", " | ".join(names), "L2 norm")

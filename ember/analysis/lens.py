@@ -30,13 +30,12 @@ def lens(model, ids: torch.Tensor) -> list[torch.Tensor]:
     streams = []
     hooks = [b.register_forward_hook(lambda m, a, out: streams.append(out)) for b in model.layers.values()]
     try:
-        final = model(ids[None])
+        model(ids[None])  # (the last reading is the model's own output: tests/test_analysis.py)
     finally:
         for h in hooks:
             h.remove()
     x = model.tok_embeddings(ids[None])
     x, _ = model.pos(x, torch.arange(ids.numel()))
-    del final  # (the last reading is the model's own output: tests/test_analysis.py)
     return [model.softcap(model.output(model.norm(h)).float())[0] for h in [x, *streams]]
 
 

@@ -44,7 +44,11 @@ def analyze(run_dir, steps: int = 3) -> dict:
     series = {k: [row[k] for row in timeline[::every]] for k in CATEGORIES}
     results = {"operations": len(timeline), "every": every, **measured, "timeline": series}
     write_results(run_dir, "memory", results, started)
-    _plot(series, every, out / "memory.png")
+    xs = [i * every for i in range(len(series["params"]))]
+    total = [sum(v) / 2**20 for v in zip(*series.values(), strict=True)]
+    lines = [("total", xs, total, {"color": "black"})]
+    lines += [(k, xs, [b / 2**20 for b in series[k]], {}) for k in CATEGORIES]
+    plot(out / "memory.png", lines, "live memory over one training step", "operation", "MiB")
     return {**measured, "operations": len(timeline), "out": str(out)}
 
 
@@ -54,11 +58,3 @@ def summary(r: dict) -> str:
     return (f"{r['operations']:,} operations in the tracked step; peak {mib(r['peak'])}: parameters "
             f"{mib(r['params'])}, gradients {mib(r['grads_at_peak'])}, optimizer {mib(r['optimizer'])}, "
             f"activations and temporaries {mib(r['activations_at_peak'])}")  # fmt: skip
-
-
-def _plot(series: dict, every: int, path) -> None:
-    xs = [i * every for i in range(len(series["params"]))]
-    total = [sum(v) / 2**20 for v in zip(*series.values(), strict=True)]
-    lines = [("total", xs, total, {"color": "black"})]
-    lines += [(k, xs, [b / 2**20 for b in series[k]], {}) for k in CATEGORIES]
-    plot(path, lines, "live memory over one training step", "operation", "MiB")

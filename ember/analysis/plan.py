@@ -110,8 +110,7 @@ def _narrow(model: GPT, tp: int) -> None:
                 parent = block.get_submodule(name.rsplit(".", 1)[0])
                 i, o = module.in_features, module.out_features
                 i, o = (i, o // tp) if name.endswith(COLUMN) else (i // tp, o)
-                bias = module.bias is not None
-                setattr(parent, name.rsplit(".", 1)[1], torch.nn.Linear(i, o, bias=bias))
+                setattr(parent, name.rsplit(".", 1)[1], torch.nn.Linear(i, o, bias=module.bias is not None))
 
 
 def trace_activations(model_cfg, cfg, rows: int, pp_rank: int = 0) -> dict:
@@ -176,9 +175,13 @@ def _in_flight(cfg, stage: int, microbatches: int) -> int:
 def predict(cfg, model_cfg, world_size: int) -> list[dict]:
     """One dict per rank: bytes of parameters, gradients, optimizer state, activations (as run,
     without and with activation checkpointing) and the peak; see the module docstring."""
-    t = cfg.train
+    t, pipelined = cfg.train, cfg.parallel.pp > 1
     with torch.device("meta"):
         whole = GPT(model_cfg)
+
+    def by_block(model, sizes):  # bytes by parameter name -> bytes by block, in the model's order
+        return [sum(b for n, b in sizes.items() if n.startswith(f"layers.{i}.")) for i in model.layers]
+
     plans = []
     for rank in range(world_size):
         c = coordinates(cfg, world_size, rank)
@@ -195,48 +198,37 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
         else:
             optimizer = 2 * params + 4 * len(sizes)
         rows_per_rank = t.batch_tokens // t.seq_len // c["dp"]
-        m = microbatches(cfg, c["dp"]) if cfg.parallel.pp > 1 else rows_per_rank // t.micro_batch
-        rows = rows_per_rank // m if cfg.parallel.pp > 1 else t.micro_batch
+        m = microbatches(cfg, c["dp"]) if pipelined else rows_per_rank // t.micro_batch
+        rows = rows_per_rank // m if pipelined else t.micro_batch
         act = trace_activations(model_cfg, cfg, rows, c["pp_rank"])
         flight = _in_flight(cfg, c["pp_rank"], m)
         ac_total = act["other"] + len(act["blocks"]) * act["block_input"] + max(act["blocks"], default=0)
         used = ac_total if t.activation_checkpointing else act["total"]
         unit = len(ids)  # interleaved: a micro-batch in flight holds one of the rank's stages, not all
         used, per_flight, per_flight_ac = used / unit, act["total"] / unit, ac_total / unit
-        # the backward, step by step from the loss: the head, the blocks from the last, the embedding;
-        # at each: activations saved and not yet used, gradients made so far (all of them from the start
-        # when micro-batches accumulate into them), and at the start two logits-sized temporaries
+        # the backward, step by step from the loss (the head, the blocks from the last, the
+        # embedding), each step's bytes counted as the module docstring's **peak** says
         head = sum(b for n, b in sizes.items() if n.split(".")[0] in ("norm", "output"))
-        order = [head] + [
-            sum(b for n, b in sizes.items() if n.startswith(f"layers.{i}.")) for i in model.layers
-        ][::-1]
+        order = [head, *by_block(model, sizes)[::-1]]
         order.append(params - sum(order))  # the embedding (and learned positions)
         gathered = block_grad = 0
         if c["fsdp"]:  # gathered parameters: the root's and two blocks' (computed, prefetched)
             full = {n: math.prod(_local_shape(n, tuple(p.shape), c["tp"], 1)) * 4 for n, p in model.named_parameters()}  # fmt: skip # noqa: E501
-            full_blocks = [
-                sum(b for n, b in full.items() if n.startswith(f"layers.{i}.")) for i in model.layers
-            ]
+            full_blocks = by_block(model, full)
             gathered = sum(full.values()) - sum(full_blocks) + 2 * max(full_blocks, default=0)
             if t.precision != "fp32":  # FSDP2's mixed precision gathers 16-bit copies
                 gathered //= 2
             block_grad = max(full_blocks, default=0)  # a block's whole gradient, before its reduce-scatter
         stream = rows * t.seq_len * model_cfg.d_model * 4  # one micro-batch of the residual stream
-        buffers = 0
-        if (
-            cfg.parallel.pp > 1
-        ):  # receive buffers, one per micro-batch: inputs (not first), their gradients (not last)
-            buffers = m * stream * ((model.tok_embeddings is None) + (model.output is None))
-        kept = (
-            act["logits"] if cfg.parallel.pp > 1 else 0
-        )  # the last stage keeps its output until its backward
+        # pipelined: receive buffers, one per micro-batch, for inputs (not first) and their gradients
+        # (not last); and the last stage keeps its output until its backward
+        buffers = m * stream * ((model.tok_embeddings is None) + (model.output is None)) if pipelined else 0
+        kept = act["logits"] if pipelined else 0
         # a block's backward works on gradients of its MLP's hidden units (three for SwiGLU's two
         # branches and product, two otherwise) and of the stream coming in and going out
         hidden = rows * t.seq_len * mlp_hidden_size(model_cfg) // cfg.parallel.tp * 4
         working = (3 if model_cfg.mlp == "swiglu" else 2) * hidden + 2 * stream
-        blocks = (
-            act["blocks"] if not t.activation_checkpointing else [act["block_input"]] * len(act["blocks"])
-        )
+        blocks = [act["block_input"]] * len(act["blocks"]) if t.activation_checkpointing else act["blocks"]
         n = len(blocks)
         peak = (0, 0, 0)  # (total, gradients then, activations and temporaries then)
         for k in range(n + 2):  # k of the steps done
@@ -245,19 +237,18 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
             if t.activation_checkpointing and 0 < k <= n:
                 saved += max(act["blocks"], default=0)  # the block being recomputed
             # gradients exist whole from the start once a micro-batch's backward has run before this one
-            grads = params if m > 1 and (cfg.parallel.pp == 1 or flight < m) else sum(order[:k])
+            grads = params if m > 1 and (not pipelined or flight < m) else sum(order[:k])
             temps = (2 * act["logits"] + kept) if k == 0 else working if k <= n else 0
             extra = gathered + (block_grad if 1 < k <= n else 0) + buffers
-            peak = max(
-                peak, (params + optimizer + grads + saved + temps + extra, grads, saved + temps + extra)
-            )
+            transient = saved + temps + extra  # activations and temporaries
+            peak = max(peak, (params + optimizer + grads + transient, grads, transient))
         plans.append({
             "rank": rank, **c, "stages": ids, "microbatches": m, "rows": rows, "in_flight": flight,
             "params": params, "grads": params, "optimizer": optimizer,
             "activations": round(flight * per_flight), "activations_ac": round(flight * per_flight_ac),
             "peak": peak[0], "grads_at_peak": peak[1], "activations_at_peak": peak[2],
             "fsdp_gathered": gathered,
-            "virtual_stages": virtual_stages(cfg.parallel) if cfg.parallel.pp > 1 else 1,
+            "virtual_stages": virtual_stages(cfg.parallel) if pipelined else 1,
         })  # fmt: skip
     return plans
 
@@ -271,9 +262,20 @@ def step_flops(model_cfg, cfg) -> float:
 # ---------------------------------------------------------------- measuring
 
 
+def _storages(tensors) -> dict[int, int]:
+    """Bytes by storage of ``tensors`` (None skipped; a DTensor's local shard)."""
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """The tensors of the optimizer's state (its moments, its steps)."""
+    return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
 class StorageTracker(TorchDispatchMode):
     """Live tensor bytes by storage: every storage an operation returns is counted until its
-    last reference dies (weak reference); ``start`` counts what exists already. At the largest
+    last reference dies (weak reference); entering counts what exists already. At the largest
     total, ``at_peak`` splits it into parameters, gradients, optimizer state and the rest."""
 
     def __init__(self, model, optimizer, timeline: bool = False):
@@ -306,19 +308,10 @@ class StorageTracker(TorchDispatchMode):
         self.total -= self.live.pop(key, 0)
         self.refs.pop(key, None)
 
-    def _keys(self, tensors) -> set[int]:
-        keys = set()
-        for t in tensors:
-            if t is None:
-                continue
-            t = t.to_local() if hasattr(t, "to_local") else t
-            keys.add(t.untyped_storage()._cdata)
-        return keys
-
     def _split(self) -> dict[str, int]:
-        params = self._keys(self.params)
-        grads = self._keys(p.grad for p in self.params)
-        optim = self._keys(v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+        params = _storages(self.params)
+        grads = _storages(p.grad for p in self.params)
+        optim = _storages(_optimizer_tensors(self.optimizer))
         split = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0}
         for key, n in self.live.items():
             kind = "params" if key in params else "grads" if key in grads else "optimizer" if key in optim else "activations"  # fmt: skip # noqa: E501
@@ -329,14 +322,9 @@ class StorageTracker(TorchDispatchMode):
         # the parameters as they stand between steps (FSDP2: the shards; the gathered copies it
         # makes in the step count as activations, as ``predict`` counts them)
         self.params = list(self.model.parameters())
-        for p in self.params:
-            self._add(p)
-            self._add(p.grad)
-        for s in self.optimizer.state.values():
-            for v in s.values():
-                self._add(v)
-        for b in self.model.buffers():
-            self._add(b)
+        grads = [p.grad for p in self.params]
+        for t in [*self.params, *grads, *_optimizer_tensors(self.optimizer), *self.model.buffers()]:
+            self._add(t)
         self.peak = self.total
         self.at_peak = self._split()
         return super().__enter__()
@@ -361,8 +349,7 @@ def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -
     step's peak: the lower of two steps is the schedule's own.)"""
 
     def local_bytes(tensors) -> int:
-        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
-        return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
+        return sum(_storages(tensors).values())
 
     grads = []
     trainer.optimizer.register_step_pre_hook(
@@ -371,32 +358,27 @@ def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -
     batches = trainer.loader.iterate(trainer.step)
     best = None
     cuda = trainer.env.device.type == "cuda"
-    for i in range(steps):
-        if i < steps - tracked:
-            trainer.advance(batches)
-            continue
+    for _ in range(steps - tracked):
+        trainer.advance(batches)
+    for _ in range(min(steps, tracked)):
         gc.collect()  # garbage of earlier steps, freed at a moment of Python's choosing, goes first
         if cuda:  # the caching allocator's own count, beside the tracker's
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        tracker = StorageTracker(trainer.model, trainer.optimizer, timeline)
-        with tracker:
+        with StorageTracker(trainer.model, trainer.optimizer, timeline) as tracker:
             trainer.advance(batches)
         if best is None or tracker.peak < best.peak:
             best = tracker
             best.allocator = torch.cuda.max_memory_allocated() if cuda else None
-    tracker = best
-    state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    params = local_bytes(trainer.model.parameters())
     return {
-        "params": params,
+        "params": local_bytes(trainer.model.parameters()),
         "grads": grads[-1],
-        "optimizer": local_bytes(state),
-        "peak": tracker.peak,
-        "grads_at_peak": tracker.at_peak["grads"],
-        "activations_at_peak": tracker.at_peak["activations"],
-        **({"allocator_peak": tracker.allocator} if cuda else {}),
-        **({"timeline": tracker.timeline} if timeline else {}),
+        "optimizer": local_bytes(_optimizer_tensors(trainer.optimizer)),
+        "peak": best.peak,
+        "grads_at_peak": best.at_peak["grads"],
+        "activations_at_peak": best.at_peak["activations"],
+        **({"allocator_peak": best.allocator} if cuda else {}),
+        **({"timeline": best.timeline} if timeline else {}),
     }
 
 

@@ -69,20 +69,16 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
     prof.export_chrome_trace(str(out / "trace.json"))
     events = prof.key_averages()
     use_cuda = device.type == "cuda"
-    split = {}
-    for e in events:
-        if e.key in PHASES:
-            split[e.key.split("/")[1]] = (e.device_time_total if use_cuda else e.cpu_time_total) / 1e6 / steps
-    comm = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMM)) / 1e6 / steps
-    split["communication"] = comm
-    # on a GPU the operators by their kernels' time (the CPU only launches them), else by CPU time
+    # on a GPU the phases and operators by their kernels' time (the CPU only launches them), else by CPU time
     self_us = (lambda e: e.self_device_time_total) if use_cuda else (lambda e: e.self_cpu_time_total)
     total_us = (lambda e: e.device_time_total) if use_cuda else (lambda e: e.cpu_time_total)
+    split = {e.key.split("/")[1]: total_us(e) / 1e6 / steps for e in events if e.key in PHASES}
+    comm = sum(e.self_cpu_time_total for e in events if any(k in e.key.lower() for k in COMM))
+    split["communication"] = comm / 1e6 / steps
     ops = sorted((e for e in events if not e.key.startswith("ember/")), key=self_us, reverse=True)
     table = [{"op": e.key, "calls": e.count, "self_ms": self_us(e) / 1e3, "total_ms": total_us(e) / 1e3}
              for e in ops[:top]]  # fmt: skip
-    # the peak in the dtype the step's matrix products run in (autocast's), at a size that keeps
-    # a GPU busy rather than waiting on launches
+    # in the dtype of the step's matrix products, at a size that keeps a GPU busy, not waiting on launches
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision, torch.float32)
     peak = matmul_peak(device, size=8192 if use_cuda else 2048, dtype=dtype)
     achieved = flops / wall
