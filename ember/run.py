@@ -14,6 +14,8 @@ A run lives in ``runs/<name>/`` (DESIGN rule 6): ``config.yaml`` (resolved; a re
 ``report.md``, ``analysis/``. Every verb after ``train`` takes such a directory and needs nothing
 else; a fine-tuned, imported or quantized model is one too.
 
+It sits above ``model/`` and ``parallel/`` (not on floor 2, where ../shared/DESIGN.md draws it):
+``load_run`` builds the model, swaps in quantized layers and reads DCP checkpoints.
 Everything that reads a run (infer, export, analysis, report, sweep, the CLI) comes here, never
 to ``train/``: the trainer writes a run, this module knows its shape. Nothing is loaded with
 ``weights_only=False``: safetensors and DCP read tensors, everything else is JSON or YAML.
