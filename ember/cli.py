@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import operator
 import os
 import shlex
 import subprocess
@@ -55,13 +57,44 @@ def arg(*flags: str, **settings) -> tuple:
     return flags, settings
 
 
+LOCAL_RANKS = max(8, 4 * (os.cpu_count() or 1))  # processes one launch may start on this machine
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def bounded(kind: type, *, why: str = "", **bounds: float) -> Callable[[str], int | float]:
+    """An argparse ``type``: ``kind`` (int or float, finite) within ``ge=``/``gt=``/``le=``/``lt=``,
+    so that every numeric option declares its range and the parser refuses one outside it before
+    any work (one line, exit 2). ``why`` explains a bound that is not obvious."""
+    rules = [(op, bounds[name]) for name, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")) if name in bounds]  # fmt: skip # noqa: E501
+    wanted = f"{kind.__name__} {' and '.join(f'{op} {b:g}' for op, b in rules)}".strip()
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects {wanted}; got {text!r}") from None
+        if not math.isfinite(value) or not all(_COMPARE[op](value, b) for op, b in rules):
+            raise argparse.ArgumentTypeError(f"must be {wanted}{f' ({why})' if why else ''}; got {text}")
+        return value
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in ember's form: one line ``ember: error: ...`` and exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        verb = self.prog.partition(" ")[2]
+        self.exit(2, f"ember: error: {verb + ': ' if verb else ''}{message} (see `{self.prog} --help`)\n")
+
+
 CONFIG = arg("config", metavar="CONFIG", help="a YAML config file or a preset name from configs/ (e.g. python, tiny)")  # fmt: skip # noqa: E501
 OVERRIDES = arg("overrides", nargs="*", metavar="key=value",
                 help="config overrides as key.sub=value (e.g. data.vocab_size=8192 run.seed=3)")  # fmt: skip
 CONFIGURED = (CONFIG, OVERRIDES)  # CONFIG key=value ...
 RUN = arg("run", metavar="RUN", help="a run directory written by `ember train` or `ember import`")
 CKPT = arg("--ckpt", default="last", help="last (final weights), best (best val), or a step number")
-NPROC = arg("--nproc", type=int, default=1, metavar="N", help="ranks: processes under torch.distributed.run (default 1)")  # fmt: skip # noqa: E501
+NPROC = arg("--nproc", type=bounded(int, ge=1, le=LOCAL_RANKS, why="at most 4 ranks per CPU core here"), default=1, metavar="N", help="ranks: processes under torch.distributed.run (default 1)")  # fmt: skip # noqa: E501
 
 
 def sampling_args(seed_help: str) -> list[tuple]:
@@ -94,7 +127,7 @@ def _command_line() -> str:
     "prepared), train the cpu-quick preset (gpt2-small on CUDA) for a wall-clock budget, evaluate it on "
     "the test and validation splits, and print where each output is. Running it again replaces the "
     "previous quickstart run.",
-    arg("--minutes", type=float, default=5.0, help="training budget in minutes (default 5)"),
+    arg("--minutes", type=bounded(float, gt=0), default=5.0, help="training budget in minutes (default 5)"),
     arg("--out", default="runs", help="runs root; the run is OUT/quickstart (default runs)"),
     arg("--data-dir", help="where the shards go (default: data/python)"),
     OVERRIDES,
@@ -120,6 +153,7 @@ def cmd_quickstart(args) -> int:
     "ember train tiny --nproc 2 parallel.data=fsdp",
 )
 def cmd_train(args) -> int:
+    from ember.analysis.plan import check_size, model_config_for
     from ember.config import load_config
     from ember.data.prepare import prepare
     from ember.parallel.dist import torchrun_cmd
@@ -128,6 +162,7 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
     if "LOCAL_RANK" not in os.environ:
+        check_size(model_config_for(cfg), args.nproc, 1)  # a model that cannot fit, before it is built
         check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
         prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
@@ -153,15 +188,15 @@ def cmd_train(args) -> int:
     arg("--data", action="append", metavar="SOURCE", help="text to evaluate on (repeatable)"),
     arg("--task", metavar="NAME",
         help="instead: accuracy on an embedded task's test problems (add-2, sort, ...)"),
-    arg("--n", type=int, default=200, help="--task: problems to answer (default 200)"),
-    arg("--skip", type=int, default=0, help="--task: leave out the first K test problems (those a run's own "
+    arg("--n", type=bounded(int, ge=1), default=200, help="--task: problems to answer (default 200)"),
+    arg("--skip", type=bounded(int, ge=0), default=0, help="--task: leave out the first K test problems (those a run's own "
         "evaluations used to pick its settings) and answer the next N"),
     CKPT,
-    arg("--seq-len", type=int, default=None, help="window length (default: the run's train.seq_len)"),
-    arg("--batch-size", type=int, default=8, help="windows per forward pass (default 8)"),
-    arg("--stride", type=int, default=None, help="score each window's last STRIDE tokens only, with the rest "
+    arg("--seq-len", type=bounded(int, ge=1), default=None, help="window length (default: the run's train.seq_len)"),
+    arg("--batch-size", type=bounded(int, ge=1), default=8, help="windows per forward pass (default 8)"),
+    arg("--stride", type=bounded(int, ge=1), default=None, help="score each window's last STRIDE tokens only, with the rest "
         "as context (default: the window length, disjoint windows; smaller costs seq_len/STRIDE times more)"),
-    arg("--max-windows", type=int, default=None,
+    arg("--max-windows", type=bounded(int, ge=1), default=None,
         help="score only this many evenly spaced windows per dataset (default: all, every token)"),
 )  # fmt: skip
 def cmd_eval(args) -> int:
@@ -298,7 +333,7 @@ def cmd_chat(args) -> int:
     RUN,
     arg("overrides", nargs="*", metavar="serve.key=value", help="settings (`ember config keys`)"),
     arg("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"),
-    arg("--port", type=int, default=8000, help="port (default 8000)"),
+    arg("--port", type=bounded(int, ge=1, le=65535), default=8000, help="port (default 8000)"),
     arg("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1"),
     epilog="example: ember serve runs/add2-sft --port 8000 serve.max_seqs=16; then "
     "OpenAI(base_url='http://localhost:8000/v1', api_key='-').completions.create(model='add2-sft', "
@@ -353,16 +388,16 @@ def cmd_report(args) -> int:
         help="config overrides shared by every run (e.g. train.max_steps=200)"),
     arg("--grid", action="append", metavar="KEY=V1,V2", help="a config key and its values, split on commas "
         "(repeatable; the settings are the product of all --grid keys)"),
-    arg("--seeds", type=int, default=3, metavar="N", help="seeds 0..N-1 per setting (default 3; the "
+    arg("--seeds", type=bounded(int, ge=1), default=3, metavar="N", help="seeds 0..N-1 per setting (default 3; the "
         "permutation p shown beside Welch's needs 4+ to go below 0.05)"),
     arg("--seed-list", metavar="S1,S2", help="these seeds instead of 0..N-1"),
-    arg("--jobs", type=int, default=1, metavar="J", help="runs at a time (default 1)"),
+    arg("--jobs", type=bounded(int, ge=1, le=LOCAL_RANKS), default=1, metavar="J", help="runs at a time (default 1)"),
     arg("--metric", default="test.bpb", help="what to compare: test.KEY or val.KEY (from `ember eval RUN "
         "--split test|val`, KEY one of loss, ppl, bpb) or summary.KEY (from the run's summary.json, e.g. "
         "summary.loss, summary.val_bpb). Default test.bpb"),
     arg("--baseline", metavar="KEY=V,...",
         help="the setting the others are tested against (default: the first value of each --grid key)"),
-    arg("--alpha", type=float, default=0.05, help="significance level of the verdict (default 0.05)"),
+    arg("--alpha", type=bounded(float, gt=0, lt=1), default=0.05, help="significance level of the verdict (default 0.05)"),
     arg("--out", default=None, help="the sweep directory (default runs/sweep-<config name>)"),
     epilog="example: ember sweep tiny --grid train.lr=0.003,0.01 --grid model.n_layer=2,4 --seeds 3 "
     "--jobs 2 --metric summary.loss train.max_steps=50",
@@ -463,12 +498,12 @@ def cmd_import(args) -> int:
     arg("run", metavar="RUN", help="a run directory with float weights (model/)"),
     arg("--scheme", action="append", metavar="S",
         help="int8-weight, int8-dynamic or int4-weight (with --report: repeatable, default all)"),
-    arg("--group-size", type=int, default=None, help="int4-weight group size: 32 (default), 64, 128"),
+    arg("--group-size", type=bounded(int, ge=1), default=None, help="int4-weight group size: 32 (default), 64, 128"),
     arg("--out", metavar="RUN2", help="the quantized run directory to write"),
     arg("--force", action="store_true", help="replace OUT if it exists and is not empty"),
     arg("--float-head", action="store_true", help="keep the output head fp32 (default: int8)"),
     arg("--report", action="store_true", help="compare fp32 with the schemes; write no run"),
-    arg("--max-windows", type=int, default=None, help="--report: score at most this many test windows"),
+    arg("--max-windows", type=bounded(int, ge=1), default=None, help="--report: score at most this many test windows"),
     epilog="examples: ember quantize runs/cpu-quick --scheme int4-weight --out runs/cpu-quick-int4; "
     "ember quantize runs/cpu-quick --report",
 )  # fmt: skip
@@ -549,11 +584,12 @@ def cmd_config_keys(args) -> int:
     "--nproc ranks, and FLOPs per step (with --peak-tflops, the step time at --mfu). --measure runs a few "
     "real steps (torchrun for N > 1) and sets each component against a tracker of live tensor storages.",
     *CONFIGURED,
-    NPROC,
+    arg("--nproc", type=bounded(int, ge=1, le=1024), default=1, metavar="N", help="ranks to plan for (default 1)"),
     arg("--measure", action="store_true", help="run --steps real steps and compare"),
-    arg("--steps", type=int, default=4, help="steps of --measure; the last 2 tracked (default 4)"),
-    arg("--mfu", type=float, default=0.4, help="model FLOPs utilisation for the step time (0.4)"),
-    arg("--peak-tflops", type=float, default=0.0, help="a rank's peak TFLOP/s (an H100: 989 in bf16)"),
+    arg("--steps", type=bounded(int, ge=2, why="--measure tracks the last two steps"), default=4,
+        help="steps of --measure; the last 2 tracked (default 4)"),
+    arg("--mfu", type=bounded(float, gt=0, le=1), default=0.4, help="model FLOPs utilisation for the step time (0.4)"),
+    arg("--peak-tflops", type=bounded(float, gt=0), default=None, help="a rank's peak TFLOP/s (an H100: 989 in bf16)"),
     arg("--json", action="store_true", help="print one JSON object instead of tables"),
     epilog="examples: ember plan cpu-quick | ember plan tiny --nproc 2 parallel.tp=2 --measure | "
     "ember plan gpt2-small --nproc 8 parallel.data=fsdp --peak-tflops 989",
@@ -565,10 +601,12 @@ def cmd_plan(args) -> int:
     from ember.parallel.dist import run_ranks
     from ember.train.layout import check_layout
 
-    if args.steps < 2:
-        raise EmberError(f"--steps {args.steps}: --measure tracks the last two steps; give at least 2")
+    if args.measure and args.nproc > LOCAL_RANKS:
+        raise EmberError(f"--measure --nproc {args.nproc} launches that many processes here; at most {LOCAL_RANKS}")
     cfg = load_config(args.config, args.overrides)
     ranked = "LOCAL_RANK" in os.environ
+    if not ranked:  # a prediction may be for bigger machines; a measurement runs on this one
+        plan.check_size(plan.model_config_for(cfg), args.nproc, 1 if args.measure else 64)
     if args.measure and not ranked:
         prepare(cfg, command=_command_line())  # the measured steps read the data, as training would
     model_cfg = plan.model_config_for(cfg)
@@ -628,16 +666,16 @@ def _instruments(args, run: Path) -> dict:
     arg("instrument", choices=["profile", "grads", "hessian", "memory", "nonfinite", "lens", "determinism"],
         help="what to measure (determinism: of a CONFIG)"),
     arg("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)"),
-    arg("--batch", type=int, default=0, help="windows of seq_len tokens (default: grads 16, hessian 4)"),
-    arg("--seed", type=int, default=0, help="which windows, and the random vectors (default 0)"),
+    arg("--batch", type=bounded(int, ge=1), default=None, help="windows of seq_len tokens (default: grads 16, hessian 4)"),
+    arg("--seed", type=bounded(int, ge=0), default=0, help="which windows, and the random vectors (default 0)"),
     arg("--text", default=None, help="grads: rank the windows by agreement with this text's gradient"),
-    arg("--top", type=int, default=5, help="grads: windows shown each way (default 5)"),
-    arg("--k", type=int, default=3, help="hessian: eigenvalues (default 3)"),
-    arg("--iters", type=int, default=20, help="hessian: Lanczos steps (default 20)"),
-    arg("--samples", type=int, default=10, help="hessian: Hutchinson vectors (default 10; 0: none)"),
-    arg("--steps", type=int, default=3, help="profile: steps profiled; memory: steps, the last tracked (3)"),
+    arg("--top", type=bounded(int, ge=1), default=5, help="grads: windows shown each way (default 5)"),
+    arg("--k", type=bounded(int, ge=1), default=3, help="hessian: eigenvalues (default 3)"),
+    arg("--iters", type=bounded(int, ge=1), default=20, help="hessian: Lanczos steps (default 20)"),
+    arg("--samples", type=bounded(int, ge=0), default=10, help="hessian: Hutchinson vectors (default 10; 0: none)"),
+    arg("--steps", type=bounded(int, ge=1), default=3, help="profile: steps profiled; memory: steps, the last tracked (3)"),
     arg("--stack", action="store_true", help="profile: record Python stacks (slower, larger trace)"),
-    arg("--step", type=int, default=None, help="nonfinite: the step to replay"),
+    arg("--step", type=bounded(int, ge=1), default=None, help="nonfinite: the step to replay"),
     arg("--set", action="append", default=[], metavar="KEY=VALUE", help="determinism: a config override"),
     arg("--nproc", default=None, metavar="N|A,B", help="determinism: compare world sizes, one process "
         "against N ranks (or A against B ranks), each a torchrun launch with one thread per rank "
@@ -681,11 +719,12 @@ def _bytes(text: str) -> int:
     "Launch N ranks (gloo on CPU, NCCL on GPU) and time each collective at message sizes growing 4x from "
     "--min-bytes to --max-bytes: time per call (slowest rank), algorithm and bus bandwidth (nccl-tests' "
     "definitions) and wrong elements (each result is checked). --out DIR writes comm.json and comm.png.",
-    arg("--nproc", type=int, default=2, help="ranks (default 2)"),
+    arg("--nproc", type=bounded(int, ge=2, le=LOCAL_RANKS, why="at most 4 ranks per CPU core here"), default=2,
+        help="ranks (default 2)"),
     arg("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cpu: gloo, cuda: NCCL"),
     arg("--min-bytes", type=_bytes, default=2**10, help="smallest message (default 1K)"),
     arg("--max-bytes", type=_bytes, default=2**28, help="largest message (default 256M)"),
-    arg("--seconds", type=float, default=0.2, help="time spent per size, roughly (default 0.2)"),
+    arg("--seconds", type=bounded(float, gt=0, le=3600), default=0.2, help="time spent per size, roughly (default 0.2)"),
     arg("--out", default=None, help="directory for comm.json and comm.png"),
     epilog="example: ember bench comm --nproc 4 --max-bytes 64M --out runs/comm",
 )
@@ -755,7 +794,7 @@ def cmd_data_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ember",
         description="ember: a hackable, PyTorch-native lab for small GPT-style language models.",
         epilog="Run `ember VERB --help` for the options of each verb.",

@@ -162,13 +162,13 @@ class DataConfig(_Section, key="data"):
 class ModelConfig(_Section, key="model"):
     """The decoder's shape and options (see ember/model/gpt.py)."""
 
-    vocab_size: int = opt(0, "vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple", ge=0)
+    vocab_size: int = opt(0, "vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple", ge=0, le=2**24)
     vocab_multiple: int = opt(64, "round a tokenizer-derived vocab_size up to a multiple of this", ge=1)
-    n_layer: int = opt(6, "number of transformer blocks", ge=1)
-    n_head: int = opt(6, "attention (query) heads per block", ge=1)
+    n_layer: int = opt(6, "number of transformer blocks", ge=1, le=1024)
+    n_head: int = opt(6, "attention (query) heads per block", ge=1, le=1024)
     n_kv_head: int = opt(0, "key/value heads (GQA/MQA); 0 = n_head (plain multi-head attention)", ge=0)
-    d_model: int = opt(384, "residual stream width", ge=1)
-    max_seq_len: int = opt(256, "longest sequence the positions support", ge=1)
+    d_model: int = opt(384, "residual stream width", ge=1, le=2**17)
+    max_seq_len: int = opt(256, "longest sequence the positions support", ge=1, le=2**24)
     mlp: str = opt("gelu", "gelu (GPT-2), swiglu (Llama), relu2 (ReLU²)", choices=("gelu", "swiglu", "relu2"))
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4*d_model, swiglu: 8/3*d_model rounded to 64", ge=0)
     norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
@@ -273,6 +273,11 @@ class TrainConfig(_Section, key="train"):
         "lm: next-token prediction; sft: supervised fine-tuning; dpo: preference optimisation; grpo: RL on "
         "a task's verifier; rm: a reward model on dpo.*'s pairs; or any task in ember.train.tasks",
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        message = "train.qlora=true adapts a frozen NF4 base with LoRA; give it train.lora_rank (e.g. 8)"
+        _require(not self.qlora or self.lora_rank > 0, "train.qlora", message)
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.analysis import load_for_analysis, windows, write_results
+from ember.errors import EmberError
 from ember.report.report import plot_series as plot
 from ember.run import checkpoint_step, read_metrics
 
@@ -89,6 +90,8 @@ def hutchinson(op, samples: int = 20, seed: int = 0) -> tuple[float, float]:
 def analyze(run_dir, ckpts: list[str], batch: int, k: int, iters: int, samples: int, seed: int) -> dict:
     """``ember analyze RUN hessian``: for each checkpoint, λ_1..λ_k, the trace and, where the run
     logged it, the learning rate at that step and 2/lr."""
+    if k > iters:
+        raise EmberError(f"--k {k} eigenvalues need at least as many Lanczos steps; got --iters {iters}")
     started = time.perf_counter()
     lr_at_step = {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
     rows = []

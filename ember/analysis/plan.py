@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import weakref
 from dataclasses import replace
 
@@ -380,6 +381,40 @@ def measure(trainer, steps: int = 4, tracked: int = 2, timeline: bool = False) -
         **({"allocator_peak": best.allocator} if cuda else {}),
         **({"timeline": best.timeline} if timeline else {}),
     }
+
+
+def estimated_params(model_cfg) -> int:
+    """Parameters of ``model_cfg``'s decoder from its shape alone, nothing built: embeddings, the
+    head if untied, learned positions, and per block the four attention and two or three MLP
+    matrices (norms and biases, a sliver, left out)."""
+    d, head_dim = model_cfg.d_model, model_cfg.d_model // model_cfg.n_head
+    kv = (model_cfg.n_kv_head or model_cfg.n_head) * head_dim
+    mlp = (3 if model_cfg.mlp == "swiglu" else 2) * d * mlp_hidden_size(model_cfg)
+    embeddings = model_cfg.vocab_size * d * (1 if model_cfg.tie_embeddings else 2)
+    positions = model_cfg.max_seq_len * d if model_cfg.pos == "learned" else 0
+    return embeddings + positions + model_cfg.n_layer * (2 * d * d + 2 * d * kv + mlp)
+
+
+def machine_bytes() -> int:
+    """This machine's memory: its RAM, or one GPU's if that is larger."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    return max(ram, gpu)
+
+
+def check_size(model_cfg, world_size: int, margin: float) -> None:
+    """Refuses, before any model is built, a config whose weights, gradients and AdamW moments
+    alone (16 bytes a parameter, spread over ``world_size`` ranks) exceed ``margin`` × the
+    machine's memory: building it would take minutes and gigabytes before any answer."""
+    n = estimated_params(model_cfg)
+    need, have = 16 * n / world_size, machine_bytes()
+    if need > margin * have:
+        raise EmberError(
+            f"model.n_layer={model_cfg.n_layer}, d_model={model_cfg.d_model}, vocab_size={model_cfg.vocab_size}: "
+            f"about {n:.2g} parameters, {need / 2**30:,.0f} GiB per rank for weights, gradients and AdamW "
+            f"state on {world_size} rank(s), over {margin:g} × this machine's {have / 2**30:.0f} GiB; "
+            "choose a smaller model or more ranks"
+        )
 
 
 def model_config_for(cfg):

@@ -21,6 +21,7 @@ and the parameters, whole.
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -34,7 +35,7 @@ from ember.config import config_to_yaml
 from ember.data.prepare import prepare
 from ember.errors import EmberError
 from ember.parallel.dist import barrier, destroy_distributed, run_ranks, wants_cuda
-from ember.run import checkpoint_steps, run_config
+from ember.run import checkpoint_steps, read_metrics, run_config
 from ember.train.layout import check_layout
 from ember.train.recorder import Recorder
 from ember.train.trainer import scratch_trainer
@@ -50,6 +51,12 @@ def nonfinite(run_dir, step: int | None, inject=None) -> dict:
         raise EmberError(f"--step {step}: steps count from 1")
     started = time.perf_counter()
     cfg = run_config(run_dir)
+    last = last_step(run_dir, cfg.train.log_every)
+    if last is None:
+        raise EmberError(f"{run_dir} has no training history (no metrics.jsonl, checkpoints or summary.json: "
+                         "an imported or quantized run); nonfinite replays a step of a run `ember train` wrote")
+    if step > last:
+        raise EmberError(f"--step {step} is beyond {run_dir}, which trained to step {last}; give 1 to {last}")
     cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
     before = [p for s, p, done in checkpoint_steps(Path(run_dir) / "checkpoints") if done and s < step]
     resume = str(before[-1].resolve()) if before else "never"
@@ -65,6 +72,17 @@ def nonfinite(run_dir, step: int | None, inject=None) -> dict:
     result = {"step": step, "from": before[-1].name if before else "the start", "first_nonfinite": rec.first}
     out = write_results(run_dir, "nonfinite", result, started)
     return {**result, "out": str(out)}
+
+
+def last_step(run_dir, log_every: int) -> int | None:
+    """The last step a run trained: its summary's; for one that stopped (on a non-finite step),
+    within ``log_every`` of its last record or checkpoint; None if it has no history."""
+    summary = Path(run_dir) / "summary.json"
+    if summary.is_file():
+        return json.loads(summary.read_text())["step"]
+    steps = [r["step"] for r in read_metrics(run_dir) if "step" in r]
+    steps += [s for s, _, done in checkpoint_steps(Path(run_dir) / "checkpoints") if done]
+    return max(steps) + log_every if steps else None
 
 
 def nonfinite_summary(r: dict) -> str:

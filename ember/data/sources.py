@@ -33,10 +33,12 @@ Design choices:
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
 import os
+import stat
 import sys
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -199,6 +201,9 @@ def _walk(root: Path, keep_file: Callable[[str], bool], skip_dirs: frozenset = f
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
         files.extend(Path(dirpath, f) for f in filenames if keep_file(f))
+    for path in files:
+        if kind := unreadable_kind(path):
+            raise DataError(f"{path} (under source {str(root)!r}) is {kind}, not a text file; remove it")
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -222,6 +227,18 @@ def _stdlib_files() -> list[Path]:
     return files
 
 
+def unreadable_kind(path: Path) -> str | None:
+    """What ``path`` is if it exists but is no file or folder to read (a symbolic link loop or a
+    broken link, a FIFO that would block, a device, a socket); None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        loop = e.errno == errno.ELOOP
+        return "a symbolic link loop" if loop else "a broken symbolic link" if path.is_symlink() else None
+    kinds = {stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}  # fmt: skip # noqa: E501
+    return next((kind for test, kind in kinds.items() if test(mode)), None)
+
+
 def _resolve_path(spec: str) -> list[Path]:
     path = Path(spec).expanduser()
     if path.is_dir():
@@ -236,6 +253,8 @@ def _resolve_path(spec: str) -> list[Path]:
                 f"source glob {spec!r} matches no files; check the pattern (use ** for subfolders)"
             )
         return files
+    if kind := unreadable_kind(path):
+        raise DataError(f"source {spec!r} is {kind}, not a file or directory; point data.sources at text files")
     raise DataError(
         f"source {spec!r} not found: no such file or directory "
         f"(use a path, a glob, or one of {', '.join(EMBEDDED)})"

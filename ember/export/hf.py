@@ -145,6 +145,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
     except (OSError, ValueError, SafetensorError) as e:  # no or damaged weights; transformers says which
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EmberError(f"cannot load the model in {hf_dir} ({message[:300]})") from None
+    except RuntimeError as e:  # transformers: shapes in config.json that the weights do not have
+        if "mismatched" not in str(e):
+            raise
+        raise EmberError(
+            f"{hf_dir / 'config.json'} does not match the weights: a size in it (vocab_size, hidden_size, "
+            "heads, layers) differs from the saved tensors'; restore the config the weights were saved with"
+        ) from None
     model = from_hf(hf)  # ConfigError naming the field ember cannot represent
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise EmberError(

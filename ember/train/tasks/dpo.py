@@ -73,13 +73,15 @@ Pair = tuple[list[int], list[int], list[int]]  # prompt ids, chosen ids, rejecte
 
 def _reply(value, where: str, key: str) -> str:
     if isinstance(value, str):
+        if not value.strip():
+            raise EmberError(f"{where}: '{key}' is empty; a pair compares two replies that say something")
         return value
     if isinstance(value, dict):
         value = [value]
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
         check_messages(value, f"{where}: {key}")
         if value[0]["role"] == "assistant":
-            return value[0]["content"]
+            return _reply(value[0]["content"], where, key)
     raise EmberError(f"{where}: '{key}' must be a string or one assistant message")
 
 
@@ -96,9 +98,10 @@ def load_preferences(path: str | Path) -> list[Preference]:
         if prompt[-1]["role"] != "user":
             raise EmberError(f"{where}: the prompt must end with a user message, which the replies answer")
         prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
-        pairs.append(
-            (prompt, _reply(row["chosen"], where, "chosen"), _reply(row["rejected"], where, "rejected"))
-        )
+        chosen, rejected = _reply(row["chosen"], where, "chosen"), _reply(row["rejected"], where, "rejected")
+        if chosen == rejected:
+            raise EmberError(f"{where}: 'chosen' and 'rejected' are the same reply; the pair teaches nothing")
+        pairs.append((prompt, chosen, rejected))
     if not pairs:
         raise EmberError(f"{path} holds no preference pairs; write one JSON object per line")
     return pairs

@@ -67,6 +67,7 @@ import torch
 from torch import Tensor
 
 from ember.data.chat import render
+from ember.data.tasks import TASKS
 from ember.errors import ConfigError, EmberError
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
@@ -151,10 +152,11 @@ class Rollouts(SFTLoader):
     def __init__(self, grpo_cfg, tokenizer, model, reference: Callable | None, rows: int,
                  micro_batch: int, seed: int, rank: int = 0, world_size: int = 1,
                  device: torch.device | str = "cpu"):  # fmt: skip
-        self.task = data_task(grpo_cfg.data, "grpo.data")
+        self.task = data_task(grpo_cfg.data, "grpo.data") if grpo_cfg.data else None
         if self.task is None:
             raise EmberError(
-                f"grpo.data={grpo_cfg.data!r}: GRPO needs an embedded task, whose verifier gives the rewards"
+                f"train.task=grpo needs grpo.data, an embedded task whose verifier gives the rewards "
+                f"(got {grpo_cfg.data!r}; tasks: {', '.join(TASKS)})"
             )
         check_groups(rows, world_size, grpo_cfg.group)
         problems = self.task.generate("train", grpo_cfg.examples)
