@@ -71,7 +71,8 @@ def test_openai_client_completions_equal_the_engine(server, engine):
     assert out.usage.prompt_tokens == len(engine.tokenizer.encode(prompt))
     assert out.usage.completion_tokens == len(alone.token_ids)
     pieces, usage = [], None
-    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
     for chunk in stream:
         pieces += [c.text for c in chunk.choices]
         usage = chunk.usage or usage

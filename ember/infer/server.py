@@ -9,11 +9,19 @@
     client.chat.completions.create(model="add2-sft", messages=[{"role": "user", "content": "2+2"}])
 
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as Server-Sent Events
-with ``"stream": true``, ending with ``data: [DONE]``, a last chunk carrying ``usage``),
-``GET /v1/models``, ``/health``, and ``/metrics`` in Prometheus' text format. Errors have
-OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter
-or body, 401 without the key when one is set, 404 for another model's name, 429 when
-``serve.max_waiting`` requests already wait.
+with ``"stream": true``, ending with ``data: [DONE]``; with ``stream_options: {"include_usage":
+true}`` every chunk has ``"usage": null`` and a last one, with ``"choices": []``, the usage, as
+OpenAI's), ``GET /v1/models``, ``/health``, and ``/metrics`` in Prometheus' text format. Errors
+have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter
+or body, 401 without the key when one is set (checked before the body is read), 404 for another
+model's name, 413 for a body over 16 MiB, 429 when ``serve.max_waiting`` requests already wait.
+
+**Any body.** A handler reads the body itself, not through FastAPI, so that every fault is one
+of those 400s naming its parameter: bytes that are not UTF-8, JSON that does not parse (its line
+and column), a wrong type (strict: ``true`` is no integer, ``"yes"`` no boolean), NaN or
+infinity, a lone surrogate (``"\\ud800"``, which the tokenizer cannot encode). Parsing runs on a
+worker thread and a prompt longer in bytes than the context could hold (``max_seq_len`` times
+the longest token's bytes) is refused before it is tokenized, so a 10 MB prompt stalls no one.
 
 **Threads.** FastAPI's handlers run on uvicorn's event loop; the model runs on one engine
 thread that owns the scheduler. A handler never touches the scheduler: it puts a command
@@ -33,17 +41,20 @@ are those of the model's distribution before temperature and filters, as OpenAI'
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import queue
+import re
 import secrets
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import torch
 
@@ -54,6 +65,7 @@ from ember.infer.sampling import Sampling
 from ember.infer.scheduler import Request, Scheduler, top_logprobs
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+MAX_BODY = 16 * 2**20  # bytes of a request body; a 16k-token context of 1 KiB tokens fits
 
 
 class ApiError(Exception):
@@ -62,6 +74,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):  # fmt: skip # noqa: E501
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 @dataclass
@@ -187,30 +200,39 @@ def prompt_logprobs(engine: Engine, ids: list[int], top: int) -> list:
 
 def _bodies():
     """The request bodies as pydantic models (imported here: the `serve` extra is optional)."""
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-    class Common(BaseModel):
-        model_config = ConfigDict(extra="ignore")  # clients send fields ember does not use (user, ...)
-        model: str
+    Text = Annotated[str, AfterValidator(_unicode)]
+    Stop = Annotated[Text, AfterValidator(_nonempty)]
+
+    class Body(BaseModel):  # clients send fields ember does not use (user, ...): ignored
+        model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+        fields: ClassVar[set[str]] = set()  # every body's field names, to tell them from union tags in errors
+
+    class StreamOptions(Body):
+        include_usage: bool = False
+
+    class Common(Body):
+        model: Text
         max_tokens: int | None = Field(None, ge=0)
         temperature: float = Field(1.0, ge=0, le=100)
         top_p: float = Field(1.0, gt=0, le=1)
         top_k: int = Field(0, ge=-1)  # vLLM's: 0 or -1 = all
         seed: int | None = None
-        stop: str | list[str] | None = None
+        stop: Stop | list[Stop] | None = None
         n: int = Field(1, ge=1, le=64)
         stream: bool = False
-        stream_options: dict | None = None
+        stream_options: StreamOptions | None = None
         ignore_eos: bool = False  # vLLM's: decode to max_tokens (benchmarks)
 
     class CompletionBody(Common):
-        prompt: str | list[str] | list[int] | list[list[int]]
+        prompt: Text | list[Text] | list[int] | list[list[int]]
         echo: bool = False
         logprobs: int | None = Field(None, ge=0, le=20)
 
-    class Message(BaseModel):
-        role: str
-        content: str
+    class Message(Body):
+        role: Text
+        content: Text
 
     class ChatBody(Common):
         messages: list[Message] = Field(min_length=1)
@@ -218,25 +240,80 @@ def _bodies():
         logprobs: bool = False
         top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    return CompletionBody, ChatBody
+    class TokenizeBody(Body):
+        prompt: Text
+
+    class DetokenizeBody(Body):
+        tokens: list[int]
+
+    models = (CompletionBody, ChatBody, TokenizeBody, DetokenizeBody)
+    Body.fields = {name for m in (*models, Message, StreamOptions) for name in m.model_fields}
+    return models
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+def _unicode(text: str) -> str:
+    try:
+        text.isascii() or text.encode()  # (isascii is O(1): no copy of a 10 MB prompt)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"holds a lone surrogate {text[e.start]!r} at character {e.start}; send valid Unicode") from None  # fmt: skip # noqa: E501
+    return text
+
+
+def _nonempty(stop: str) -> str:
+    if not stop:
+        raise ValueError("an empty stop string would end every answer at once")
+    return stop
+
+
+def parse(chunks: list[bytes], body_type):
+    """The body in ``chunks`` as an instance of the pydantic model ``body_type``, or an ApiError(400)
+    that says why not and names the parameter at fault (``param`` None when it is not JSON)."""
+    from pydantic import ValidationError
+    from pydantic_core import from_json
+
+    raw = b"".join(chunks)  # (lets go of the GIL for a large body)
+    try:  # jiter: a 10 MB body in ~10 ms with the GIL let go; the stdlib's parser only to explain a
+        data = from_json(raw, allow_inf_nan=True)  # failure, or to read a lone surrogate
+    except ValueError:
+        data = _stdlib_json(raw)
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the body must be a JSON object; got {type(data).__name__}")
+    try:
+        return body_type.model_validate(data)
+    except ValidationError as e:
+        error = max(e.errors(), key=lambda x: len(x["loc"]))  # a union's most specific error
+        param = ".".join(str(k) for k in error["loc"] if isinstance(k, int) or k in body_type.fields)  # no union tags  # fmt: skip # noqa: E501
+        got = error["input"]
+        shown = "" if isinstance(got, dict | list | str) else f" (got {json.dumps(got)[:24]})"
+        raise ApiError(400, f"{param}: {error['msg'].removeprefix('Value error, ')}{shown}", param=param) from None  # fmt: skip # noqa: E501
+
+
+def _stdlib_json(raw: bytes):
+    try:
+        return json.loads(raw.decode())
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 (byte {e.start}: {raw[e.start : e.start + 1]!r}); send JSON in UTF-8") from None  # fmt: skip # noqa: E501
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the body is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (ValueError, RecursionError) as e:  # an integer of 4,300 digits and more; nesting too deep
+        raise ApiError(400, f"the body is not JSON ember can read: {e}") from None
+
+
+def _error(e: ApiError):
     from fastapi.responses import JSONResponse
 
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(e.body, status_code=e.status)
 
 
 def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | None = None):
     """The FastAPI app serving ``engine``'s model under the model name ``name``."""
     from fastapi import Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
 
     from ember.data.chat import chat_ids, render
 
-    CompletionBody, ChatBody = _bodies()
+    CompletionBody, ChatBody, TokenizeBody, DetokenizeBody = _bodies()
     kv = serve.kv_memory
     if kv <= 1:  # a fraction of free memory
         kv *= torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else _free_ram()
@@ -253,6 +330,8 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
 
     app = FastAPI(title="ember", version="1", lifespan=lifespan)
     max_len = engine.model.cfg.max_seq_len
+    # no token stands for more bytes than its own string (byte-level symbols, <0x41>, ▁ are longer)
+    max_bytes = max_len * max(len(t.encode()) for t in engine.tokenizer.hf.get_vocab())
     try:
         chat_ids(engine.tokenizer)
         has_chat = True
@@ -261,13 +340,28 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
 
     @app.exception_handler(ApiError)
     async def api_error(_, e: ApiError):
-        return _error(e.status, e.message, e.kind, e.param)
+        return _error(e)
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or "body"
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}", param=where)
+    @app.exception_handler(HTTPException)  # Starlette's own: an unknown path, a wrong method
+    async def http_error(_, e: HTTPException):
+        return _error(ApiError(e.status_code, str(e.detail)))
+
+    async def parsed(http: Request, body_type):
+        """The request's body as ``body_type`` (``parse``), read up to MAX_BODY bytes and parsed on a
+        worker thread: the event loop keeps serving the others meanwhile."""
+
+        def bound(size: int) -> None:
+            if size > MAX_BODY:
+                raise ApiError(413, f"the body is over {MAX_BODY} bytes; send at most {MAX_BODY}")
+
+        declared = http.headers.get("content-length", "")
+        bound(int(declared) if declared.isdigit() else 0)
+        chunks, total = [], 0
+        async for chunk in http.stream():
+            chunks.append(chunk)
+            total += len(chunk)
+            bound(total)
+        return await asyncio.to_thread(parse, chunks, body_type)
 
     async def check_key(request: Request) -> None:  # a dependency of the /v1 routes, not a middleware:
         # Starlette's BaseHTTPMiddleware runs a streamed body in a task it may cancel early
@@ -276,27 +370,42 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
 
     v1 = [Depends(check_key)]
 
-    def check_model(model: str) -> None:
-        if model != name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {name!r}", "not_found_error", "model")  # fmt: skip # noqa: E501
+    def check(body) -> None:
+        if body.model != name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {name!r}", "not_found_error", "model")  # fmt: skip # noqa: E501
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
     def sampling_of(body, max_tokens: int, seed: int) -> Sampling:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             top_p = None if body.top_p == 1 else body.top_p
-            return Sampling(max(max_tokens, 1), body.temperature, max(body.top_k, 0) or None, top_p, seed,
-                            tuple(stop), body.ignore_eos)  # fmt: skip
+            sampling = Sampling(max(max_tokens, 1), body.temperature, max(body.top_k, 0) or None, top_p, seed,
+                                tuple(stop), body.ignore_eos)  # fmt: skip
+            sampling.check_seed(body.n)  # here, not in the scheduler: before a stream has started
+            return sampling
         except EmberError as e:
-            raise ApiError(400, str(e).replace("--", "").replace("-", "_")) from None
+            flag = re.match(r"--([\w-]+)", str(e))  # the CLI's --top-k is the API's top_k
+            message = re.sub(r"--([\w-]+)", lambda m: m[1].replace("-", "_"), str(e))
+            raise ApiError(400, message, param=flag and flag[1].replace("-", "_")) from None
+
+    def too_long(texts: list[str], param: str) -> None:
+        """Refuse texts too long in bytes for any tokenization to fit the context, before tokenizing."""
+        size = sum(map(len, texts))  # characters: no more than bytes, and no copy of a 10 MB text
+        size = size if size > max_bytes else sum(len(t.encode()) for t in texts)
+        if size > max_bytes:
+            raise ApiError(400, f"the {param} is {size} characters or bytes, more than the model's context of {max_len} tokens can hold ({max_bytes} bytes); shorten it", param=param)  # fmt: skip # noqa: E501
 
     def encode(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            too_long([prompt], "prompt")
         ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ApiError(400, "the prompt is empty; give at least one token", param="prompt")
-        if any(not 0 <= t < engine.n_valid for t in ids):
-            raise ApiError(400, f"the prompt holds token ids outside [0, {engine.n_valid})", param="prompt")
         if len(ids) >= max_len:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; the model's context is {max_len}", param="prompt")  # fmt: skip # noqa: E501
+        if any(not 0 <= t < engine.n_valid for t in ids):
+            raise ApiError(400, f"the prompt holds token ids outside [0, {engine.n_valid})", param="prompt")
         return ids
 
     def max_tokens_of(body, ids: list[int], default: int | None) -> int:
@@ -375,17 +484,14 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
                 "vocab_size": engine.n_valid}  # fmt: skip
 
     @app.post("/tokenize")
-    async def tokenize(body: dict):
-        if not isinstance(body.get("prompt"), str):
-            raise ApiError(400, "prompt must be a string", param="prompt")
-        tokens = engine.tokenizer.encode(body["prompt"])
+    async def tokenize(http: Request):
+        tokens = await asyncio.to_thread(engine.tokenizer.encode, (await parsed(http, TokenizeBody)).prompt)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: dict):
-        tokens = body.get("tokens")
-        ok = isinstance(tokens, list) and all(isinstance(t, int) and 0 <= t < engine.n_valid for t in tokens)
-        if not ok:
+    async def detokenize(http: Request):
+        tokens = (await parsed(http, DetokenizeBody)).tokens
+        if not all(0 <= t < engine.n_valid for t in tokens):
             raise ApiError(400, f"tokens must be a list of ids in [0, {engine.n_valid})", param="tokens")
         return {"prompt": engine.tokenizer.decode(tokens)}
 
@@ -417,22 +523,30 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         text = "".join(f"# TYPE {k} {kind}\n{k} {v}\n" for k, (kind, v) in lines.items())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    def sse(head: dict, choices: AsyncIterator[tuple[int, dict]], prompt_tokens: int) -> StreamingResponse:
-        """Server-Sent Events: a chunk per (tokens made, choice) of ``choices``, a last one with the usage."""
+    def sse(head: dict, choices: AsyncIterator[tuple[int, dict]], prompt_tokens: int, body) -> StreamingResponse:  # fmt: skip # noqa: E501
+        """Server-Sent Events: a chunk per (tokens made, choice) of ``choices``; with ``include_usage``
+        each has ``"usage": null`` and a last one, with no choices, the usage. An error once the
+        stream has begun is an event of OpenAI's error shape."""
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
 
-        async def body():
-            made = 0
-            async for tokens, choice in choices:
-                made += tokens
-                yield f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, made)})}\n\n"
+        async def events():
+            made, extra = 0, {"usage": None} if include_usage else {}
+            try:
+                async for tokens, choice in choices:
+                    made += tokens
+                    yield f"data: {json.dumps({**head, 'choices': [choice], **extra})}\n\n"
+            except ApiError as e:
+                yield f"data: {json.dumps(e.body)}\n\n"
+            if include_usage:
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(prompt_tokens, made)})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions", dependencies=v1)
-    async def completions(body: CompletionBody, http: Request):  # type: ignore[valid-type]
-        check_model(body.model)
+    async def completions(http: Request):
+        body = await parsed(http, CompletionBody)
+        check(body)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -440,11 +554,12 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
             raise ApiError(400, "the prompt list is empty", param="prompt")
         if body.stream and len(prompts) > 1:
             raise ApiError(400, "stream one prompt at a time", param="prompt")
-        encoded = [encode(p) for p in prompts]
+        encoded = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
         limits = [max_tokens_of(body, ids, 16) for ids in encoded]
         if any(m == 0 for m in limits) and not body.echo:
             raise ApiError(400, "max_tokens 0 is only meaningful with echo", param="max_tokens")
         seed = body.seed if body.seed is not None else secrets.randbits(48)
+        samplings = [sampling_of(body, limit, seed) for limit in limits]
         rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": name}
 
@@ -460,7 +575,7 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
             return text, await job.events.get()
 
         if body.stream:
-            ids, limit = encoded[0], limits[0]
+            ids, limit, sampling = encoded[0], limits[0], samplings[0]
 
             async def chunks():
                 echo, echo_lps = await prompt_part(prompts[0], ids)
@@ -469,15 +584,15 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
                         lp = completion_logprobs(echo_lps) if body.logprobs is not None else None
                         yield 0, {"index": i, "text": echo, "logprobs": lp, "finish_reason": None}
                 if limit:
-                    async for i, piece, new, lps, finish in run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs):  # fmt: skip # noqa: E501
+                    async for i, piece, new, lps, finish in run(http, ids, sampling, body.n, body.logprobs):
                         lp = completion_logprobs(lps) if lps is not None else None
                         yield len(new), {"index": i, "text": piece, "logprobs": lp, "finish_reason": FINISH.get(finish)}  # fmt: skip # noqa: E501
 
-            return sse(head, chunks(), len(ids))
+            return sse(head, chunks(), len(ids), body)
         choices, prompt_tokens, made = [], 0, 0
-        for prompt, ids, limit in zip(prompts, encoded, limits, strict=True):
+        for prompt, ids, limit, sampling in zip(prompts, encoded, limits, samplings, strict=True):
             echo, echo_lps = await prompt_part(prompt, ids)
-            answers = run(http, ids, sampling_of(body, limit, seed), body.n, body.logprobs) if limit else None
+            answers = run(http, ids, sampling, body.n, body.logprobs) if limit else None
             texts, lps, finishes, answer_tokens = await collect(answers, body.n)
             prompt_tokens, made = prompt_tokens + len(ids), made + answer_tokens
             for i in range(body.n):
@@ -487,10 +602,12 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         return {**head, "choices": choices, "usage": usage(prompt_tokens, made)}
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat(body: ChatBody, http: Request):  # type: ignore[valid-type]
-        check_model(body.model)
+    async def chat(http: Request):
+        body = await parsed(http, ChatBody)
+        check(body)
         if not has_chat:
             raise ApiError(400, f"the model {name!r} has no chat template (no chat tokens in its tokenizer); fine-tune it with train.task=sft first, or use /v1/completions")  # fmt: skip # noqa: E501
+        too_long([m.content for m in body.messages], "messages")
         try:
             ids = render(engine.tokenizer, [m.model_dump() for m in body.messages], add_generation_prompt=True)[0]  # fmt: skip # noqa: E501
         except EmberError as e:
@@ -524,7 +641,7 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
                                      "logprobs": chat_logprobs(lps) if lps is not None else None,
                                      "finish_reason": FINISH.get(finish)}  # fmt: skip
 
-            return sse({**head, "object": "chat.completion.chunk"}, chunks(), len(ids))
+            return sse({**head, "object": "chat.completion.chunk"}, chunks(), len(ids), body)
         texts, lps, finishes, made = await collect(run(http, ids, sampling, body.n, top), body.n)
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                     "finish_reason": finishes[i], "logprobs": None if top is None else chat_logprobs(lps[i])}
@@ -545,16 +662,44 @@ def _free_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def listen_socket(host: str, port: int, device: str) -> socket.socket:
+    """A socket bound to ``host:port`` once ``device`` has made a tensor: a port out of range, a host
+    that does not resolve or is not this machine's, a port in use or a device this machine lacks
+    is an EmberError in a second, not uvicorn's error after the model has loaded. The server then
+    listens on this very socket, so the port cannot be taken in between."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise EmberError(f"serve.device={device} is not usable here ({str(e).splitlines()[0]}); use serve.device=cpu or a device this machine has") from None  # fmt: skip # noqa: E501
+    if not 1 <= port <= 65535:
+        raise EmberError(f"--port {port} is not a TCP port; use one from 1 to 65535")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise EmberError(f"--host {host!r} does not resolve ({e}); use an address of this machine, such as 127.0.0.1 or 0.0.0.0") from None  # fmt: skip # noqa: E501
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        in_use = e.errno == errno.EADDRINUSE
+        why = "the port is in use; stop what holds it or pick another --port" if in_use else e.strerror
+        raise EmberError(f"cannot listen on {host}:{port}: {why}") from None
+    return sock
+
+
 def serve(run: str, host: str, port: int, api_key: str | None, cfg: ServeConfig) -> None:
-    """``ember serve``: load the run, build the app, run uvicorn until interrupted."""
+    """``ember serve``: check the address and device, load the run, serve until interrupted."""
     try:
         import uvicorn
     except ImportError:
         raise EmberError("ember serve needs the serve extra: pip install -e '.[serve]'") from None
+    sock = listen_socket(host, port, cfg.device)
     if cfg.device == "cpu":  # measured: 1 thread for the engine and 1 for HTTP beat 2 for the engine 1.6x
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 2) - 1))
     engine = Engine.from_run(run, device=cfg.device)
     name = Path(run).resolve().name
     app = create_app(engine, name, cfg, api_key)
     print(f"ember serve: {name} on http://{host}:{port}/v1 ({engine.device}); Ctrl-C to stop", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
