@@ -60,7 +60,7 @@ def metrics(url: str) -> dict[str, float]:
 
 async def one(session, url: str, name: str, prompt: list[int], n_out: int) -> dict:
     body = {"model": name, "prompt": prompt, "max_tokens": n_out, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     start, chunks, tokens = time.perf_counter(), [], 0
     async with session.post(f"{url}/v1/completions", json=body) as r:
         if r.status != 200:
