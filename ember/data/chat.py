@@ -4,29 +4,24 @@
                                     {"role": "assistant", "content": "5"}])
     prompt = render(tokenizer, messages[:-1], add_generation_prompt=True)[0]  # to generate from
 
-A conversation is a list of messages ``{"role": "system" | "user" | "assistant", "content": str}``
-(OpenAI's format). Each message becomes its role token, the content's ids, and ``<|end_turn|>``::
+Each message (OpenAI's format) becomes its role token, the content's ids, and ``<|end_turn|>``::
 
     <|system|>You are terse.<|end_turn|><|user|>What is 2 + 3?<|end_turn|><|assistant|>5<|end_turn|>
 
-The role and end-of-turn tokens are special tokens that ``ember data prepare`` reserves in every
-ember tokenizer (ids 4..7, ember/data/tokenizer.py), so text that merely contains
-``<|user|>`` never becomes one. The content is encoded piece by piece, as the tokenizer
-encodes that text after a special token (``encode_after_special``: the text alone, but a
-Llama-style tokenizer adds no ``▁`` there, as transformers does not). No ``<|bos|>`` is
-prepended (the pretraining stream has none), and generation ends at ``<|end_turn|>``, which
-the engine treats as an end of sequence.
-A foreign tokenizer (imported with ``ember import hf``) lacks these tokens; ``add_chat_tokens``
-appends them after its last id, and supervised fine-tuning from such a run grows the embedding
-and head to match (``train.init_from``, ember/train/trainer.py).
+``train[i]`` marks the tokens the model learns to produce: the content and closing
+``<|end_turn|>`` of assistant turns (TRL's and torchtune's completion-only loss). docs/sft.md
+("The chat format") has the details, foreign tokenizers included.
 
-``train[i]`` says whether token ``i`` is one the model learns to produce: the content and the
-closing ``<|end_turn|>`` of every assistant turn, not its role token (which the prompt
-supplies) and nothing of the system or user turns. Supervised fine-tuning takes its loss on
-those tokens only (the "completion only" loss of TRL and torchtune).
+Design choices:
 
-``HF_CHAT_TEMPLATE`` is the same format in Jinja, written into exported tokenizers, so
-transformers' ``apply_chat_template`` gives the same ids (tests/test_sft.py).
+- Role and end-of-turn tokens are special tokens reserved in every ember tokenizer (ids 4..7),
+  so text that merely contains ``<|user|>`` never becomes one; a foreign tokenizer gets them
+  appended by ``add_chat_tokens``.
+- Content is encoded piece by piece as the tokenizer encodes text after a special token
+  (``encode_after_special``: a Llama-style tokenizer adds no ``▁`` there, as transformers does
+  not). No ``<|bos|>`` (the pretraining stream has none); generation ends at ``<|end_turn|>``.
+- ``HF_CHAT_TEMPLATE`` is the same format in Jinja, written into exported tokenizers, so
+  transformers' ``apply_chat_template`` gives the same ids (tests/test_sft.py).
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """Training and validation batches from token shards.
 
-The global batch at step ``s`` is a pure function of ``(seed, s)`` and the
-shards; rank ``r`` of ``world_size`` takes rows ``[r*B/W, (r+1)*B/W)`` of it.
-So 1, 2 or 4 processes with the same global batch train on the same rows, and
-resuming at step ``s`` needs no saved loader state: call ``iterate(s)``.
-
-Example::
-
-    ds = TokenDataset("data/tiny", "train")
-    loader = TrainLoader(ds, seq_len=256, global_batch=32, seed=0, rank=rank, world_size=world)
+    loader = TrainLoader(TokenDataset("data/tiny", "train"), seq_len=256, global_batch=32,
+                         seed=0, rank=rank, world_size=world)
     with loader:
         for step, x, y in loader.iterate(start_step):   # x, y: (B/world, seq_len) int64
             ...
 
 Design choices:
 
-- Windows of ``seq_len + 1`` tokens never cross a shard boundary, so a window is one contiguous
-  memmap slice and no shard needs to know its neighbours.
-- ``"random"`` mode draws starts with ``np.random.default_rng([seed, step])``: a fresh generator per
-  step is what makes any step reproducible on its own. ``"epoch"`` mode visits the
-  stride-``seq_len`` windows in a seeded permutation per epoch; sample ``i = step*B + row`` fixes
-  its epoch and its place in that epoch's permutation, so it too needs no cursor.
-- Every rank draws all ``B`` starts (cheap) but reads only its own rows.
+- The global batch at step ``s`` is a pure function of ``(seed, s)`` and the shards; rank ``r``
+  takes rows ``[r*B/W, (r+1)*B/W)``. So 1, 2 or 4 processes train on the same rows, and resuming
+  needs no saved loader state: ``"random"`` mode draws with ``np.random.default_rng([seed,
+  step])``, ``"epoch"`` mode places sample ``step*B + row`` in a seeded per-epoch permutation.
+  Every rank draws all ``B`` starts (cheap) but reads only its own rows.
+- Windows of ``seq_len + 1`` tokens never cross a shard boundary: one contiguous memmap slice.
 - Prefetching is a thread, not worker processes: reading a few memmap slices is cheap, the thread
   only has to hide page faults and the pinned host copy, and a thread shares the memmaps and needs
   no pickling. Host tensors are freshly allocated pinned memory each step; PyTorch's caching host

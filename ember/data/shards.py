@@ -1,21 +1,11 @@
 """Token shards: the on-disk format between the tokenizer and the loader.
 
-A shard is one file: a 64-byte little-endian header, then the tokens as raw
-``uint16`` (vocab <= 65536) or ``uint32``::
-
-    offset  size  field
-    0       8     magic  b"EMBERTOK"
-    8       4     version   (uint32, = 1)
-    12      4     itemsize  (uint32, 2 or 4)
-    16      8     n_tokens  (uint64)
-    24      40    zero padding
-
-Example::
+A shard is a 64-byte little-endian header (``b"EMBERTOK"``, version, itemsize, n_tokens; docs/data.md
+has the layout), then the tokens as raw ``uint16`` (vocab <= 65536) or ``uint32``.
 
     with ShardSplitWriter("data/tiny", "train", token_dtype(vocab_size)) as w:
         for doc in docs:
             w.write(tokenizer.encode(doc))
-    infos = w.infos                         # [ShardInfo("train-000000.bin", ...), ...]
     tokens = read_shard("data/tiny/train-000000.bin")   # read-only np.memmap
 
 Design choices:

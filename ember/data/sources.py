@@ -1,21 +1,12 @@
 """Where text comes from: source strings resolved to a deterministic stream of documents.
 
-A source string is one of
-
-- ``embedded:python-docs``   the English documentation topics inside every CPython
-                             (``pydoc_data.topics``), one document per topic;
-- ``embedded:python-stdlib`` the standard library's own ``.py`` files, one document per
-                             file, without test suites (any ``test``/``tests`` folder),
-                             ``idlelib`` and ``site-packages``;
-- ``embedded:python``        both of the above;
-- ``embedded:python-tests``  CPython's own test suite (``Lib/test``, ``.py`` files), which
-                             the two above leave out: the held-out ``test`` split of the
-                             ``python`` preset (see ``ember.data.splits``). Some distributions
-                             strip it; ``tests_available()`` says whether this one ships it;
-- a path: a text file (one document), a directory (every file below it, recursively,
-  hidden files and folders skipped) or a glob (``corpus/**/*.md``);
-  ``*.jsonl`` files give one document per line (field ``data.jsonl_field``) and
-  ``*.parquet`` files one per row (column ``data.parquet_column``, needs ``ember[data]``).
+A source string is ``embedded:python-docs`` (the documentation topics inside every CPython),
+``embedded:python-stdlib`` (the standard library's ``.py`` files, without test suites,
+``idlelib`` and ``site-packages``), ``embedded:python`` (both), ``embedded:python-tests``
+(CPython's ``Lib/test``: the held-out ``test`` split of the ``python`` preset, see
+``ember.data.splits``; ``tests_available()`` says whether this Python ships it), or a path: a
+file, a directory (recursively, hidden entries skipped) or a glob; ``*.jsonl`` and ``*.parquet``
+give one document per line or row (docs/data.md, "Sources").
 
     docs = list(open_source("embedded:python-docs", cfg.data).documents())
 

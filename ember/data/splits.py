@@ -4,38 +4,26 @@
     plan = plan_splits(train_sources, test_sources, cfg.data)   # one cheap pass over the text
     plan.split_of(doc.stratum, content_digest(doc.text))        # "train" | "val" | "test" | None
 
-The rules, each a pure function of the documents' content and the config:
+The rules, each a pure function of the documents' content and the config (docs/eval.md,
+"Three splits", has them at length):
 
-- **val** is drawn per *stratum* (a source, or one part of an embedded one: the Python
-  documentation, the standard library), so prose and code are both in it, and within a
-  stratum per *group* (the top-level folder a file sits in: ``encodings/``, ``email/``, the
-  modules at the root). In each group every document has the same chance,
-  ``data.val_fraction``, by *systematic sampling*: the documents in order of size (ties by
-  content digest), every 1/fraction-th one from an offset given by a hash of the group's
-  digests. Each document is then in val with probability ``val_fraction``, so val holds every
-  kind of text in the proportion of its bytes in the corpus, and the size order spreads the
-  picks over small and large files (a folder of big easy tables and small hard modules gives
-  both). Why so careful: a split of 2% of the *documents* drew 12 files, two of them codec
-  tables; 5% of the bytes by plain hash order still drew four codec tables (19% of val
-  against 13% of train) and val loss sat 0.26 nats below the same model's loss on train
-  windows. The size follows: 5% of the bytes in expectation, ~170k tokens here (BPE-4096
-  gives ~3.5 bytes per token; the tokenizer is trained on the training split, so tokens
-  cannot be counted before the split exists).
-- **test** comes from ``data.test_sources`` (the ``python`` preset: CPython's own test
-  suite, which the training sources leave out), sampled the same way from every group of
-  them (``test_asyncio/``, the root ``test_*.py``, ...) with the fraction that makes about
-  ``data.test_bytes``; a test document that duplicates a training one is dropped
-  (deduplication sees the training sources first). Without test sources (none given, or
-  ``embedded:python-tests`` missing from this Python), ``data.test_fraction`` of each
-  training group is sampled the same way from what val left. ``plan.rule`` says which rule
-  applied and goes into the manifest.
+- **val** is drawn per *stratum* (a source, or one part of an embedded one) and within it per
+  *group* (a file's top-level folder) by *systematic sampling*: documents in order of size (ties
+  by content digest), every 1/``data.val_fraction``-th from an offset hashed from the group's
+  digests, so val holds every kind of text in the proportion of its bytes, small and large files
+  alike. Why so careful: 2% of the *documents* drew 12 files, two of them codec tables; 5% of
+  the bytes by plain hash order still drew four codec tables (19% of val against 13% of train)
+  and val loss sat 0.26 nats below the same model's loss on train windows. The size is 5% of the
+  bytes in expectation, ~170k tokens here (BPE-4096: ~3.5 bytes a token; tokens cannot be
+  counted before the split exists, since the tokenizer is trained on the training split).
+- **test** comes from ``data.test_sources`` (CPython's own test suite for the ``python``
+  preset), sampled the same way to about ``data.test_bytes``, duplicates of training documents
+  dropped; without test sources, ``data.test_fraction`` of each training group is taken from
+  what val left. ``plan.rule`` says which rule applied and goes into the manifest.
 - A stratum always keeps at least one training document.
-- Adding files to a folder can move documents of that folder between splits (the size ranks
-  shift); other folders are untouched.
 
-Choosing by digest means a document's split does not depend on where it sits in a file
-listing or on the machine; the per-stratum thresholds do depend on the stratum's total, so
-adding documents to a source can move a few documents near the threshold.
+Choosing by digest makes a document's split independent of listing order and machine; adding
+files to a folder can move that folder's documents between splits, never another folder's.
 """
 
 from __future__ import annotations

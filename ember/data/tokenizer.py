@@ -5,35 +5,23 @@
     assert tok.decode(ids) == "def f(x):\\n    return x"
     tok.save("tokenizer.json"); tok = Tokenizer.load("tokenizer.json")
 
-Design choices:
+Design choices (docs/data.md, "Tokenizers", has the details):
 
-- Both kinds are HF ``tokenizers`` objects (BPE training and encoding run in Rust, in
-  parallel), so both save as one standard ``tokenizer.json`` that other tools can read.
-  We wrap it rather than writing BPE by hand: tokenization is not what ember studies.
-- Byte-level BPE sees UTF-8 bytes, so ``decode(encode(s)) == s`` for every string.
-- The character tokenizer is a BPE model with no merges over the most frequent
-  ``vocab_size - len(SPECIAL_TOKENS)`` characters of the training text. Unknown-character
-  policy: a character outside that alphabet encodes to ``<|unk|>``, which decodes to
-  U+FFFD. Round trips are exact for strings over the alphabet.
-- Special tokens sit at fixed ids 0..len(SPECIAL_TOKENS)-1 in both kinds: ``<|bos|>``,
-  ``<|eos|>``, ``<|pad|>``, ``<|unk|>``, chat roles reserved for post-training, and spare
-  slots. Text that happens to contain ``<|eos|>`` is encoded as ordinary characters
-  (``encode_special_tokens``), so documents cannot inject control tokens; special ids are
-  added by code (the shard writer appends ``eos_id`` after each document).
-- A *foreign* tokenizer (one imported with a GPT-2 or Llama-family checkpoint by
-  ``ember import hf``: byte-level BPE like GPT-2's, or SentencePiece-style BPE with a
-  Metaspace ``▁`` and ``<0xNN>`` byte fallback like Llama's) keeps its own ``tokenizer.json``
-  untouched and gets a small ``specials.json`` beside it naming its bos/eos/pad/unk tokens
-  (``{"bos": "<s>", "eos": "</s>", "pad": null, "unk": "<unk>"}``). ``Tokenizer.load`` reads
-  that file when it is there, so every verb reads an imported run with nothing else; no
-  ``specials.json`` means ember's own layout, checked as before. eos is required (it ends
-  documents and generation); bos and unk may be absent; a missing pad is eos, as
-  transformers users set it. Text is encoded without the tokenizer's template (no ``<s>``
-  prepended), the same ids as transformers' ``add_special_tokens=False``.
-- ``token_byte_lengths`` counts 0 bytes for special and added tokens, and the UTF-8 bytes a
-  token stands for otherwise: byte-level tokens map back through GPT-2's byte-to-unicode
-  alphabet, ``<0xNN>`` is one byte, ``▁`` is one space (so a Metaspace tokenizer's prepended
-  space counts one byte per encoded text).
+- Both kinds are HF ``tokenizers`` objects (Rust, parallel), saved as one standard
+  ``tokenizer.json``: tokenization is not what ember studies, so we wrap rather than write BPE.
+- Byte-level BPE sees UTF-8 bytes, so ``decode(encode(s)) == s`` for every string. The
+  character tokenizer is a BPE model with no merges over the most frequent characters; one
+  outside that alphabet encodes to ``<|unk|>`` (decoded as U+FFFD).
+- Special tokens sit at fixed ids 0..len(SPECIAL_TOKENS)-1 in both kinds. Text that happens to
+  contain ``<|eos|>`` is encoded as ordinary characters (``encode_special_tokens``), so
+  documents cannot inject control tokens; special ids are added by code.
+- A *foreign* tokenizer (imported by ``ember import hf``) keeps its own ``tokenizer.json``
+  untouched, with a small ``specials.json`` beside it naming its bos/eos/pad/unk, which
+  ``Tokenizer.load`` reads, so every verb reads an imported run with nothing else. eos is
+  required; a missing pad is eos, as transformers users set it. Text is encoded without the
+  tokenizer's template, the same ids as transformers' ``add_special_tokens=False``.
+- ``token_byte_lengths`` counts the UTF-8 bytes a token stands for, 0 for special and added
+  ones, so bits per byte compare across tokenizers.
 """
 
 from __future__ import annotations

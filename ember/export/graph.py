@@ -4,29 +4,19 @@
     export_graph("runs/tiny", "aoti", "out/tiny.aoti.pt2")
     export_graph("runs/tiny", "onnx", "out/tiny.onnx")
 
-Each file holds ``GPT.forward(idx) -> logits``: idx (B, T) int64 token ids, logits
-(B, T, vocab_size) fp32, with B and T dynamic (1 <= T <= max_seq_len); there is no KV cache,
-so decoding re-runs the whole sequence. The tokenizer is not in the file: it stays in the run.
-DESIGN.md's layout names ``onnx.py`` and ``aoti.py``; they are one module here because all
-three targets start from the same ``torch.export`` program and share the load-back check
-and the staged write.
+Each file holds ``GPT.forward(idx) -> logits`` with B and T dynamic (1 <= T <= max_seq_len) and
+no KV cache, except ``onnx-decode``, which takes and returns past keys and values; the tokenizer
+stays in the run. docs/export.md ("Graph files") has each format, how to load it and the
+measured differences.
 
-- ``pt2``: ``torch.export.export`` then ``torch.export.save``; load with
-  ``torch.export.load(f).module()``. Needs torch only.
-- ``aoti``: the same program compiled ahead of time by Inductor into a ``.pt2`` package
-  (``torch._inductor.aoti_compile_and_package``); load with
-  ``torch._inductor.aoti_load_package(f)``. Needs a C++ compiler at export time.
-- ``onnx``: ``torch.onnx.export(..., dynamo=True, dynamic_shapes=...)`` (the torch.export
-  based exporter); run with onnxruntime. Needs the ``export`` extra.
-- ``onnx-decode``: ONNX with a KV cache, ``(idx, past_k_0, past_v_0, ...) -> (logits,
-  present_k_0, present_v_0, ...)``; past (B, n_kv_head, P, head_dim), P >= 0 dynamic (0 for
-  the prompt), present = past + the T new tokens. ``ort_greedy`` decodes through it.
+Design choices:
 
-After writing, the file is loaded back and called once on the example input; ``check``
-returns the load and first-call times and the max |logit diff| against eager, which the
-CLI prints. The file is written in a staging folder beside the target (ember/atomic.py) and
-renamed into place, so a failure leaves nothing half-written; an existing target is refused
-unless ``force``.
+- One module, not DESIGN.md's ``onnx.py`` and ``aoti.py``: all targets start from the same
+  ``torch.export`` program and share the load-back check and the staged write.
+- The file is loaded back and called once; ``check`` returns the load and first-call times
+  and the max |logit diff| against eager, which the CLI prints.
+- It is written in a staging folder beside the target (ember/atomic.py) and renamed into place,
+  so a failure leaves nothing half-written; an existing target is refused unless ``force``.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ember.atomic import staging_dir
+from ember.atomic import check_target, staging_dir
 from ember.errors import EmberError
 from ember.model.gpt import causal_mask
 from ember.run import load_run
@@ -208,11 +198,8 @@ def export_graph(
     """Write ``run_dir``'s model (``ckpt``: last, best or a step) to ``out`` as ``target``."""
     if target not in TARGETS:
         raise EmberError(f"--to {target!r}: unknown graph target; choose one of {', '.join(TARGETS)}")
-    out = Path(out)
-    if out.is_dir():
-        raise EmberError(f"{out} is a directory; --to {target} writes one file, give a file path")
-    if out.exists() and not force:
-        raise EmberError(f"{out} exists; choose another path or pass --force to replace it")
+    kind = "onnx" if target.startswith("onnx") else "pt2"  # aoti packages are PT2 archives too
+    out = check_target(out, kind=kind, sources=[run_dir], force=force)
     if target.startswith("onnx"):
         _onnxruntime()  # before loading the run: a missing package is the first thing to hear
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run

@@ -6,54 +6,29 @@
     for row, piece in engine.stream(["Once", "In the"], Sampling(64, stop=["\\n\\n"])):
         print(row, piece, end="", flush=True)
 
-The model is touched only through ``model(idx, cache=cache)`` (eval mode, inference
-mode): the first call per stream prefills the whole prompt, every later call feeds the
-one token just sampled. Written by hand because the cache is what ember studies (DESIGN).
-
-The cache contract (the ``KVCache`` protocol of ember/model/gpt.py): per forward of T
-tokens the model calls ``cache.extend(T)`` once for their position ids, then each layer
-calls ``cache.attend(layer, q, k, v)`` and gets its attention output back. So the cache
-holds the per-row lengths and padding, sizes its buffers from the k and v it receives
-(never from ``wk.weight``: a DTensor's global shape, absent on a wrapped linear), and
-chooses the attention kernel. ``KVCache`` here is the eager one (SDPA over the slots
-held); ``StaticKVCache`` keeps its position in a tensor and attends over every slot under
-a mask, so ``Engine(..., compile=True)`` runs the one-token decode step as one
-``torch.compile(fullgraph=True)`` graph (benchmarks/decode.py times both).
+The model is touched only through ``model(idx, cache=cache)`` (the ``KVCache`` protocol of
+ember/model/gpt.py); hand-written because the cache is what ember studies (DESIGN). ``KVCache``
+is the eager one; ``StaticKVCache`` lets ``Engine(..., compile=True)`` run the decode step as one
+``torch.compile(fullgraph=True)`` graph (benchmarks/decode.py times both). docs/serve.md ("The
+engine") has the cache contract and each choice below at length.
 
 Design choices:
 
-- **Ragged batches are left-padded, and the cache hides the pads.** Prompts of different
-  lengths share one cache and one forward per step: row b is padded on the left with
-  ``pad[b]`` slots. The cache gives the model each row's positions (slot - pad[b], so a
-  row's first real token is at position 0, as it would be alone) and attends under a
-  mask that lets a query read only the row's real keys up to itself (a pad query reads
-  only itself, so no softmax row is empty). A row's logits therefore equal those of a
-  forward over that row alone (tested to 1e-5, as HF ``generate`` does with left padding
-  and an attention mask). A batch whose prompts all have one length has no pads, no mask and takes the
-  plain causal path. Cost: the prefill runs the longest prompt's length for every row.
-- **A repeated prompt is prefilled once.** Rows with the same prompt ids (GRPO's group
-  of G samples, a request with n > 1) share one prefill row; its keys, values and logits
-  are then copied to each of them, and from there they decode (and sample) apart.
-- **A finished row keeps its slot.** Its group decodes until every row is done and
-  ignores that row's tokens (as nanochat does); compacting the cache would copy it on
-  every finish. Continuous batching with a paged cache is the scheduler's job (scheduler.py).
-- **Each row samples from its own generator**, seeded ``seed + row``: in fp32 a
-  prompt's completion does not depend on the other prompts in the call, and the same
-  (prompt, row, seed) gives the same text. (In bf16 the padded batch rounds differently
-  from a row alone, so a close argmax can flip when the batch changes, as with HF's left
-  padding; generate prompts one by one where that matters.)
-- **Order of the sampling filters** (as HF's warpers): temperature, then top-k, then
-  top-p on the renormalised top-k distribution. ``temperature=0`` is greedy.
-  Ids the tokenizer does not have (the model's vocab is rounded up to a multiple of 64)
-  are never sampled.
-- **Streaming text is the suffix of a full decode.** Each step decodes a row's whole
-  id list and emits what is new, holding back a trailing U+FFFD (an incomplete UTF-8
-  character from byte-level BPE) and any tail that could be the start of a stop string,
-  so emitted text is never taken back. ``<|eos|>`` (or ``<|end_turn|>``, the end of a chat
-  reply, ember/data/chat.py) and a stop string end a row; neither
-  appears in the text.
-- The prompt is encoded as given, with no ``<|bos|>``: the trainer's stream has no bos,
-  and documents are only separated by ``<|eos|>``.
+- **Ragged batches are left-padded, and the cache hides the pads** (positions restart at a row's
+  first real token; a mask keeps queries off pads), so a row's logits equal those of a forward
+  over it alone (tested to 1e-5, as HF ``generate`` with left padding). Cost: the prefill runs
+  the longest prompt's length for every row.
+- **A repeated prompt is prefilled once** (GRPO's group, ``n > 1``), then copied to its rows.
+- **A finished row keeps its slot** (as nanochat): compacting would copy the cache on every
+  finish; continuous batching over a paged cache is scheduler.py's job.
+- **Each row samples from its own generator**, seeded ``seed + row``: in fp32 a completion does
+  not depend on the other prompts in the call (in bf16 the padded batch rounds differently).
+- **Sampling filters in HF's order**: temperature, top-k, then top-p; ``temperature=0`` is
+  greedy; ids beyond the tokenizer's (the vocab is padded to a multiple of 64) are never sampled.
+- **Streaming text is the suffix of a full decode**, holding back a trailing U+FFFD and any tail
+  that could start a stop string, so emitted text is never taken back. ``<|eos|>``,
+  ``<|end_turn|>`` (ember/data/chat.py) and stop strings end a row and never appear in the text.
+- The prompt is encoded as given, with no ``<|bos|>``: the trainer's stream has none.
 """
 
 from __future__ import annotations

@@ -4,28 +4,20 @@ exactly what was measured.
     results = evaluate_run(Path("runs/tiny"), splits=["val", "test"])
     results["test"]["bpb"], results["test"]["tokens"], results["test"]["strata"]
 
-The model comes from the run directory alone: ``model/`` (the final weights, ``last``),
-``model-best/`` (``best``) or a committed training checkpoint (``STEP``, e.g. 1200 or
-step-001200). Text is a split of the run's prepared data (``val``, or ``test``: held out by
-origin, see ``ember.data.splits``), or any source string ``ember data`` accepts, tokenized
-with the run's tokenizer (each document then ``<|eos|>``).
+The model comes from the run directory alone (``last``, ``best`` or a checkpoint ``STEP``); text
+is a split of the run's prepared data or any source string, tokenized with the run's tokenizer.
+docs/eval.md ("What ``ember eval`` scores") has the rules at length.
 
-What is scored: **every** target token, once. Windows of ``seq_len`` inputs step through
-the text by ``stride`` (default ``seq_len``: disjoint windows); the first window scores all
-its tokens, each later one only the ``stride`` tokens not scored yet, with the tokens before
-them as context, and a last window ending at the final token takes the tail. A stride below
-``seq_len`` gives each scored token more context and costs ``seq_len / stride`` times the
-compute (the sliding-window perplexity of the transformers guide). ``max_windows`` keeps
-evenly spaced windows only when asked, and the result then says how many of how many.
+Design choices:
 
-Bits per byte divide the loss on text tokens by the UTF-8 bytes they stand for (special
-tokens stand for none), so runs with different tokenizers compare. Each result gives the
-documents, tokens and bytes scored and the same figures per stratum (documentation and
-standard library, say) from the manifest's token ranges, and a 95% bootstrap interval of
-loss and bits per byte over documents: how far the figure could move on another sample of
-documents like these (what decides whether a val/train gap is noise). ``eval.json`` keeps one entry per
-dataset label (``val``, ``test`` or the source string); evaluating again replaces that entry
-only.
+- **Every** target token is scored, once: windows of ``seq_len`` step by ``stride``, each
+  scoring only the tokens not scored yet with those before as context (the sliding-window
+  perplexity of the transformers guide: ``seq_len / stride`` times the compute). ``max_windows``
+  subsamples only when asked, and the result says how many of how many.
+- Bits per byte divide the loss on text tokens by their UTF-8 bytes, so tokenizers compare.
+- Each figure comes per stratum too, with a 95% bootstrap interval over documents: how far it
+  could move on another sample of documents like these (what decides whether a val/train gap
+  is noise). ``eval.json`` keeps one entry per dataset label; evaluating again replaces it only.
 """
 
 from __future__ import annotations

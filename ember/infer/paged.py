@@ -8,45 +8,27 @@ sequence reading its own through a block table (Kwon et al. 2023, vLLM's PagedAt
     cache.plan([(a, len(a.tokens) - a.computed), (b, 1)])  # a prefills, b decodes: one packed row
     logits = model(packed_ids[None], cache=cache)      # (1, N, V): the ``KVCache`` protocol
 
-Why pages: the contiguous cache of ember/infer/engine.py reserves ``prompt + max_new_tokens``
-slots for every row of a call, most of them never written when answers end early, and a
-finished row holds its slots until the whole call ends. Here memory is taken one block of
-``block_size`` tokens at a time as a sequence grows and given back the moment it finishes, so
-at most ``block_size - 1`` slots per sequence sit unused, and a scheduler
-(ember/infer/scheduler.py) can start a new request in the blocks a finished one frees.
+Why pages: engine.py's contiguous cache reserves ``prompt + max_new_tokens`` slots per row until
+the whole call ends; here a sequence takes one block at a time and gives them back the moment it
+finishes (at most ``block_size - 1`` slots unused), so scheduler.py can start a new request in
+the blocks a finished one frees. docs/serve.md ("Paged KV cache") has the layout, the block
+manager, prefix caching and copy-on-write.
 
-**Pool.** Per attention layer, a keys tensor and a values tensor of ``num_blocks * block_size``
-slots, (slots, n_kv_head, head_dim), allocated on the first ``attend`` after the keys it
-receives (the engine's rule: never read shapes off the model's weights). Token ``p`` of a
-sequence lives in slot ``table[p // block_size] * block_size + p % block_size``.
+Design choices:
 
-**Attention: a gather, on every device.** ``plan`` packs the step's tokens (a prompt chunk for
-some sequences, one token for others) into one row of N tokens, so the model runs one forward
-over them whatever their lengths. Each layer writes the N new keys and values into their
-slots, then gathers each sequence's slots (``index_select``) and runs SDPA of its queries over
-them: a prompt chunk alone, bottom-right causal; the sequences fed one token (decoding) all
-together, their keys gathered into one padded batch with a mask over the padding, so a step of
-many decoding sequences costs one SDPA per layer, not one per sequence. The gather copies a
-sequence's keys once per layer and step; a paged kernel (vLLM's, FlexAttention with a block
-mask) would read the blocks in place. ember gathers because it is plain PyTorch that runs the
-same on the 2-core CPU, where the copy is small against the matmuls, and on a GPU it is the
-readable baseline a kernel must be tested against.
-
-**Block manager.** A free list, a reference count per block, and a prefix cache. A block's
-reference count is the number of sequences whose table holds it; it returns to the free
-list at zero. **Prefix caching**: a full block is keyed by a chained hash, the hash of its
-parent block's key and its own tokens (so equal keys mean equal whole prefixes, not just
-equal blocks), and stays in the cache while free, until it is reallocated (least recently
-freed first). A new sequence's full prompt blocks are looked up in order and shared while
-they hit; its keys for those tokens are not computed again. At least the prompt's last token
-is always computed (its logits start the answer), so sharing stops one token short of the
-prompt. A full block is never written again, so shared full blocks need no copy; the one
-block that two sequences can both write is a partly filled last block after ``fork`` (``n``
-answers to one prompt): the first write to a block whose count is above one copies it to a
-fresh block first (**copy-on-write**), and the writer's table takes the copy.
-
-Hand-written because the cache is what ember studies (DESIGN rule 1); what it must equal is
-the contiguous cache (tests/test_paged.py: same logits to 1e-5, same greedy tokens).
+- **Pool buffers are sized on the first ``attend``** from the keys received (engine.py's rule).
+- **Attention is a gather, on every device**: each layer writes the step's new keys into their
+  slots, gathers each sequence's slots (``index_select``) and runs SDPA; all decoding sequences
+  go as one padded batch, so many of them cost one SDPA per layer. A paged kernel (vLLM's,
+  FlexAttention with a block mask) would read blocks in place; ember gathers because it is plain
+  PyTorch that runs the same on the 2-core CPU, where the copy is small against the matmuls, and
+  on a GPU it is the readable baseline a kernel must be tested against.
+- **Prefix keys are chained hashes** (parent key + own tokens), so equal keys mean equal whole
+  prefixes; sharing stops one token short of the prompt, whose logits start the answer. Only a
+  partly filled last block after ``fork`` can be written by two sequences: it is copied on the
+  first such write (copy-on-write); full blocks are never written again.
+- Hand-written because the cache is what ember studies (DESIGN rule 1); it must equal the
+  contiguous cache (tests/test_paged.py: same logits to 1e-5, same greedy tokens).
 """
 
 from __future__ import annotations

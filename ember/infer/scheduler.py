@@ -9,28 +9,22 @@ paged KV cache of ember/infer/paged.py (Yu et al. 2022, Orca; vLLM's scheduler).
             print(request.id, piece)
     a.completion()                                    # engine.Completion, as Engine.generate's
 
-**A step** packs, into one forward of at most ``max_batch_tokens`` tokens and
-``max_seqs`` sequences:
+A step packs into one forward of at most ``max_batch_tokens`` tokens and ``max_seqs`` sequences
+every running sequence, oldest first (one token, or the next prompt chunk: chunked prefill, so
+a long prompt never stalls the others for more than one step's budget), then waiting requests
+first come first served. docs/serve.md ("Continuous batching") has the step at length.
 
-1. every running sequence, oldest first: one token for those decoding, the next chunk of
-   the prompt for those still prefilling (chunked prefill: a long prompt takes several steps
-   and never holds back the others' decoding for longer than one step's budget);
-2. then waiting requests, first come first served, while the budget, the sequence limit and
-   the free blocks allow; a new request first takes what the prefix cache holds of its prompt.
+Design choices:
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted: its blocks are freed and it goes back to the head of the queue, to be recomputed
-(prompt and the tokens it had made, one prefill) when there is room again; its sampler keeps
-its state, so a seeded answer continues as if nothing happened. No new request is admitted in
-a step that preempted. A request that could not fit even alone (prompt + ``max_new_tokens``
-beyond the pool) is refused when added, so the oldest sequence can always finish.
-
-**What a request sees does not depend on the others.** Each sequence's attention reads only
-its own blocks, each samples from its own generator (seeded ``seed`` + its index among the
-``n`` answers of its request), and in fp32 its logits equal a forward over it alone to
-rounding (tests/test_scheduler.py: greedy answers equal the batch-1 engine's token for token,
-with and without preemptions and prefix-cache hits). Text, stop strings and end of turn follow
-the engine's rules exactly (``engine.Row``).
+- **Preemption takes the newest running sequence** when a block is needed and none is free: its
+  blocks are freed and it is recomputed later from the head of the queue; its sampler keeps its
+  state, so a seeded answer continues as if nothing happened. No new request is admitted in a
+  step that preempted, and one that could not fit even alone is refused when added, so the
+  oldest sequence can always finish.
+- **What a request sees does not depend on the others**: its own blocks, its own generator
+  (``seed`` + answer index), fp32 logits equal to its own forward (tests/test_scheduler.py:
+  greedy answers equal the batch-1 engine's token for token, with and without preemptions and
+  prefix-cache hits). Text and stops follow the engine's rules (``engine.Row``).
 """
 
 from __future__ import annotations

@@ -10,36 +10,29 @@ Design choices:
   (LayerNorm or RMSNorm, GELU, SwiGLU or ReLU² MLP, learned or rotary positions, RMSNorm
   or Identity for qk_norm, SoftCap or Identity for the logits) or by storing the right
   function (``Attention.rotate``, ``Attention.attend``). ``forward`` never reads the config.
-- The model is built on the meta device and materialised by ``to_empty()`` and
-  ``init_weights()`` (DESIGN rule 1). The RoPE tables are non-persistent buffers:
-  not in the state dict, recomputed by ``init_buffers()``, which ``init_weights()``
-  calls. After ``to_empty()`` + ``load_state_dict()``, call ``init_buffers()``.
+- Built on meta, materialised by ``to_empty()`` and ``init_weights()`` (DESIGN rule 1). The
+  RoPE tables are non-persistent buffers, recomputed by ``init_buffers()`` (which
+  ``init_weights()`` calls): after ``to_empty()`` + ``load_state_dict()``, call it.
 - Each module initialises what it owns, so what a transformation swaps in (a LoRA wrapper,
   a quantized linear, an MoE) is initialised too: ``init_module(m, std, generator)`` calls
-  ``m.init_weights(std, generator)`` where m defines it, else draws N(0, std) and zero bias
-  for a linear or embedding, resets a norm, or goes through m's children in order (an error
-  if m holds tensors itself). Residual branches draw ``wo``, ``w2`` at std / sqrt(2 * n_layer)
-  (GPT-2 paper, section 2.3), also through ``init_module``: a wrapper of ``wo`` gets that std.
+  ``m.init_weights(std, generator)`` where m defines it, else draws N(0, std) (zero bias),
+  resets a norm, or recurses into m's children. Residual branches draw ``wo``, ``w2`` at
+  std / sqrt(2 * n_layer) (GPT-2 paper, section 2.3), a wrapper of ``wo`` included.
 - RoPE uses the rotate-half convention of GPT-NeoX and HF Llama: dimension ``i``
   pairs with ``i + head_dim/2`` (Meta's complex form pairs ``2i`` with ``2i+1``).
   Export to HF is then a renaming, with no permutation of ``wq``/``wk`` rows.
 - Head counts are read from the weight shapes (``view(B, T, -1, head_dim)``), so
   tensor parallelism may shard the rows of ``wq, wk, wv`` and the columns of ``wo``.
 - Attention is ``F.scaled_dot_product_attention`` (GQA by ``enable_gqa``);
-  ``reference_attention`` spells out softmax(QK^T/sqrt(d) + mask) V for tests.
-  ``model.set_attention("reference")`` swaps the function each Attention calls.
-- The optional inference cache (the ``KVCache`` protocol below) owns everything about
-  the tokens held: it hands the forward the new tokens' position ids, takes each layer's
-  q, k, v and hands back the attention output, so it sizes its storage from the keys it
-  receives (a tensor-parallel shard's heads, a wrapped ``wk``) and picks the kernel (SDPA
-  over a contiguous buffer, a gather over block tables, a paged kernel). Without a cache
-  the positions are 0 .. T-1 and attention is plainly causal. The model knows nothing of
-  padding or of per-row lengths.
+  ``model.set_attention("reference")`` swaps in softmax(QK^T/sqrt(d) + mask) V for tests.
+- The optional inference cache (the ``KVCache`` protocol below) owns everything about the
+  tokens held: positions, storage sized from the keys it receives (a TP shard's heads, a
+  wrapped ``wk``) and the attention kernel. Without one, positions are 0 .. T-1 and attention is
+  plainly causal; the model knows nothing of padding or per-row lengths.
 - ``forward(idx, keep=mask)`` returns only the masked positions' logits: a second argument
   beyond the cache that DESIGN rule 1 allows, because losses that read a few positions (SFT's
   and DPO's replies) would otherwise pay for the head, most of a small model's step, everywhere.
-- Tied embeddings share one Parameter. ``to_empty()`` gives each module a fresh
-  tensor, which would untie it, so ``GPT.to_empty`` ties again.
+- Tied embeddings share one Parameter; ``to_empty()`` would untie it, so ``GPT.to_empty`` ties again.
 """
 
 from __future__ import annotations

@@ -7,32 +7,20 @@
     merge_lora(model)                                   # fold B·A into the weights: plain nn.Linear again
     ember.export.peft.save_peft(model, "adapter/")      # PEFT's format (file I/O lives in export/)
 
-**LoRA** (Hu et al. 2021) keeps a linear layer's weight W (out × in) frozen and learns a
-low-rank update: ``y = x Wᵀ + b + (α / r) · dropout(x) Aᵀ Bᵀ`` with A (r × in) and B (out × r).
-A starts as PEFT's (Kaiming-uniform, a = √5) and B at zero, so training starts from the base
-model exactly. Only A and B train: r·(in + out) numbers per layer instead of in·out.
-``merge_lora`` folds ``(α / r) B A`` into W, after which the model is a plain one (same logits
-within float rounding, tested to 1e-5).
-
-**QLoRA** (Dettmers et al. 2023) stores the frozen W in 4-bit NormalFloat (``NF4Linear``): W is
-cut into blocks of 64 consecutive values, each block scaled by its absolute maximum into
-[-1, 1] and every value replaced by the nearest of 16 levels, the NF4 code book: quantiles of
-a standard normal, so that normally distributed weights use each level about equally often.
-With double quantization the per-block maxima (fp32, 1/16 byte a weight) are themselves stored
-as int8 in blocks of 256 around their mean (≈ 1/64 byte a weight). The forward dequantizes W and
-runs an fp32 ``linear``; the adapters above are fp32.
+**LoRA** (Hu et al. 2021): ``y = x Wᵀ + b + (α / r) · dropout(x) Aᵀ Bᵀ``, W frozen, A (r × in)
+PEFT's Kaiming-uniform (a = √5), B (out × r) zero, so training starts from the base model
+exactly; ``merge_lora`` folds ``(α / r) B A`` into W (same logits, tested to 1e-5). **QLoRA**
+(Dettmers et al. 2023): the frozen W in 4-bit NormalFloat (``NF4Linear``), blocks of 64 scaled
+by their absolute maximum onto the 16 quantiles of a standard normal, the maxima themselves int8
+in blocks of 256 (double quantization); the forward dequantizes and runs an fp32 ``linear``.
+docs/sft.md ("LoRA and QLoRA") has the derivation, the measured figures and the PEFT layouts.
 
 Written by hand, not with PEFT and bitsandbytes: adapters are what ember teaches (DESIGN), and
-bitsandbytes has no CPU kernels for this machine. ``ember.export.peft.save_peft`` writes PEFT's
-format for both layouts ``to_hf`` exports (GPT-2's fused ``c_attn`` as one adapter of rank 3r,
-see its docstring), so ``PeftModel.from_pretrained`` on ember's exported base reproduces the
-adapted logits within 1e-5 (tests/test_lora.py). (PEFT draws one dropout mask for the fused
-input where ember draws three: equal at inference, where dropout is off.)
-
-Checkpoints: ``lora_state_dict`` holds only the adapters (``layers.0.attention.wq.lora_A``, ...);
-the frozen base reloads from where it came from. ``LoRALinear`` and ``NF4Linear`` define
-``init_weights(std, generator)``, so a model built on meta, wrapped, then ``to_empty`` +
-``init_weights`` comes out whole (DESIGN rule 1).
+bitsandbytes has no CPU kernels for this machine. ``save_peft`` writes PEFT's format for both
+``to_hf`` layouts (GPT-2's fused ``c_attn`` as one adapter of rank 3r), so
+``PeftModel.from_pretrained`` on ember's exported base gives the adapted logits within 1e-5
+(tests/test_lora.py). ``lora_state_dict`` holds only the adapters; both layer classes define
+``init_weights(std, generator)``, so a wrapped meta model comes out whole (DESIGN rule 1).
 """
 
 from __future__ import annotations

@@ -5,32 +5,25 @@ through them by a schedule of ``torch.distributed.pipelining``.
     loss = model.train_step(x, y)                    # forward + backward of every micro-batch
     logits = model(x)                                # evaluation: logits on the last stage, else None
 
-A stage keeps a contiguous range of blocks (``stage_layers``: as even as the count allows); the
-first keeps the token embedding and the positions, the last the final norm, the head and the
-loss. Each stage is a GPT that lacks what it does not run (``None`` in place of the embedding or
-the head: the model's own forward then takes or returns the residual stream), so each is then
-parallelized like a whole model (tensor parallel → checkpointing → compile → FSDP/DDP on the
-stage's "dp" ranks). The rank's ``PipelineGPT`` holds its stages' modules under their original
-names (``layers.5...``): optimizer, checkpoints (DCP: each stage saves and loads its own keys, so
-any layout's checkpoint loads in any other) and the exported weights see one model.
+Schedules (``parallel.pp_schedule``): ``gpipe`` (Huang et al. 2019), ``1f1b`` (Narayanan et al.
+2019, PipeDream-Flush), ``interleaved-1f1b`` (Narayanan et al. 2021); docs/parallel.md
+("Pipeline parallel") has their bubbles, memory and the micro-batch arithmetic.
 
-Schedules (``parallel.pp_schedule``), with S stages and M micro-batches (GPipe: Huang et al.
-2019; 1F1B: Narayanan et al. 2019, PipeDream-Flush; interleaved: Narayanan et al. 2021):
+Design choices:
 
-- ``gpipe``: all M forwards, then all M backwards; activations of M micro-batches held.
-- ``1f1b``: after S warm-up forwards, one forward then one backward: at most S in flight, the
-  same bubble (S - 1)/(M + S - 1) of the step idle.
-- ``interleaved-1f1b``: each rank runs V stages (``pp_virtual_stages``, rank r has stages
-  r, r + S, ...), which cuts the bubble V-fold for V times the point-to-point messages.
-
-Micro-batches are gradient accumulation: a rank's rows of the step are split into
-``pp_microbatches`` (default rows / ``train.micro_batch``), each micro-batch's loss is its mean
-and the schedule divides the summed gradients by M, so the global batch and the update equal one
-process's. The gradient norm for clipping is summed over the stages (``pipeline_grad_norm``).
-
-A tied embedding and head would live on the first and the last stage and need their gradients
-summed between them (Megatron's embedding group); ember refuses ``model.tie_embeddings`` with
-``parallel.pp`` instead, as torchtitan does.
+- Each stage is a GPT that lacks what it does not run (``None`` in place of the embedding or
+  the head: the model's own forward then takes or returns the residual stream), so each is
+  parallelized like a whole model (tensor parallel → checkpointing → compile → FSDP/DDP on the
+  stage's "dp" ranks).
+- The rank's ``PipelineGPT`` holds its stages' modules under their original names
+  (``layers.5...``): optimizer, checkpoints (DCP: each stage saves and loads its own keys, so
+  any layout's checkpoint loads in any other) and the exported weights see one model.
+- Micro-batches are gradient accumulation: each micro-batch's loss is its mean and the schedule
+  divides the summed gradients by M, so the update equals one process's; the clipping norm is
+  summed over the stages (``pipeline_grad_norm``).
+- A tied embedding and head would live on the first and the last stage and need their gradients
+  summed between them (Megatron's embedding group); ember refuses ``model.tie_embeddings`` with
+  ``parallel.pp`` instead, as torchtitan does.
 """
 
 from __future__ import annotations

@@ -4,26 +4,16 @@ learning-rate schedule.
     optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: 'adamw' | 'muon'
     lr = lr_at(step, progress, cfg.train, peak=group["peak_lr"])   # progress in [0, 1]
 
-Parameters fall into five roles, each with its own settings:
-
-- ``hidden``: the 2-D matrices inside the transformer blocks (wq, wk, wv, wo, w1, w2, w3):
-  AdamW with weight decay, or Muon with ``train.muon_lr``;
-- ``head``: the output head when it is not tied: AdamW with decay, lr ``train.head_lr``;
-- ``embed``: token (and learned position) embeddings, and the head when tied to the token
-  embedding: AdamW without decay, lr ``train.embed_lr``;
-- ``vector``: norms and biases: AdamW without decay, lr ``train.lr``; LoRA's A matrices too;
-- ``lora_b``: LoRA's B matrices: as ``vector``, at ``train.lr × train.lora_plus`` (LoRA+,
-  Hayou et al. 2024: B, which starts at zero, learns faster with a larger rate).
-
-A zero ``embed_lr``/``head_lr`` means ``train.lr``. Roles whose settings coincide share one
-group, so the default AdamW run has the two groups (decay, no decay) it always had, in the
-same order, and its numbers and checkpoints are unchanged. Each group keeps its peak rate in
-``group["peak_lr"]``; the schedule scales every group's own peak the same way.
+Parameters fall into five roles (docs/muon.md has the table): ``hidden`` (block matrices: AdamW
+with decay, or Muon), ``head`` (untied), ``embed`` (and a tied head), ``vector`` (norms, biases,
+LoRA's A) and ``lora_b`` (LoRA's B at ``train.lr × train.lora_plus``: LoRA+, Hayou et al. 2024,
+B starts at zero and learns faster with a larger rate). Roles whose settings coincide share one
+group, so the default AdamW run keeps its two groups, numbers and checkpoints; each group's peak
+is ``group["peak_lr"]``.
 
 Design choices:
 
-- ``torch.optim.AdamW`` for ``train.optimizer=adamw``: ``fused=True`` on CUDA (one kernel for
-  the whole update), ``foreach=True`` on CPU.
+- ``torch.optim.AdamW``: ``fused=True`` on CUDA (one kernel per update), ``foreach=True`` on CPU.
 - ``Muon`` is written out here by hand, AdamW for its non-matrix groups included: the
   optimizer is a subject of study in this lab, so its every line should be readable and
   changeable; and ``torch.optim.Muon`` (torch >= 2.9) takes matrices only and always runs

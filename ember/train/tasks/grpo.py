@@ -2,58 +2,32 @@
 
     ember train cpu-quick train.task=grpo grpo.data=add-3 train.init_from=runs/add3-sft
 
-**A step.** Take P prompts of the task's train split and let ember's engine sample G = ``grpo.group``
-completions of each from the current policy: the very module that trains, in eval mode under
-inference_mode, batched, with its KV cache; no copy of the weights. The task's verifier scores each
-completion, ``r ∈ [0, 1]`` (or a reward model, ``grpo.reward_model``: σ of its score,
-ember/train/tasks/rm.py; plus ``grpo.format_reward`` when it closes its turn with
-``<|end_turn|>``). P = (``train.batch_tokens / train.seq_len``) / G: a step trains on that many
-completions. Within each group of G the advantage of completion i is::
+A step samples G = ``grpo.group`` completions of each of P prompts with ember's engine from the
+very module that trains (eval mode, inference_mode, its KV cache; no copy of the weights), scores
+them with the task's verifier (or ``grpo.reward_model``, ember/train/tasks/rm.py), and trains
+with group-relative advantages, PPO's clipped ratio ρ_t = π/π_old and a KL penalty::
 
     A_i = (r_i − mean(r)) / (std(r) + 1e-4)    grpo.scale_rewards=true (GRPO; std with Bessel's correction)
-    A_i =  r_i − mean(r)                       false (Dr. GRPO, Liu et al. 2025: the division favours
-                                               groups that are nearly all right or all wrong)
-
-so a group whose completions all score alike teaches nothing (its share is logged). For each
-completion token t, with the ratio ``ρ_t = π(y_t | ·) / π_old(y_t | ·)``::
-
+    A_i =  r_i − mean(r)                       false (Dr. GRPO, Liu et al. 2025)
     ℓ_t = −min(ρ_t A, clip(ρ_t, 1 − ε, 1 + ε) A) + β k3_t
-    k3_t = e^{q_t} − q_t − 1,   q_t = log π_ref(y_t | ·) − log π(y_t | ·)
+    k3_t = e^{q_t} − q_t − 1,   q_t = log π_ref(y_t | ·) − log π(y_t | ·)      (Schulman 2020)
 
-``k3`` (Schulman 2020) estimates KL(π ‖ π_ref) without bias from the sampled tokens and is never
-negative; ε is ``grpo.epsilon``, β ``grpo.beta`` (0: no penalty and no reference forward). With
-``grpo.kl_correction=true`` (TRL's default) the k3 term is multiplied by ρ: equal in value
-on-policy, but its gradient is then that of the reverse KL itself (DeepSeek-V3.2 §3.1), which the
-bare k3's is not; false gives the DeepSeekMath form. The
-loss averages ℓ over the completion tokens of the micro-batch (``grpo.loss=token``: TRL's
-``bnpo``, DAPO's token-level average, so long completions weigh by their length) or takes each
-completion's mean and then the mean over completions (``grpo.loss=sequence``: the paper's, TRL's
-``grpo``). The numbers equal TRL's ``GRPOTrainer`` loss on the same inputs (tests/test_grpo.py).
+``grpo.kl_correction=true`` (TRL's default) multiplies k3 by ρ, so its gradient is the reverse
+KL's (DeepSeek-V3.2 §3.1); ``grpo.loss=token`` is TRL's ``bnpo``, ``sequence`` the paper's. The
+numbers equal TRL's ``GRPOTrainer`` loss on the same inputs (tests/test_grpo.py). docs/grpo.md
+has the derivation, π_old and μ = ``grpo.iterations``, the timings, the metrics and figures.
 
-π_old is the policy that sampled. With ``grpo.iterations=1`` (the default, as TRL's) the loss is
-taken right after sampling, so π_old = π detached: ρ = 1 in value, nothing is clipped, and the
-gradient is the plain policy gradient. With μ > 1 each rollout batch serves μ optimizer steps and
-π_old's log-probabilities are computed once after sampling; clipping then bounds how far the
-later steps move. Log-probabilities divide the logits by ``grpo.temperature``, as the sampler did.
+Design choices:
 
-**The reference** is DPO's: the model with its LoRA adapters off, or a frozen copy of the
-starting weights; its log-probabilities are computed once per rollout batch, under no_grad.
-
-**Time.** Each step's record splits where its time went: ``gen_s`` (sampling and scoring),
-``ref_s`` (π_old and π_ref log-probabilities), and the update (``fwd_bwd_s + opt_s``); the
-report sums them.
-
-**Exact resume.** The prompts come in a seeded epoch order with the cursor in the checkpoint
-(``SFTLoader``'s), and row i of rollout k's global batch samples from a generator seeded by
-``(run.seed, k)`` + i, whichever rank holds it, so a rollout is a function of the step and the
-weights: a resumed run samples what the uninterrupted one did (tested bitwise on CPU), and two
-DDP ranks what one process does (tested to 1e-5). A checkpoint taken between the μ
-steps of one rollout carries that rollout's batch.
-
-**Parallel.** Under DDP each rank samples the groups of its own rows with its own replica (the
-weights are identical); a group never straddles ranks, so its advantages need no collective. FSDP
-is refused: decoding on sharded weights would need every rank to run the same number of forwards,
-which early-finishing rows do not.
+- **Exact resume.** Prompts come in a seeded epoch order with the cursor in the checkpoint
+  (``SFTLoader``'s), and row i of rollout k's global batch samples from a generator seeded by
+  ``(run.seed, k)`` + i, whichever rank holds it, so a rollout is a function of the step and the
+  weights: a resumed run samples what the uninterrupted one did (tested bitwise on CPU), and two
+  DDP ranks what one process does (tested to 1e-5). A checkpoint taken between the μ steps of
+  one rollout carries that rollout's batch.
+- **Parallel.** Under DDP a group never straddles ranks, so its advantages need no collective.
+  FSDP is refused: decoding on sharded weights would need every rank to run the same number of
+  forwards, which early-finishing rows do not.
 """
 
 from __future__ import annotations

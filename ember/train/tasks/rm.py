@@ -5,33 +5,16 @@
         dpo.rejected=model train.init_from=runs/count-sft400
     ember train cpu-quick train.task=grpo grpo.data=count grpo.reward_model=runs/count-rm ...
 
-**The model** is the policy's network with its vocabulary head swapped for a single row
-(``model.head=score``): ``r(x, y)`` is that scalar at the last token of the reply's content, the
-hidden state that has read the prompt and the whole reply (the closing ``<|end_turn|>`` that every
-reply ends with is left out: it tells nothing). From ``train.init_from`` (an SFT run) every weight
-but the head is loaded; the head starts at ``model.init_std``.
-
-**The loss** (Bradley & Terry 1952): the chosen reply ``y_w`` beats the rejected ``y_l`` with
-probability ``σ(r(x, y_w) − r(x, y_l))``, and the model is fitted by the negative log-likelihood
-of the preferences, ``−log σ(r_w − r_l)``, the mean over pairs (TRL's ``RewardTrainer``). Only
-differences of r are fitted: its offset is free. Metrics, with TRL's names as DPO logs them:
-``rewards/chosen``, ``rewards/rejected`` (mean r), ``rewards/margins`` (mean r_w − r_l) and
-``rewards/accuracies`` (the share of pairs ranked right).
-
-**Data**: DPO's pairs (``dpo.data``, ``dpo.examples``, ``dpo.rejected``; with
-``dpo.rejected=model`` the wrong answers are the ``train.init_from`` model's own), in DPO's
-``PairLoader`` (each micro-batch's first half chosen, second half rejected). **Held out**: with an
-embedded task, ``dpo.eval_problems`` test problems made into pairs the same way; at each
-evaluation ``pair_accuracy`` is the share of them the model ranks right. No training pair comes
-from a test problem.
-
-**As GRPO's reward** (``grpo.reward_model=RUN``): a completion's reward is ``σ(r(prompt,
-completion))`` in (0, 1), in place of the verifier's score, while the logged ``accuracy`` stays
-the verifier's: a run shows whether optimising the learnt reward moves the true one (reward up and
-accuracy down is the reward model being exploited).
-
+The policy's network with a one-row head: ``r(x, y)`` is that scalar at the last token of the
+reply's content (the closing ``<|end_turn|>`` every reply ends with is left out: it tells
+nothing). The loss is the preferences' negative log-likelihood, ``−log σ(r_w − r_l)`` (Bradley &
+Terry 1952; TRL's ``RewardTrainer``), over DPO's pairs in DPO's ``PairLoader``; metrics take
+TRL's names as DPO logs them, and ``pair_accuracy`` is measured on pairs made from held-out test
+problems. As GRPO's reward, ``σ(r)`` replaces the verifier's score while the logged ``accuracy``
+stays the verifier's, so a run shows whether optimising the learnt reward moves the true one.
 Checked against transformers: ``LlamaForSequenceClassification`` and ``GPT2ForSequenceClassification``
 (one label) holding the same weights give the same r for the same tokens (tests/test_reward.py).
+docs/reward.md has the model, the loss, the data and a demonstration of the reward exploited.
 """
 
 from __future__ import annotations
