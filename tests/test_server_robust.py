@@ -119,8 +119,9 @@ def test_the_key_is_checked_before_the_body(server):
 
 def test_a_10mb_prompt_is_refused_at_once_while_health_answers(server):
     """The prompt's bytes exceed what 128 tokens of the longest token could hold: 400 before the
-    tokenizer sees it. Measured on the 2-core machine: ~50 ms and /health under 10 ms; the bounds
-    here are generous, for a loaded machine."""
+    tokenizer sees it. Measured on the 2-core machine at a load average of 10 (client, server and
+    poller in this one process): the 400 in 60-90 ms, /health at most 30-140 ms meanwhile (5-25 ms
+    idle); the bounds here are generous, for a loaded machine."""
     big = {"model": "tiny", "prompt": "word " * 2_000_000, "max_tokens": 2}
     bodies = {CMPL: json.dumps(big).encode(),
               CHAT: json.dumps({"model": "tiny", "messages": [{"role": "user", "content": big["prompt"]}]}).encode()}  # fmt: skip # noqa: E501
