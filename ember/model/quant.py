@@ -27,8 +27,10 @@ of the product 0.22% against the fp32 product of the same quantized weights). Wi
 (prefill, evaluation) dequantize to fp32 and call ``linear``: at 2048 rows that is 20 ms against
 45–54 ms in the kernels. The plain path is also what runs on other devices (the int8 form
 ``linear(x, Q) · s`` is the one ``torch.compile`` fuses on GPUs); ``tests/test_quantize.py``
-holds the two paths together. ``int8-dynamic`` has no fast CPU kernel; it is the scheme for
-GPUs with int8 tensor cores, where ``torch._int_mm`` is used for more than 16 rows.
+holds the two paths together. ember's own int8-weight decode ops come first where present: the
+Triton kernel on CUDA, the C++ one (3× ``_kernel``) on a CPU once built (``ember.kernels.int8``,
+``.cpu``). ``int8-dynamic`` has no fast CPU kernel; it is the scheme for GPUs with int8 tensor
+cores, where ``torch._int_mm`` is used for more than 16 rows.
 
 The output head is quantized too, int8 per row in every scheme (``QuantSpec(head=False)``, the
 CLI's ``--float-head``, keeps it fp32): it is the largest matrix a decode step reads (vocab ×
@@ -148,6 +150,24 @@ def fake_quantize(w: Tensor, spec: QuantSpec) -> Tensor:
 # ------------------------------------------------------------------ modules
 
 
+@torch.compiler.assume_constant_result
+def _own_int8(device_type: str) -> bool:
+    """Whether ember's own int8-weight decode op serves this device: the Triton kernel on CUDA
+    (``ember.kernels.int8``), the C++ one on a CPU once built (``ember.kernels.cpu``)."""
+    if device_type == "cuda":
+        from ember.kernels import triton_ready
+
+        ok = triton_ready("cuda")[0]
+        if ok:
+            import ember.kernels.int8  # noqa: F401  (registers torch.ops.ember.int8_linear)
+        return ok
+    if device_type == "cpu":
+        from ember.kernels.cpu import cpp_ready
+
+        return cpp_ready(build=False)[0]
+    return False
+
+
 class QuantLinear(nn.Module):
     """``y = x Wᵀ + b`` with W stored as ``spec`` says (buffers ``weight_q``, ``weight_scale``
     and, for int4, ``weight_zero``). Call ``pack()`` after loading new values into the buffers:
@@ -213,6 +233,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.spec.scheme == "int8-dynamic":
             y = self._dynamic(x2)
+        elif self.spec.scheme == "int8-weight" and x2.size(0) <= FAST_ROWS and _own_int8(x2.device.type):
+            op = torch.ops.ember.int8_linear if x2.is_cuda else torch.ops.ember_cpu.int8_linear
+            y = op(x2, self.weight_q, self.weight_scale).to(x2.dtype)
         elif self._packed is not None and x2.size(0) <= FAST_ROWS and x2.device.type == "cpu":
             y = self._kernel(x2)
         elif self.spec.scheme == "int4-weight":
