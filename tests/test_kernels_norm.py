@@ -1,0 +1,162 @@
+"""The norm, softmax and RoPE kernels against their torch references, forward and backward, on
+ragged shapes, under Triton's interpreter on a CPU (a CUDA machine runs the real kernels).
+
+Tolerances: fp32 within 1e-5 relative (atol 1e-6 of the reference's largest value); bf16 within
+2e-2, one bf16 step: the interpreter casts fp32 to bf16 by truncation, a GPU rounds to nearest.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import ember.kernels  # noqa: F401  (first: sets TRITON_INTERPRET=1 without CUDA, before triton loads)
+
+pytest.importorskip("triton", reason="ember's kernels are Triton: pip install 'ember[kernels]'")
+
+from ember.kernels import softmax as softmax_module  # noqa: E402
+from ember.kernels.norm import (  # noqa: E402
+    LayerNorm,
+    RMSNorm,
+    add_layer_norm,
+    add_rms_norm,
+    layer_norm,
+    layer_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from ember.kernels.rope import rope_qk, rope_qk_ref  # noqa: E402
+from ember.kernels.softmax import softmax, softmax_ref  # noqa: E402
+from ember.model.gpt import RotaryPositions, apply_rotary  # noqa: E402
+
+
+def assert_near(got, want):
+    for a, b in zip(got, want, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        scale = b.detach().abs().max().item() or 1.0
+        rtol, atol = (2e-2, 2e-2) if b.dtype == torch.bfloat16 else (1e-5, 1e-6)
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale)
+
+
+def outputs_and_grads(fn, inputs):
+    """fn(*inputs) -> its outputs and the gradients of a random projection of them."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+    return [o.detach() for o in outs] + list(grads)
+
+
+def leaves(dtype, *shapes):
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randn(s, generator=gen) + 0.5).to(dtype).requires_grad_() for s in shapes]
+
+
+NORMS = {  # name -> (kernel, reference, whether it takes a bias, a residual)
+    "rms": (rms_norm, rms_norm_ref, False, False),
+    "layer": (layer_norm, layer_norm_ref, True, False),
+    "add_rms": (add_rms_norm, lambda x, r, w, eps: (rms_norm_ref(x + r, w, eps), x + r), False, True),
+    "add_layer": (add_layer_norm, lambda x, r, w, b, e: (layer_norm_ref(x + r, w, b, e), x + r), True, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 37), (5, 130), (2, 3, 20)])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_norm_matches_reference(name, shape, dtype):
+    kernel, ref, has_bias, has_res = NORMS[name]
+    x, r = leaves(dtype, shape, shape)
+    w, b = leaves(dtype, shape[-1:], shape[-1:])
+    inputs = [x] + [r] * has_res + [w] + [b] * has_bias + [1e-5]
+    assert_near(outputs_and_grads(kernel, inputs), outputs_and_grads(ref, inputs))
+
+
+def test_norm_without_weight_and_default_eps():
+    (x,) = leaves(torch.float32, (4, 33))
+    assert_near(outputs_and_grads(rms_norm, [x, None]), outputs_and_grads(rms_norm_ref, [x, None]))
+    inputs = [x, None, None]
+    assert_near(outputs_and_grads(layer_norm, inputs), outputs_and_grads(layer_norm_ref, inputs))
+
+
+@pytest.mark.parametrize(
+    "ours,theirs,kwargs",
+    [(RMSNorm, nn.RMSNorm, {}), (LayerNorm, nn.LayerNorm, {"bias": False}), (LayerNorm, nn.LayerNorm, {})],
+)
+def test_norm_modules_swap_in(ours, theirs, kwargs):
+    torch.manual_seed(0)
+    stock = theirs(24, **kwargs)
+    nn.init.normal_(stock.weight)  # not all ones, so a dropped weight would show
+    mine = ours(24, **kwargs)
+    mine.load_state_dict(stock.state_dict())
+    assert mine.state_dict().keys() == stock.state_dict().keys()
+    x = torch.randn(2, 3, 24)
+    torch.testing.assert_close(mine(x), stock(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 37), (5, 130), (2, 50_304)])
+def test_softmax_matches_reference(shape, dtype):
+    (x,) = leaves(dtype, shape)
+    assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))
+
+
+def test_softmax_long_rows_loop(monkeypatch):
+    """Rows longer than a block go by the two-pass loop: a block of 16 makes 37 columns three
+    blocks, the last ragged; a row with -inf (masked) entries keeps finite outputs."""
+    monkeypatch.setattr(softmax_module, "_MAX_BLOCK", 16)
+    (x,) = leaves(torch.float32, (3, 37))
+    x.data[1, :20] = float("-inf")
+    assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))
+    x64 = torch.randn(2, 37, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(softmax, (x64,), fast_mode=True)
+
+
+def rope_inputs(dtype, per_row: bool):
+    """q, k as gpt.py makes them, transposes of (B, T, heads, hd) views; its cos/sin tables."""
+    B, T, H, HK, hd = 2, 5, 3, 1, 12  # ragged: 3 and 1 heads, hd/2 = 6 in a block of 8
+    positions = torch.arange(B * T).view(B, T) + 3 if per_row else torch.arange(T)
+    _, (cos, sin) = RotaryPositions(hd, 16, 10_000.0)(None, positions)  # (B, 1, T, 6) or (1, T, 6)
+    q, k = leaves(dtype, (B, T, H * hd), (B, T, HK * hd))
+    q, k = q.view(B, T, H, hd).transpose(1, 2), k.view(B, T, HK, hd).transpose(1, 2)
+    return [q, k, cos.to(dtype), sin.to(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_rope_matches_reference(dtype, per_row):
+    inputs = rope_inputs(dtype, per_row)
+    assert not inputs[0].is_contiguous()
+    q, _, cos, sin = (t.detach().float() for t in inputs)
+    torch.testing.assert_close(rope_qk_ref(q, q, cos, sin)[0], apply_rotary(q, (cos, sin)))  # gpt.py
+    assert_near(outputs_and_grads(rope_qk, inputs), outputs_and_grads(rope_qk_ref, inputs))
+
+
+def test_gradcheck_fp64():
+    """fast_mode: one random direction per input, since each call is a slow interpreted launch."""
+    x, r = leaves(torch.float64, (3, 7), (3, 7))
+    w, b = leaves(torch.float64, (7,), (7,))
+    q, k, cos, sin = rope_inputs(torch.float64, per_row=True)
+    cases = [(add_rms_norm, (x, r, w, 1e-5)), (add_layer_norm, (x, r, w, b, 1e-5))]
+    cases += [(layer_norm, (x, w, b, 1e-5)), (softmax, (x,)), (rope_qk, (q, k, cos, sin))]
+    for fn, inputs in cases:
+        assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+def test_compile_fullgraph_matches_eager():
+    """The ops trace into one graph (fake impls, autograd formulas): no graph break."""
+
+    def block(x, r, w, b, q, k, cos, sin):
+        y, h = add_rms_norm(x, r, w, 1e-5)
+        q, k = rope_qk(q, k, cos, sin)
+        att = softmax(q @ k.transpose(-1, -2))  # (B, H, T, T)
+        return layer_norm(y, w, b) + h, att @ k
+
+    def run(fn):
+        x, r, w, b = leaves(torch.float32, (2, 5, 16), (2, 5, 16), (16,), (16,))
+        inputs = [x, r, w, b] + rope_inputs(torch.float32, False)
+        return outputs_and_grads(fn, inputs)
+
+    assert_near(run(torch.compile(block, fullgraph=True)), run(block))
