@@ -7,13 +7,16 @@ P V, tile by tile: the T x T scores never reach memory; the forward keeps the ro
 backward: delta = rowsum(dO * O), then dK, dV per key block (looping over the query heads that
 share it and their query blocks) and dQ per query block, recomputing P from the logsumexp.
 FLOPs: 4 B H T^2 hd forward, halved when causal; backward 2.5x that (this one computes 3.5x: P is
-recomputed in both backward kernels). Bytes: q, k, v, o read or written once, ~4 B H T hd x 2.
-At gpt2-small (B=16, H=12, T=1024, hd=64, bf16) the causal forward is 26 GFLOP over 50 MB: about
-500 FLOP/byte, compute-bound (H100 ridge ~295); measured against SDPA's flash backend.
-Reference: ``flash_attention_ref``. Under TRITON_INTERPRET the blocks are 16 and dots go via fp32.
+recomputed in both backward kernels). Bytes (fewest): forward q, k, v, o = 4 B H T hd x 2 (bf16);
+backward 8 such tensors. Causal forward: T/4 FLOP per byte at any hd, so at gpt2-small (B=16, H=12,
+T=1024, hd=64) 26 GFLOP over 100 MB, 256 FLOP/byte (backward ~450 as computed): compute-bound (H100
+ridge ~295). H200, bf16, causal fwd+bwd: 0.51 ms vs SDPA flash's 0.60; llama-ish (hd=128, GQA 4:1)
+1.01 vs 1.35. Reference: ``flash_attention_ref``. Under TRITON_INTERPRET blocks are 16-32, dots fp32.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -240,40 +243,43 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqt, sqd, skb, skh, sk
 
 
 LOG2E = 1.4426950408889634
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) tried once per (head dim, causal, dtype) on a GPU.
-# The causal diagonal needs BLOCK_N | BLOCK_M (forward, dQ) and BLOCK_M | BLOCK_N (dK, dV).
-FWD_CONFIGS = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)]
-DKDV_CONFIGS = [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 2)]
-DQ_CONFIGS = [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim (16 and 32 take 64's) for 16-bit
+# inputs on a GPU: the fastest of 8 each on an H200 (bf16, causal, B=16, T=1024: H=12, hd=64 and
+# H=16, Hkv=4, hd=128; kernel ms beside them). The causal diagonal needs BLOCK_N | BLOCK_M (forward,
+# dQ) and BLOCK_M | BLOCK_N (dK, dV). fp32 and fp64 take small tiles (twice the bytes per element).
+GPU_CONFIGS = {
+    "fwd": {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)},  # 0.097, 0.214
+    "dkdv": {64: (64, 64, 4, 3), 128: (32, 64, 4, 4)},  # 0.171, 0.423
+    "dq": {64: (64, 64, 4, 3), 128: (64, 32, 4, 4)},  # 0.101, 0.255
+}
+WIDE_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # small: numpy runs each program
 
 
-def _tuned(kernel, configs: list[tuple[int, int, int, int]]):
+def _launch(which: str, q: Tensor) -> dict:
+    """The block sizes (and, on a GPU, warps and pipeline stages) of one kernel for q's head dim and dtype."""
     if INTERPRET:
-        return kernel
-    cfgs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in configs]
-    return triton.autotune(cfgs, key=["HD", "CAUSAL", "PREC"])(kernel)
+        return dict(zip(("BLOCK_M", "BLOCK_N"), INTERPRET_BLOCKS[which], strict=True))
+    cfg = GPU_CONFIGS[which][max(q.size(-1), 64)] if q.element_size() == 2 else WIDE_CONFIGS[which]
+    return dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg, strict=True))
 
 
-_fwd = _tuned(_fwd_kernel, FWD_CONFIGS)
-_dkdv = _tuned(_bwd_dkdv_kernel, DKDV_CONFIGS)
-_dq = _tuned(_bwd_dq_kernel, DQ_CONFIGS)
-
-
-def _blocks(which: str) -> dict:
-    return dict(zip(("BLOCK_M", "BLOCK_N"), INTERPRET_BLOCKS[which], strict=True)) if INTERPRET else {}
+@functools.cache
+def _consts_for(device: str, dtype: torch.dtype, hd: int, tf32: bool) -> dict:
+    ok, why = triton_ready(device)
+    if not ok:
+        raise RuntimeError(why)
+    half = dtype in (torch.bfloat16, torch.float16)
+    prec = "tf32" if half or (tf32 and dtype == torch.float32) else "ieee"
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    return dict(HD=hd, ACC=acc, PREC=prec, UPCAST=INTERPRET and half)
 
 
 def _consts(q: Tensor) -> dict:
     """The constexprs that depend on the dtype: accumulator, dot precision (tf32 for fp32 only as
     torch's matmul allows it), and the interpreter's detour for 16-bit dots."""
-    ok, why = triton_ready(q.device)
-    if not ok:
-        raise RuntimeError(why)
-    half = q.dtype in (torch.bfloat16, torch.float16)
-    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not INTERPRET
-    return dict(HD=q.size(-1), ACC=tl.float64 if q.dtype == torch.float64 else tl.float32,
-                PREC="tf32" if half or tf32 else "ieee", UPCAST=INTERPRET and half)
+    tf32 = torch.backends.cuda.matmul.allow_tf32 and not INTERPRET
+    return _consts_for(q.device.type, q.dtype, q.size(-1), tf32)
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -286,16 +292,19 @@ def _grad_like(t: Tensor) -> tuple[Tensor, Tensor]:
     return (t, g) if g.stride() == t.stride() else (torch.empty_like(t).copy_(t), g)
 
 
-@torch.library.custom_op("ember::flash_attention", mutates_args=())
-def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """(o, lse): o like q; lse (B, H, T) the natural-log row logsumexp of the scaled scores."""
     B, H, T, _ = q.shape
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, dtype=_lse_dtype(q), device=q.device)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, T, H // k.size(1),
-               scale * LOG2E, CAUSAL=causal, **_consts(q), **_blocks("fwd"))
+    cfg = _launch("fwd", q)
+    _fwd_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), H, T, H // k.size(1),
+        scale * LOG2E, CAUSAL=causal, **_consts(q), **cfg)
     return o, lse
+
+
+_attention = torch.library.custom_op("ember::flash_attention", _forward, mutates_args=())
 
 
 @_attention.register_fake
@@ -303,8 +312,7 @@ def _(q, k, v, causal, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
-@torch.library.custom_op("ember::flash_attention_backward", mutates_args=())
-def _attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
                         scale: float) -> tuple[Tensor, Tensor, Tensor]:
     B, H, T, hd = q.shape
     consts = _consts(q)
@@ -314,11 +322,17 @@ def _attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, 
     _bwd_delta_kernel[(triton.cdiv(T, bm), B * H)](o, do, delta, *o.stride(), *do.stride(), H, T, HD=hd,
                                                    ACC=consts["ACC"], BLOCK_M=bm)
     args = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), H, T, H // k.size(1), scale, scale * LOG2E)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), B * k.size(1))  # noqa: E731
-    _dkdv[grid](q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=causal, **consts, **_blocks("dkdv"))
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _dq[grid](q, k, v, do, lse, delta, dq, *args, CAUSAL=causal, **consts, **_blocks("dq"))
+    cfg = _launch("dkdv", q)
+    _bwd_dkdv_kernel[(triton.cdiv(T, cfg["BLOCK_N"]), B * k.size(1))](
+        q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=causal, **consts, **cfg)
+    cfg = _launch("dq", q)
+    _bwd_dq_kernel[(triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, *args, CAUSAL=causal, **consts, **cfg)
     return dq, dk, dv
+
+
+_attention_backward = torch.library.custom_op("ember::flash_attention_backward", _backward_impl,
+                                              mutates_args=())
 
 
 @_attention_backward.register_fake
@@ -339,6 +353,22 @@ def _backward(ctx, do, _dlse):
 _attention.register_autograd(_backward, setup_context=_setup)
 
 
+class _Eager(torch.autograd.Function):
+    """The same forward and backward without the custom op's Python dispatch (~0.1 ms a call on
+    an H200's host, as long as the gpt2-small forward kernel), for eager mode."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        o, lse = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        return *_backward_impl(do, *ctx.saved_tensors, ctx.causal, ctx.scale), None, None
+
+
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
                     scale: float | None = None) -> Tensor:
     """softmax(q k^T * scale + causal mask) v; q (B, H, T, hd), k, v (B, Hkv, T, hd) with H a multiple
@@ -350,7 +380,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
     if hd not in HEAD_DIMS or not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"flash_attention takes head dims {HEAD_DIMS} and one dtype; got {hd}, "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
-    return _attention(q, k, v, causal, hd**-0.5 if scale is None else float(scale))[0]
+    scale = hd**-0.5 if scale is None else float(scale)
+    if torch.compiler.is_compiling():  # the registered op: traced through its fake and autograd formula
+        return _attention(q, k, v, causal, scale)[0]
+    return _Eager.apply(q, k, v, causal, scale)
 
 
 def flash_attention_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
