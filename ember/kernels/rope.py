@@ -7,8 +7,8 @@ dimension i pairs with i + hd/2, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
 q and k may be strided (a transpose(1, 2) of a (B, T, H, hd) view) as long as the last dim is
 dense; the outputs are contiguous (B, H, T, hd), as apply_rotary's torch.cat. The backward is
 the same kernel turning by -angle. Per call at B x T = 16 x 1024, H = Hkv = 12, hd = 64 (gpt2-
-small) in bf16: reads q, k (50 MB) and writes them (50 MB), tables ~0.3 MB; 6 FLOPs per pair
-(0.15 GFLOP, 0.75 FLOP/byte): memory-bound, floor 100 MB / 3.35 TB/s = 30 us on an H100.
+small) in bf16: reads q, k (50 MB) and writes them (50 MB), tables 0.3 MB (re-read from L2); 6 FLOPs per pair
+(75 MFLOP, 0.75 FLOP/byte): memory-bound, floor 100 MB / 3.35 TB/s = 30 us on an H100.
 Reference: ``rope_qk_ref``.
 """
 
