@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ember.atomic import write_text_atomic
+from ember.atomic import check_target, write_text_atomic
 from ember.config import load_config
 from ember.data.prepare import prepare
 from ember.data.stats import print_manifest
@@ -70,7 +70,8 @@ def quickstart(
     print_manifest(prepared.manifest, prepared.directory)
 
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
-    if run_dir.exists():
+    check_target(run_dir, kind="run", sources=[cfg.data.dir], force=True)
+    if run_dir.exists():  # ember's own run (check_target): anything else is refused above
         print(f"replacing the previous quickstart run in {run_dir}")
         shutil.rmtree(run_dir)
     print(

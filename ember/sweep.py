@@ -47,7 +47,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ember.atomic import write_text_atomic
+from ember.atomic import check_target, mark, output_dir, write_text_atomic
 from ember.errors import ConfigError, EmberError
 from ember.report.report import md_table, plot_series, read_json
 from ember.run import latest_checkpoint, read_metrics, write_json
@@ -205,6 +205,7 @@ def plan_sweep(
     names = [name for name, _, _ in sweep.runs()]
     if len(set(names)) < len(names):
         raise EmberError("two grid settings give the same run directory name; use distinct values")
+    check_target(sweep.out, kind="sweep", force=True)  # a run or a foreign folder is refused here
     previous = read_json(sweep.out / SWEEP_JSON)
     if previous and (previous.get("config"), previous.get("overrides")) != (sweep.config, overrides):
         raise EmberError(
@@ -278,7 +279,7 @@ def _run_one(sweep: Sweep, name: str, setting: dict[str, str], seed: int, env: d
     if not (run_dir / "summary.json").exists():
         if latest_checkpoint(run_dir / "checkpoints") is None:
             shutil.rmtree(run_dir, ignore_errors=True)  # killed before its first checkpoint: start over
-        run_dir.mkdir(parents=True, exist_ok=True)
+        mark(run_dir, "run")  # before train.log: `ember train` then knows the folder as a run
         cmd = [
             *(sys.executable, "-m", "ember", "train", sweep.config),
             *sweep.overrides,
@@ -393,14 +394,14 @@ def _markdown(record: dict, plots: list[tuple[str, str]] | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _draw_plots(record: dict, sweep_dir: Path) -> list[tuple[str, str]] | None:
-    """metric-vs-KEY.png per swept key (95% CI error bars) and loss.png (mean over seeds);
-    None when matplotlib is missing."""
+def _draw_plots(record: dict, sweep_dir: Path, out: Path) -> list[tuple[str, str]] | None:
+    """metric-vs-KEY.png per swept key (95% CI error bars) and loss.png (mean over seeds) in
+    ``out``/plots; None when matplotlib is missing."""
     try:
         import matplotlib  # noqa: F401  (plot_series draws with it)
     except ImportError:
         return None
-    plots_dir = sweep_dir / PLOTS
+    plots_dir = out / PLOTS
     plots_dir.mkdir(parents=True, exist_ok=True)
     grid, metric, drawn = record["grid"], record["metric"], []
     for key, values in grid.items():
@@ -442,19 +443,23 @@ def _draw_plots(record: dict, sweep_dir: Path) -> list[tuple[str, str]] | None:
     return drawn
 
 
-def _write_markdown(record: dict, sweep_dir: Path) -> Path:
-    """plots/ and sweep.md from ``record`` (with its ``settings``); the path of sweep.md."""
-    write_text_atomic(sweep_dir / SWEEP_MD, _markdown(record, _draw_plots(record, sweep_dir)))
-    return sweep_dir / SWEEP_MD
+def _write_markdown(record: dict, sweep_dir: Path, out: Path | None = None) -> Path:
+    """plots/ and sweep.md from ``record`` (with its ``settings``) in ``out`` (default: the
+    sweep's own folder); the path of sweep.md."""
+    out = out or sweep_dir
+    write_text_atomic(out / SWEEP_MD, _markdown(record, _draw_plots(record, sweep_dir, out)))
+    return out / SWEEP_MD
 
 
-def render_sweep(sweep_dir: Path) -> Path:
-    """Redraw sweep.md + plots from an existing sweep.json (``ember report SWEEP``)."""
+def render_sweep(sweep_dir: Path, out: Path | None = None) -> Path:
+    """Redraw sweep.md + plots from an existing sweep.json (``ember report SWEEP [--out OUT]``)."""
     record = read_json(Path(sweep_dir) / SWEEP_JSON)
     if record is None or "runs" not in record:
         raise EmberError(f"{sweep_dir / SWEEP_JSON} is missing or unreadable; run `ember sweep` again")
     record["settings"] = analyze(record)
-    return _write_markdown(record, Path(sweep_dir))
+    if out is not None:
+        out = output_dir(out, kind="report", sources=[sweep_dir], force=True)
+    return _write_markdown(record, Path(sweep_dir), out)
 
 
 # ---------------------------------------------------------------- the sweep
@@ -465,6 +470,7 @@ def run_sweep(sweep: Sweep, command: str | None = None, log=print) -> dict:
     from ember.config import load_config
     from ember.data.prepare import prepare
 
+    output_dir(sweep.out, kind="sweep", force=True)
     runs = sweep.runs()
     todo = [r for r in runs if not (sweep.out / RUNS / r[0] / "summary.json").exists()]
     prepared = set()

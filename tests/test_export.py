@@ -184,10 +184,14 @@ def test_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys):
     assert not target.exists()
     target.mkdir(parents=True)
     (target / "keep.txt").write_text("mine")
-    assert "--force" in _fails(capsys, ["export", str(run), "--to", "hf", str(target)])
+    for force in ([], ["--force"]):  # a folder ember did not write is never replaced (tests/test_force.py)
+        assert "keep.txt" in _fails(capsys, ["export", str(run), "--to", "hf", str(target), *force])
     assert (target / "keep.txt").read_text() == "mine"
+    (target / "keep.txt").unlink()
+    assert main(["export", str(run), "--to", "hf", str(target)]) == 0
+    assert "--force" in _fails(capsys, ["export", str(run), "--to", "hf", str(target)])
     assert main(["export", str(run), "--to", "hf", str(target), "--force"]) == 0
-    assert not (target / "keep.txt").exists() and (target / "config.json").is_file()
+    assert (target / "config.json").is_file()
     (target / "tokenizer.json").unlink()
     back = tmp_path / "runs" / "back"
     assert "tokenizer.json" in _fails(capsys, ["import", "hf", str(target), "--out", str(back)])

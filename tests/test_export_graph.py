@@ -54,7 +54,11 @@ def test_existing_file_is_refused_without_force(run, tmp_path, capsys):
     assert main(["export", str(run), "--to", "pt2", str(out)]) == 2
     assert "--force" in capsys.readouterr().err
     assert out.read_bytes() == b"keep me"
-    assert main(["export", str(run), "--to", "pt2", str(out), "--force"]) == 0
+    assert main(["export", str(run), "--to", "pt2", str(out), "--force"]) == 2  # not ember's: kept
+    assert out.read_bytes() == b"keep me"
+    out.unlink()
+    assert main(["export", str(run), "--to", "pt2", str(out)]) == 0
+    assert main(["export", str(run), "--to", "pt2", str(out), "--force"]) == 0  # its own kind: replaced
     assert isinstance(torch.export.load(str(out)), torch.export.ExportedProgram)
     assert main(["export", str(run), "--to", "pt2", str(tmp_path)]) == 2  # a directory is not a file
     assert main(["export", str(tmp_path / "no-run"), "--to", "pt2", str(tmp_path / "x.pt2")]) == 2

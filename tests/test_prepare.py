@@ -17,7 +17,7 @@ from ember.data.manifest import load_tokenizer, read_manifest
 from ember.data.prepare import prepare
 from ember.data.shards import read_shard
 from ember.data.stats import verify
-from ember.errors import DataError
+from ember.errors import DataError, EmberError
 
 
 def _corpus(root: Path, n: int = 60) -> Path:
@@ -166,7 +166,7 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "precious.txt").write_text("keep me")
     for force in (False, True):
-        with pytest.raises(DataError, match="not an ember data directory"):
+        with pytest.raises(EmberError, match="not an ember data directory"):
             prepare(_cfg(tmp_path), force=force, log=lambda _: None)
     assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
 

@@ -220,7 +220,7 @@ def test_report_measures_fp32_and_each_scheme(run, capsys):
         (["--scheme", "int4-weight", "--group-size", "48", "--out", "{tmp}/q"], "group"),
         (["--scheme", "int4-weight", "--group-size", "128", "--out", "{tmp}/q"], "groups of 128"),
         (["--scheme", "int8-weight"], "--out"),
-        (["--scheme", "int8-weight", "--out", "{run}"], "exists"),
+        (["--scheme", "int8-weight", "--out", "{run}"], "is the source"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_nothing_written(run, tmp_path, capsys, argv, message):

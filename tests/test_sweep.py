@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ember import sweep as sweep_mod
+from ember.atomic import mark
 from ember.cli import main
 from ember.errors import ConfigError, EmberError
 from ember.run import MARKER
@@ -191,6 +192,7 @@ def test_failed_run_is_reported_and_left_out(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("ember.data.prepare.prepare", lambda *a, **k: None)
     out = tmp_path / "sw"
     killed = out / "runs" / "lr=0.003-seed2"  # unfinished, killed before its first checkpoint
+    mark(out, "sweep")  # a sweep marks its folder before its first run (ember/atomic.py)
     killed.mkdir(parents=True)
     (killed / "metrics.jsonl").write_text('{"step": 1, "loss": 9.9}\n')
     resumable = out / "runs" / "lr=0.003-seed1" / "checkpoints" / "step-000002"  # unfinished, with one

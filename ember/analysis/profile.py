@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ember.analysis import write_results
+from ember.atomic import make_dirs
 from ember.run import run_config
 from ember.train.trainer import scratch_trainer
 
@@ -50,8 +51,6 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
 
     started = time.perf_counter()
     cfg = run_config(run_dir)
-    out = Path(run_dir) / "analysis" / "profile"
-    out.mkdir(parents=True, exist_ok=True)
     with scratch_trainer(cfg, max_steps=steps + 1) as trainer:
         device = trainer.env.device
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -66,7 +65,6 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
                 torch.cuda.synchronize(device)
             wall = time.perf_counter() - wall
         flops = trainer.flops_per_token * cfg.train.batch_tokens * steps
-    prof.export_chrome_trace(str(out / "trace.json"))
     events = prof.key_averages()
     use_cuda = device.type == "cuda"
     # on a GPU the phases and operators by their kernels' time (the CPU only launches them), else by CPU time
@@ -86,6 +84,9 @@ def analyze(run_dir, steps: int = 3, stack: bool = False, top: int = 15) -> dict
                "flops_per_step": flops / steps, "achieved_flops": achieved, "matmul_peak_flops": peak,
                "fraction_of_peak": achieved / peak, "device": str(device), "threads": torch.get_num_threads(),
                "peak_dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
+    # written only once all is measured: a failed profile leaves no trace.json, no empty folder
+    out = make_dirs(Path(run_dir) / "analysis" / "profile")
+    prof.export_chrome_trace(str(out / "trace.json"))
     write_results(run_dir, "profile", results, started)
     return {**results, "out": str(out)}
 

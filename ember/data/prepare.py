@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 import ember
-from ember.atomic import publish_dir, staging_dir
+from ember.atomic import check_target, publish_dir, staging_dir
 from ember.data.clean import Cleaner, content_digest
 from ember.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER, read_manifest, write_manifest
 from ember.data.prefetch import Prefetcher
@@ -122,16 +122,8 @@ def _batches(sources, plan, cleaner) -> Iterator[list[tuple[str, str, str]]]:
 
 def _check_target(target: Path, fingerprint: str, force: bool) -> dict | None:
     """Return the existing manifest when it can be reused; refuse to overwrite what is not ours."""
-    if not target.exists():
-        return None
-    if not target.is_dir():
-        raise DataError(f"data.dir {target} exists and is not a directory; choose another data.dir")
-    if not (target / MANIFEST).exists():
-        if any(target.iterdir()):
-            raise DataError(
-                f"data.dir {target} exists, is not empty and holds no {MANIFEST}: it is not an ember "
-                "data directory, so it will not be overwritten; choose another data.dir or empty it"
-            )
+    check_target(target, kind="data", force=True)  # ember/atomic.py: absent, empty, or ember's data
+    if not target.exists() or not (target / MANIFEST).exists():
         return None
     try:
         manifest = read_manifest(target)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import yaml
 
-from ember.atomic import build_dir, write_text_atomic
+from ember.atomic import build_dir, check_target, write_text_atomic
 from ember.data.tokenizer import SPECIALS_FILE
 from ember.errors import EmberError
 from ember.infer.engine import Engine
@@ -34,11 +34,7 @@ from ember.run import QUANT_FILE, export_weights, load_run, read_spec, run_token
 
 def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool = False) -> Path:
     """Write run directory ``out``: ``run``'s final weights quantized, its tokenizer and config."""
-    run, out = Path(run), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise EmberError(f"{out} exists; choose another --out or pass --force to replace it")
-    if out.resolve() == run.resolve():
-        raise EmberError(f"--out {out} is the run itself; write the quantized run beside it")
+    run, out = Path(run), check_target(out, kind="run", sources=[run], force=force)
     done = read_spec(run / "model")
     if done is not None:
         raise EmberError(f"{run} is already quantized ({done.label}); quantize the float run it came from")
@@ -56,7 +52,7 @@ def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool 
         if (run / "config.yaml").is_file():
             shutil.copyfile(run / "config.yaml", tmp / "config.yaml")
 
-    return build_dir(out, fill)
+    return build_dir(out, fill, kind="run")
 
 
 # ------------------------------------------------------------------ the numerics table

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from ember.atomic import write_text_atomic
+from ember.atomic import output_dir, write_text_atomic
 from ember.data.manifest import MANIFEST, read_manifest
 from ember.errors import DataError, EmberError
 
@@ -565,8 +565,8 @@ def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
         raise EmberError("comparing several runs needs an output directory for the report (--out DIR)")
     runs = [load_run(p, label) for p, label in zip(run_dirs, _labels(run_dirs), strict=True)]
     _matplotlib()  # fail before writing anything
-    out = Path(out) if out is not None else run_dirs[0]
-    out.mkdir(parents=True, exist_ok=True)
+    # --out: absent, empty or an earlier report; never a run or inside one (ember/atomic.py)
+    out = output_dir(out, kind="report", sources=run_dirs, force=True) if out is not None else run_dirs[0]
 
     many = len(runs) > 1
     labels = ", ".join(r.label for r in runs)

@@ -52,12 +52,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import record_function
 
 import ember
+from ember.atomic import check_target, mark
 from ember.config import config_to_yaml
 from ember.data.chat import chat_ids
 from ember.data.manifest import TOKENIZER
 from ember.data.tokenizer import SPECIALS_FILE, file_sha256
 from ember.errors import ConfigError, EmberError
 from ember.export.peft import save_peft
+from ember.kernels import triton_ready
 from ember.model.gpt import GPT
 from ember.model.lora import merge_lora
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
@@ -211,6 +213,9 @@ class Trainer:
         if t.log_dynamics and (env.distributed and (cfg.parallel.data == "fsdp" or env.tp > 1 or env.pp > 1) or t.compile):  # fmt: skip # noqa: E501
             raise ConfigError("train.log_dynamics reads whole weights and eager attention: one device or DDP, without train.compile")  # fmt: skip # noqa: E501
         self.run_dir = Path(run_dir) if run_dir else Path(cfg.run.out_dir) / cfg.run.name
+        # absent, empty or a run (resumed below); never the data or the run it starts from
+        sources = [cfg.data.dir] + ([t.init_from] if t.init_from else [])
+        check_target(self.run_dir, kind="run", sources=sources, force=True)
         self.resume_from = self._resume_folder()
         if self.resume_from is not None:
             self._check_resumed_config()
@@ -229,6 +234,11 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(t.seq_len)
         self.peak_flops = peak_flops(env.device)
         model.to(env.device)
+        if t.kernels == "triton":
+            ready, why = triton_ready(env.device)
+            if not ready:
+                raise ConfigError(f"train.kernels=triton: {why}; use train.kernels=torch")
+            model.set_kernels("triton")
         self.frozen = None  # a reference copy of the starting weights, if the task keeps one
         task.prepare(self, model)
         self.model = parallelize(model, env, cfg)
@@ -342,7 +352,7 @@ class Trainer:
     def _prepare_run_dir(self) -> None:
         if not self.env.is_main:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mark(self.run_dir, "run")  # created, and known as a run to the next writer (ember/atomic.py)
         cfg = replace(self.cfg, model=self.model_cfg)
         name = "config.yaml" if self.resume_from is None else f"config-resume-{self.resume_from.name}.yaml"
         (self.run_dir / name).write_text(config_to_yaml(cfg))  # the first leg's config.yaml is kept
