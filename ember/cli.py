@@ -366,8 +366,8 @@ def cmd_report(args) -> int:
     from ember.sweep import render_sweep
 
     runs = [Path(p) for p in args.runs]
-    if len(runs) == 1 and (runs[0] / "sweep.json").exists():  # a sweep: redrawn where it is
-        path = render_sweep(runs[0])
+    if len(runs) == 1 and (runs[0] / "sweep.json").exists():  # a sweep: redrawn where it is (or in --out)
+        path = render_sweep(runs[0], Path(args.out) if args.out else None)
     else:
         path = write_report(runs, Path(args.out) if args.out else None)
     print(f"written {path}")
@@ -443,7 +443,7 @@ def cmd_sweep(args) -> int:
     arg("--to", required=True, metavar="FORMAT", help="the target format: hf, pt2, aoti, onnx, onnx-decode"),
     arg("dir", metavar="DIR", help="the folder (hf) or file (pt2, aoti, onnx) to write; must not exist"),
     CKPT,
-    arg("--force", action="store_true", help="replace DIR if it exists and is not empty"),
+    arg("--force", action="store_true", help="replace DIR if it holds ember's own output of this format"),
     epilog="examples: ember export runs/tiny --to hf out/tiny-hf; "
     "ember export runs/tiny --to onnx out/tiny.onnx",
 )
@@ -476,7 +476,7 @@ def cmd_export(args) -> int:
     arg("source", choices=["hf"], metavar="FORMAT", help="the source format: hf"),
     arg("dir", metavar="DIR", help="the folder to read (config.json, weights, tokenizer.json)"),
     arg("--out", required=True, metavar="RUN", help="the run directory to write"),
-    arg("--force", action="store_true", help="replace OUT if it exists and is not empty"),
+    arg("--force", action="store_true", help="replace OUT if it holds a run ember wrote"),
     epilog="example: ember import hf out/tiny-hf --out runs/tiny-back",
 )
 def cmd_import(args) -> int:
@@ -500,7 +500,7 @@ def cmd_import(args) -> int:
         help="int8-weight, int8-dynamic or int4-weight (with --report: repeatable, default all)"),
     arg("--group-size", type=bounded(int, ge=1), default=None, help="int4-weight group size: 32 (default), 64, 128"),
     arg("--out", metavar="RUN2", help="the quantized run directory to write"),
-    arg("--force", action="store_true", help="replace OUT if it exists and is not empty"),
+    arg("--force", action="store_true", help="replace OUT if it holds a run ember wrote"),
     arg("--float-head", action="store_true", help="keep the output head fp32 (default: int8)"),
     arg("--report", action="store_true", help="compare fp32 with the schemes; write no run"),
     arg("--max-windows", type=bounded(int, ge=1), default=None, help="--report: score at most this many test windows"),
@@ -741,6 +741,10 @@ def cmd_bench_comm(args) -> int:
         return 0
     if args.nproc < 2:
         raise EmberError(f"ember bench comm needs at least 2 ranks to talk; got --nproc {args.nproc}")
+    if args.out:  # refused, or created, before any rank starts
+        from ember.atomic import output_dir
+
+        output_dir(args.out, kind="comm", force=True)
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and torch.cuda.device_count() < args.nproc:
         raise EmberError(f"--nproc {args.nproc} with NCCL needs {args.nproc} GPUs; {torch.cuda.device_count()} visible")  # fmt: skip # noqa: E501

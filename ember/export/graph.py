@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ember.atomic import staging_dir
+from ember.atomic import check_target, staging_dir
 from ember.errors import EmberError
 from ember.model.gpt import causal_mask
 from ember.run import load_run
@@ -198,11 +198,8 @@ def export_graph(
     """Write ``run_dir``'s model (``ckpt``: last, best or a step) to ``out`` as ``target``."""
     if target not in TARGETS:
         raise EmberError(f"--to {target!r}: unknown graph target; choose one of {', '.join(TARGETS)}")
-    out = Path(out)
-    if out.is_dir():
-        raise EmberError(f"{out} is a directory; --to {target} writes one file, give a file path")
-    if out.exists() and not force:
-        raise EmberError(f"{out} exists; choose another path or pass --force to replace it")
+    kind = "onnx" if target.startswith("onnx") else "pt2"  # aoti packages are PT2 archives too
+    out = check_target(out, kind=kind, sources=[run_dir], force=force)
     if target.startswith("onnx"):
         _onnxruntime()  # before loading the run: a missing package is the first thing to hear
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run

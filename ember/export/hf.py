@@ -35,7 +35,8 @@ Design choices:
   (pad = eos where it had none), so stock → ember → HF keeps the ids and the logits.
 - Both directions write into a staging folder beside the target and rename it into place
   at the end (ember/atomic.py): a failure leaves nothing half-written. A target that exists
-  and is not empty is refused unless ``force``.
+  and is not empty is refused unless ``force`` and it is ember's own output of that kind
+  (``check_target``); the source folder, a folder holding it or one inside it, never.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from tokenizers import Tokenizer as HFTokenizer
 
-from ember.atomic import build_dir
+from ember.atomic import build_dir, check_target
 from ember.config import Config, config_to_yaml
 from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
@@ -80,18 +81,10 @@ def _transformers():
     return transformers
 
 
-def _check_target(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise EmberError(f"{out} exists and is not a directory; choose another path")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise EmberError(f"{out} exists and is not empty; choose another path or pass --force to replace it")
-
-
 def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: bool = False) -> Path:
     """Write ``run_dir``'s model (``ckpt``: last, best or a step) and tokenizer as an HF folder."""
     transformers = _transformers()
-    out = Path(out)
-    _check_target(out, force)
+    out = check_target(out, kind="hf", sources=[run_dir], force=force)
     model, tokenizer = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
     hf = to_hf(model).eval()
     special = dict(
@@ -116,7 +109,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
         # ember's own file: transformers adds a no-op post_processor; this keeps the round trip exact
         (tmp / TOKENIZER).write_text(tokenizer.to_str(), encoding="utf-8")
 
-    return build_dir(out, fill)
+    return build_dir(out, fill, kind="hf")
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
@@ -130,7 +123,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             f"{hf_dir} has no {TOKENIZER}: ember imports a model with its fast tokenizer; "
             "save the tokenizer there too (tokenizer.save_pretrained)"
         )
-    _check_target(out, force)
+    check_target(out, kind="run", sources=[hf_dir], force=force)
     tokenizer = _read_tokenizer(hf_dir)
     try:
         model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
@@ -177,7 +170,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         tokenizer.save_specials(tmp)
         (tmp / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
-    return build_dir(out, fill)
+    return build_dir(out, fill, kind="run")
 
 
 # ------------------------------------------------------------------ a foreign tokenizer's specials
