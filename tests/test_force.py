@@ -118,7 +118,11 @@ def test_force_replaces_ember_output_of_the_same_kind(tree, tmp_path, capsys):
     refused(capsys, ["export", str(tree / "tiny"), "--to", "hf", str(out)], "--force")
     assert main(["export", str(tree / "tiny"), "--to", "hf", str(out), "--force"]) == 0
     refused(capsys, ["import", "hf", str(out), "--out", str(out.parent), "--force"], "contains the source")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again-hf"]
+    for _ in range(2):  # `ember report RUN --out X` writes into X, and again over its own report
+        assert main(["report", str(tree / "tiny"), "--out", str(tmp_path / "rep")]) == 0
+    rep = tmp_path / "rep"
+    assert (rep / "report.md").is_file() and (rep / ".ember").read_text() == "report\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again-hf", "rep"]
 
 
 @pytest.mark.parametrize("where", ["file", "proc"])
@@ -135,6 +139,7 @@ def test_an_output_path_that_cannot_be_created_is_one_line(tree, tiny_data, tmp_
         ["import", "hf", str(hf), "--out", str(base / "back")],
         ["data", "prepare", "tiny", f"data.dir={base / 'data'}"],
         ["train", *tiny, "train.max_steps=1", f"run.out_dir={base / 'runs'}"],
+        ["train", *tiny, "train.max_steps=1", f"data.dir={base / 'data'}"],
         ["sweep", *tiny, "--out", str(base / "sweep")],
         ["report", str(run), "--out", str(base / "report")],
         ["bench", "comm", "--out", str(base / "comm")],
