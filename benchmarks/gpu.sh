@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu.sh env analyze decode     # there: one call (<= 8 min)
 #   bash benchmarks/gpu.sh lora plan              # a second call (<= 9 min)
 #   bash benchmarks/gpu.sh parallel               # a third (<= 5 min)
+#   bash benchmarks/gpu.sh env kernels kernels-train    # issue 28 (<= 9 min; carry .gpu, below)
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below), so each call above stays inside the device's 10 minutes a command; the script
@@ -19,6 +20,12 @@
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
 #             and the caching allocator's peak                                      (240 s)
 #   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
+#   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
+#             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
+#             lacks it), gpt2-small and llama-small shapes; kernels.json          (300 s)
+#   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
+#             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
+#             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +33,7 @@ OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 DEV=${DEV:-cuda}  # (DEV=cpu PY=.venv/bin/python: a dry run of the script's plumbing here)
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/.gpu${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $OUT/NAME.log
@@ -69,8 +76,17 @@ for what in "$@"; do
         stage parallel 300 "$PY benchmarks/parallel.py --config gpt2-small --device $DEV --batch-tokens 0 \
             --steps 30 --layouts single"
         ;;
+    kernels)
+        stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json"
+        ;;
+    kernels-train)
+        for k in torch triton; do
+            stage kernels-train 150 "$PY benchmarks/parallel.py --config ${KCFG:-gpt2-small} --device $DEV \
+                --batch-tokens ${KTOK:-131072} --micro-batch ${KMB:-16} --steps 25 --warmup 10 --layouts single train.kernels=$k"
+        done
+        ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel kernels kernels-train" >&2
         exit 2
         ;;
     esac

@@ -232,6 +232,9 @@ class TrainConfig(_Section, key="train"):
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
     precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler", choices=("fp32", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile each block")
+    kernels: str = opt(
+        "torch", "triton = ember.kernels: norms, RoPE, attention, fused linear+CE loss", choices=("torch", "triton")
+    )
     activation_checkpointing: bool = opt(False, "recompute block activations in backward")
     deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")
     device: str = opt("auto", "auto = cuda if present", choices=("auto", "cpu", "cuda"))

@@ -35,4 +35,7 @@ def triton_ready(device: torch.device | str) -> tuple[bool, str]:
         return False, "Triton is not installed (pip install 'ember[kernels]')"
     if device.type == "cuda" or (device.type == "cpu" and INTERPRET):
         return True, ""
-    return False, f"Triton kernels run on CUDA or, for tests, on the CPU under TRITON_INTERPRET=1; not on {device}"
+    return (
+        False,
+        f"Triton kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests); not on {device}",
+    )

@@ -38,6 +38,7 @@ Design choices:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -224,6 +225,21 @@ def reference_attention(
     return weights @ v  # (B, n_head, T, hd)
 
 
+def kernel_attention(flash: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
+                     mask: Tensor | None = None) -> Tensor:  # fmt: skip
+    """``flash`` (ember.kernels.attention) where it applies, training's causal square without
+    dropout; SDPA for the rest (a mask, a query after a cache)."""
+    if dropout_p or mask is not None or q.size(-2) != k.size(-2):
+        return sdpa_attention(q, k, v, dropout_p, mask)
+    return flash(q, k, v, causal=True)
+
+
+def kernel_rotate(rope_qk: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, rope: Rope | None):
+    assert rope is not None
+    return rope_qk(q, k, *rope)  # one kernel for q and k (ember.kernels.rope)
+
+
+KERNELS = ("torch", "triton")
 ATTENTION: dict[str, Callable[..., Tensor]] = {
     "sdpa": sdpa_attention,
     "reference": reference_attention,
@@ -385,11 +401,14 @@ class GPT(nn.Module):
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
         self.tie_weights()
 
-    def forward(self, idx: Tensor, cache: KVCache | None = None, keep: Tensor | None = None) -> Tensor:
+    def forward(
+        self, idx: Tensor, cache: KVCache | None = None, keep: Tensor | None = None, hidden: bool = False
+    ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
         continues the sequences it holds, at the positions it gives (a cache is sized to at
         most max_seq_len tokens by whoever builds it: the engine checks prompts). ``keep``, a
-        (B, T) bool mask: only those positions' logits, (N, vocab_size) (module docstring)."""
+        (B, T) bool mask: only those positions' logits, (N, vocab_size) (module docstring).
+        ``hidden``: the final norm's output instead of logits, for a loss that fuses the head."""
         T = idx.size(1) if self.tok_embeddings is not None else idx.size(1) * self.stream_shards
         if T > self.cfg.max_seq_len and cache is None:  # a cache gives positions: a packed row may be longer
             raise ConfigError(
@@ -410,7 +429,10 @@ class GPT(nn.Module):
             return x
         if keep is not None:
             x = x[keep]  # (N, C)
-        return self.softcap(self.output(self.norm(x)).float())  # (B, T, vocab_size) or (N, vocab_size)
+        x = self.norm(x)
+        if hidden:  # the head is the caller's: a fused linear + loss (train.kernels=triton)
+            return x  # (B, T, C) or (N, C)
+        return self.softcap(self.output(x).float())  # (B, T, vocab_size) or (N, vocab_size)
 
     # -- building ---------------------------------------------------------
 
@@ -458,6 +480,26 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.attend = ATTENTION[kind]
+        return self
+
+    def set_kernels(self, kind: str) -> GPT:
+        """``"triton"``: ember.kernels' norms, RoPE and attention in every layer, the same
+        parameters (``train.kernels``; the fused loss is the task's). ``"torch"``: PyTorch's."""
+        if kind not in KERNELS:
+            raise ConfigError(f"unknown kernels {kind!r}; choose one of {', '.join(KERNELS)}")
+        triton = kind == "triton"
+        if triton:
+            from ember.kernels import attention, norm, rope
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                module.__class__ = norm.RMSNorm if triton else nn.RMSNorm
+            elif isinstance(module, nn.LayerNorm):
+                module.__class__ = norm.LayerNorm if triton else nn.LayerNorm
+            elif isinstance(module, Attention):
+                flash = functools.partial(kernel_attention, attention.flash_attention) if triton else None
+                module.attend = flash or sdpa_attention
+                if module.rotate is not keep_qk:
+                    module.rotate = functools.partial(kernel_rotate, rope.rope_qk) if triton else rotate_qk
         return self
 
     # -- accounting -------------------------------------------------------

@@ -47,6 +47,9 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     task = task_class(t.task)
     if not task.shards_params and world_size > 1 and cfg.parallel.data == "fsdp":
         raise ConfigError(f"train.task={t.task} runs on one device or under DDP (parallel.data=ddp)")
+    fsdp = world_size > 1 and cfg.parallel.data == "fsdp"
+    if t.kernels == "triton" and (tp > 1 or pp > 1 or fsdp or t.qat != "none"):
+        raise ConfigError("train.kernels=triton runs on one device or under DDP, without train.qat (its fused loss reads the head's plain weight); use train.kernels=torch")  # fmt: skip # noqa: E501
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)
     m = model_cfg or cfg.model

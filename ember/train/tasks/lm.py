@@ -19,6 +19,7 @@ from ember.data.manifest import read_manifest
 from ember.errors import DataError
 from ember.infer.evaluate import language_metrics
 from ember.parallel.dist import all_reduce, print0
+from ember.parallel.parallelize import unwrap
 from ember.train.task import Task
 
 
@@ -29,15 +30,17 @@ class LMTask(Task):
     name = "lm"
     splits_model = True
 
-    def __init__(self, z_loss: float, token_bytes: torch.Tensor):
+    def __init__(self, z_loss: float, token_bytes: torch.Tensor, fused: bool = False, softcap: float = 0.0):
         self.z_loss = z_loss
         self.token_bytes = token_bytes
+        self.fused, self.softcap = fused, softcap  # train.kernels=triton: ember.kernels.cross_entropy
 
     @classmethod
     def build(cls, trainer, model):
         cfg, env = trainer.cfg, trainer.env
         token_bytes = torch.tensor(trainer.tokenizer.token_byte_lengths(trainer.model_cfg.vocab_size))
-        task = cls(cfg.train.z_loss, token_bytes.to(env.device))
+        fused = cfg.train.kernels == "triton"
+        task = cls(cfg.train.z_loss, token_bytes.to(env.device), fused, trainer.model_cfg.logit_softcap)
         train_set = TokenDataset(cfg.data.dir, "train")
         loader = TrainLoader(
             train_set,
@@ -53,6 +56,12 @@ class LMTask(Task):
 
     def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
         x, y = batch
+        if self.fused:  # the head and the loss in chunks of rows: no (B, T, V) logits
+            from ember.kernels.cross_entropy import linear_cross_entropy
+
+            h = model(x, hidden=True)  # (B, T, C)
+            head = unwrap(model).output.weight  # (V, C)
+            return linear_cross_entropy(h, head, y, z_loss=self.z_loss, softcap=self.softcap), {}
         logits = model(x).float()  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         if self.z_loss:

@@ -1,0 +1,285 @@
+"""ember's kernels against torch eager, torch.compile and Liger-Kernel on the same shapes.
+
+    python benchmarks/kernels.py --device cuda          # one table: gpt2-small and llama-small shapes
+    .venv/bin/python benchmarks/kernels.py --device cpu # the plumbing, tiny shapes, Triton interpreted
+
+Each row times one op, forward and backward (the int8 product: forward only, it is a decode op),
+with ``triton.testing.do_bench`` on CUDA (median ms of repeated runs after warm-up, caches
+flushed). Memory-bound ops report the fraction of the device's nominal HBM bandwidth their bytes
+reach (the bytes each op must move at least: docs/kernels.md); attention and the fused linear
+cross-entropy are compute-bound and report TFLOP/s. "vs eager" is eager's time over this row's
+(> 1: faster). Fused linear cross-entropy also reports the allocator's peak over the call. On
+a CPU the Triton kernels run under the interpreter: times mean nothing there, the run only
+shows that every row works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+import ember.kernels  # noqa: F401  (sets TRITON_INTERPRET=1 when there is no CUDA)
+from ember.model.gpt import apply_rotary
+
+HBM = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}  # nominal bytes/s of the device's memory
+
+
+def liger():
+    try:
+        from liger_kernel.transformers import functional
+
+        return functional
+    except Exception:  # not installed, or broken against this torch / Triton
+        return None
+
+
+def bench(fn, device: str) -> float:
+    """Median ms of ``fn()``."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def fwd_bwd(op, inputs, grad=None):
+    """A closure running op(*inputs) and its backward, with gradients to every float input."""
+
+    def run():
+        for t in inputs:
+            if isinstance(t, torch.Tensor):
+                t.grad = None
+        out = op(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [torch.ones_like(o) if grad is None else grad for o in outs])
+
+    return run
+
+
+def peak_mb(fn, device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def param(*shape, dtype, device, scale=1.0):
+    return (scale * torch.randn(*shape, device=device)).to(dtype).requires_grad_()
+
+
+def cases(shape: dict, dtype, device: str):
+    """(op name, shape label, {impl: closure}, bytes moved, FLOPs) for every kernel."""
+    from ember.kernels import attention, cross_entropy, norm, rope, softmax
+
+    lg = liger()
+    N, C, V, B, T, H, Hkv, hd = (shape[k] for k in ("N", "C", "V", "B", "T", "H", "Hkv", "hd"))
+    e = torch.finfo(dtype).bits // 8
+    x, w, b = (
+        param(N, C, dtype=dtype, device=device),
+        param(C, dtype=dtype, device=device),
+        param(C, dtype=dtype, device=device),
+    )
+    rms = lambda x, w: F.rms_norm(x, (C,), w, 1e-5)  # noqa: E731
+    lnm = lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5)  # noqa: E731
+    yield (
+        "rms_norm",
+        f"{N}x{C}",
+        {
+            "eager": fwd_bwd(rms, (x, w)),
+            "compile": fwd_bwd(torch.compile(rms), (x, w)),
+            **(
+                {"liger": fwd_bwd(lambda x, w: lg.liger_rms_norm(x, w, 1e-5, in_place=False), (x, w))}
+                if lg
+                else {}
+            ),  # noqa: E501
+            "ember": fwd_bwd(lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
+        },
+        5 * N * C * e,
+        0,
+    )
+    yield (
+        "layer_norm",
+        f"{N}x{C}",
+        {
+            "eager": fwd_bwd(lnm, (x, w, b)),
+            "compile": fwd_bwd(torch.compile(lnm), (x, w, b)),
+            **({"liger": fwd_bwd(lg.liger_layer_norm, (x, w, b, 1e-5))} if lg else {}),
+            "ember": fwd_bwd(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), (x, w, b)),
+        },
+        5 * N * C * e,
+        0,
+    )
+    s = param(N // 4, V, dtype=dtype, device=device)
+    sm = lambda s: torch.softmax(s, dim=-1)  # noqa: E731
+    yield (
+        "softmax",
+        f"{N // 4}x{V}",
+        {
+            "eager": fwd_bwd(sm, (s,)),
+            "compile": fwd_bwd(torch.compile(sm), (s,)),
+            **({"liger": fwd_bwd(lg.liger_softmax, (s,))} if lg else {}),
+            "ember": fwd_bwd(softmax.softmax, (s,)),
+        },
+        5 * s.numel() * e,
+        0,
+    )
+    q = param(B, T, H, hd, dtype=dtype, device=device).transpose(1, 2).detach().requires_grad_()
+    k = param(B, T, Hkv, hd, dtype=dtype, device=device).transpose(1, 2).detach().requires_grad_()
+    angles = torch.outer(torch.arange(T, device=device).float(), torch.rand(hd // 2, device=device))
+    cos, sin = angles.cos()[None, None], angles.sin()[None, None]  # (1, 1, T, hd/2) as the model passes
+    both = lambda q, k: (apply_rotary(q, (cos, sin)), apply_rotary(k, (cos, sin)))  # noqa: E731
+    full_cos, full_sin = torch.cat((cos, cos), -1)[0], torch.cat((sin, sin), -1)[0]  # Liger's (1, T, hd)
+    yield (
+        "rope_qk",
+        f"B{B} T{T} H{H}/{Hkv} hd{hd}",
+        {
+            "eager": fwd_bwd(both, (q, k)),
+            "compile": fwd_bwd(torch.compile(both), (q, k)),
+            **(
+                {"liger": fwd_bwd(lambda q, k: lg.liger_rope(q, k, full_cos, full_sin), (q, k))} if lg else {}
+            ),
+            "ember": fwd_bwd(lambda q, k: rope.rope_qk(q, k, cos, sin), (q, k)),
+        },
+        4 * (q.numel() + k.numel()) * e,
+        0,
+    )
+    h, W = param(N, C, dtype=dtype, device=device), param(V, C, dtype=dtype, device=device, scale=0.02)
+    y = torch.randint(0, V, (N,), device=device)
+    ce = lambda h, W: F.cross_entropy((h @ W.T).float(), y)  # noqa: E731
+    one = torch.ones((), device=device)
+    yield (
+        "linear_cross_entropy",
+        f"{N}x{C} -> {V}",
+        {
+            "eager": fwd_bwd(ce, (h, W), one),
+            "compile": fwd_bwd(torch.compile(ce), (h, W), one),
+            **(
+                {"liger": fwd_bwd(lambda h, W: lg.liger_fused_linear_cross_entropy(h, W, y), (h, W), one)}
+                if lg
+                else {}
+            ),  # noqa: E501
+            "ember": fwd_bwd(lambda h, W: cross_entropy.linear_cross_entropy(h, W, y), (h, W), one),
+        },
+        0,
+        6 * N * C * V,
+    )
+    q, k, v = (param(B, n, T, hd, dtype=dtype, device=device) for n in (H, Hkv, Hkv))
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)  # noqa: E731
+    impls = {"sdpa": fwd_bwd(sdpa, (q, k, v))}
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def flash(q, k, v):
+            kk, vv = (t.repeat_interleave(H // Hkv, 1) for t in (k, v))  # the flash backend has no GQA
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
+
+        impls["sdpa-flash"] = fwd_bwd(flash, (q, k, v))
+    impls["ember"] = fwd_bwd(lambda q, k, v: attention.flash_attention(q, k, v, causal=True), (q, k, v))
+    flops = 3.5 * 2 * B * H * T * T * hd  # forward 4BHT²hd, halved by the mask; backward 2.5x the forward
+    yield "attention", f"B{B} T{T} H{H}/{Hkv} hd{hd}", impls, 0, flops
+
+
+def int8_cases(shape: dict, dtype, device: str):
+    from ember.kernels import int8
+
+    K = shape["C"]
+    for n in (3 * K, 4 * K, shape["V"]):
+        W = 0.02 * torch.randn(n, K, device=device)
+        s = W.abs().amax(1) / 127
+        Q = torch.round(W / s[:, None]).to(torch.int8)
+        x = torch.randn(1, K, device=device, dtype=dtype)
+        Wd = (Q.float() * s[:, None]).to(dtype)
+        dq = torch.compile(lambda x, Q, s: F.linear(x, Q.to(x.dtype)) * s.to(x.dtype))
+        impls = {
+            "eager": lambda x=x, Wd=Wd: F.linear(x, Wd),  # the dense product: what int8 must beat
+            "compile": lambda x=x, Q=Q, s=s, dq=dq: dq(x, Q, s),
+            "ember": lambda x=x, Q=Q, s=s: int8.int8_linear(x, Q, s),
+        }
+        yield "int8_linear (decode)", f"1x{K} @ {n}x{K}", impls, n * K + 4 * n + 2 * e_(x) * (K + n), 0
+
+
+def e_(t):
+    return t.element_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args()
+    device = args.device
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        hbm = next((v for k, v in HBM.items() if k in name), None)
+        dtype = torch.bfloat16
+        shapes = {
+            "gpt2-small": dict(N=16 * 1024, C=768, V=50304, B=16, T=1024, H=12, Hkv=12, hd=64),
+            "llama-small": dict(N=16 * 1024, C=768, V=50304, B=16, T=1024, H=12, Hkv=4, hd=64),
+            "hd128": dict(N=16 * 1024, C=768, V=50304, B=4, T=2048, H=16, Hkv=4, hd=128),
+        }
+    else:
+        name, hbm, dtype = "CPU (Triton interpreted: times are meaningless)", None, torch.float32
+        shapes = {"tiny": dict(N=64, C=32, V=101, B=2, T=32, H=4, Hkv=2, hd=16)}
+    print(f"kernels on {name}, {dtype}, torch {torch.__version__}, liger {'yes' if liger() else 'absent'}")
+    rows, header = [], ["op", "shape", "impl", "ms", "bound", "vs eager", "peak MiB"]
+    seen = set()
+    for label, shape in shapes.items():
+        groups = list(cases(shape, dtype, device))
+        if label != "hd128":
+            groups += list(int8_cases(shape, dtype, device))
+        for op, where, impls, nbytes, flops in groups:
+            if (op, where) in seen or (label == "hd128" and op != "attention"):
+                continue
+            seen.add((op, where))
+            base = None
+            for impl, fn in impls.items():
+                try:
+                    ms = bench(fn, device)
+                except Exception as err:  # a peer that does not run here is a row, not a crash
+                    why = "failed: " + str(err).splitlines()[0][:60]
+                    rows.append([op, f"{label} {where}", impl, why, "", "", ""])
+                    continue
+                base = ms if impl in ("eager", "sdpa") else base
+                if nbytes:
+                    rate = nbytes / (ms * 1e-3)  # bytes/s
+                    bound = f"{rate / hbm:.0%} of HBM" if hbm else f"{rate / 1e9:.1f} GB/s"
+                else:
+                    bound = f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
+                mem = peak_mb(fn, device) if op == "linear_cross_entropy" else math.nan
+                vs = f"{base / ms:.2f}x" if base else ""
+                rows.append(
+                    [
+                        op,
+                        f"{label} {where}",
+                        impl,
+                        f"{ms:.3f}",
+                        bound,
+                        vs,
+                        "" if math.isnan(mem) else f"{mem:,.0f}",
+                    ]
+                )
+                print(json.dumps(dict(zip(header, rows[-1], strict=True))), flush=True)
+    from printing import print_table
+
+    print_table(header, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            table = [dict(zip(header, r, strict=True)) for r in rows]
+            json.dump({"device": name, "rows": table}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
