@@ -4,12 +4,19 @@ minutes on the 2-core CI machine; ``pytest`` runs everything (CI's command).
 A test is slow where its file marks it (``@pytest.mark.slow``) or where it is listed in
 ``SLOW`` below: the longest test functions by ``pytest --durations=0`` of a fresh clone on the
 2-core machine (2026-11-26: 1,402 s in all), taken longest first until the rest came under
-100 s of test time (the figure beside each file is what its listed tests took there). Listing them here, rather than in each test file,
-keeps the test files themselves as they were. Every capability keeps at least one fast test:
-a lane that would leave a test file with none is refused at collection.
+100 s of test time (the figure beside each file is what its listed tests took there). Listing
+them here, rather than in each test file, keeps the test files themselves as they were. Every
+capability keeps at least one fast test: a lane that would leave a test file with none is
+refused at collection.
 """
 
+import os
+
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # before any test imports triton (ember.kernels does the same)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SLOW: dict[str, tuple[str, ...]] = {
     "test_analysis.py": (  # 72 s

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import torch
 
+# triton's own library (tl.sum, tl.max) is decorated when triton is imported: too late after that
+LATE = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available()
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -33,6 +36,11 @@ def triton_ready(device: torch.device | str) -> tuple[bool, str]:
     device = torch.device(device)
     if not HAS_TRITON:
         return False, "Triton is not installed (pip install 'ember[kernels]')"
+    if device.type == "cpu" and LATE:
+        return (
+            False,
+            "triton was imported before ember.kernels; set TRITON_INTERPRET=1 or import ember.kernels first",
+        )
     if device.type == "cuda" or (device.type == "cpu" and INTERPRET):
         return True, ""
     return (
