@@ -100,11 +100,11 @@ NPROC = arg("--nproc", type=bounded(int, ge=1, le=LOCAL_RANKS, why="at most 4 ra
 def sampling_args(seed_help: str) -> list[tuple]:
     """The fields of ``ember.infer.sampling.Sampling`` as options, shared by `generate` and `chat`."""
     options = [
-        ("--max-new-tokens", int, "tokens to generate at most (default %(default)s)"),
-        ("--temperature", float, "0 = greedy (default %(default)s)"),
-        ("--top-k", int, "sample among the k most likely tokens"),
-        ("--top-p", float, "nucleus sampling: smallest set with mass p"),
-        ("--seed", int, seed_help),
+        ("--max-new-tokens", bounded(int, ge=1), "tokens to generate at most (default %(default)s)"),
+        ("--temperature", bounded(float, ge=0), "0 = greedy (default %(default)s)"),
+        ("--top-k", bounded(int, ge=0), "sample among the k most likely tokens"),
+        ("--top-p", bounded(float, gt=0, le=1), "nucleus sampling: smallest set with mass p"),
+        ("--seed", int, seed_help),  # its range depends on the prompts: Sampling.check_seed
     ]
     stop = arg("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     default = lambda flag: getattr(Sampling, flag[2:].replace("-", "_"))  # noqa: E731
@@ -189,12 +189,15 @@ def cmd_train(args) -> int:
     arg("--task", metavar="NAME",
         help="instead: accuracy on an embedded task's test problems (add-2, sort, ...)"),
     arg("--n", type=bounded(int, ge=1), default=200, help="--task: problems to answer (default 200)"),
-    arg("--skip", type=bounded(int, ge=0), default=0, help="--task: leave out the first K test problems (those a run's own "
+    arg("--skip", type=bounded(int, ge=0), default=0,
+        help="--task: leave out the first K test problems (those a run's own "
         "evaluations used to pick its settings) and answer the next N"),
     CKPT,
-    arg("--seq-len", type=bounded(int, ge=1), default=None, help="window length (default: the run's train.seq_len)"),
+    arg("--seq-len", type=bounded(int, ge=1), default=None,
+        help="window length (default: the run's train.seq_len)"),
     arg("--batch-size", type=bounded(int, ge=1), default=8, help="windows per forward pass (default 8)"),
-    arg("--stride", type=bounded(int, ge=1), default=None, help="score each window's last STRIDE tokens only, with the rest "
+    arg("--stride", type=bounded(int, ge=1), default=None,
+        help="score each window's last STRIDE tokens only, with the rest "
         "as context (default: the window length, disjoint windows; smaller costs seq_len/STRIDE times more)"),
     arg("--max-windows", type=bounded(int, ge=1), default=None,
         help="score only this many evenly spaced windows per dataset (default: all, every token)"),
@@ -388,16 +391,19 @@ def cmd_report(args) -> int:
         help="config overrides shared by every run (e.g. train.max_steps=200)"),
     arg("--grid", action="append", metavar="KEY=V1,V2", help="a config key and its values, split on commas "
         "(repeatable; the settings are the product of all --grid keys)"),
-    arg("--seeds", type=bounded(int, ge=1), default=3, metavar="N", help="seeds 0..N-1 per setting (default 3; the "
+    arg("--seeds", type=bounded(int, ge=1), default=3, metavar="N",
+        help="seeds 0..N-1 per setting (default 3; the "
         "permutation p shown beside Welch's needs 4+ to go below 0.05)"),
     arg("--seed-list", metavar="S1,S2", help="these seeds instead of 0..N-1"),
-    arg("--jobs", type=bounded(int, ge=1, le=LOCAL_RANKS), default=1, metavar="J", help="runs at a time (default 1)"),
+    arg("--jobs", type=bounded(int, ge=1, le=LOCAL_RANKS), default=1, metavar="J",
+        help="runs at a time (default 1)"),
     arg("--metric", default="test.bpb", help="what to compare: test.KEY or val.KEY (from `ember eval RUN "
         "--split test|val`, KEY one of loss, ppl, bpb) or summary.KEY (from the run's summary.json, e.g. "
         "summary.loss, summary.val_bpb). Default test.bpb"),
     arg("--baseline", metavar="KEY=V,...",
         help="the setting the others are tested against (default: the first value of each --grid key)"),
-    arg("--alpha", type=bounded(float, gt=0, lt=1), default=0.05, help="significance level of the verdict (default 0.05)"),
+    arg("--alpha", type=bounded(float, gt=0, lt=1), default=0.05,
+        help="significance level of the verdict (default 0.05)"),
     arg("--out", default=None, help="the sweep directory (default runs/sweep-<config name>)"),
     epilog="example: ember sweep tiny --grid train.lr=0.003,0.01 --grid model.n_layer=2,4 --seeds 3 "
     "--jobs 2 --metric summary.loss train.max_steps=50",
@@ -498,12 +504,14 @@ def cmd_import(args) -> int:
     arg("run", metavar="RUN", help="a run directory with float weights (model/)"),
     arg("--scheme", action="append", metavar="S",
         help="int8-weight, int8-dynamic or int4-weight (with --report: repeatable, default all)"),
-    arg("--group-size", type=bounded(int, ge=1), default=None, help="int4-weight group size: 32 (default), 64, 128"),
+    arg("--group-size", type=bounded(int, ge=1), default=None,
+        help="int4-weight group size: 32 (default), 64, 128"),
     arg("--out", metavar="RUN2", help="the quantized run directory to write"),
     arg("--force", action="store_true", help="replace OUT if it holds a run ember wrote"),
     arg("--float-head", action="store_true", help="keep the output head fp32 (default: int8)"),
     arg("--report", action="store_true", help="compare fp32 with the schemes; write no run"),
-    arg("--max-windows", type=bounded(int, ge=1), default=None, help="--report: score at most this many test windows"),
+    arg("--max-windows", type=bounded(int, ge=1), default=None,
+        help="--report: score at most this many test windows"),
     epilog="examples: ember quantize runs/cpu-quick --scheme int4-weight --out runs/cpu-quick-int4; "
     "ember quantize runs/cpu-quick --report",
 )  # fmt: skip
@@ -584,12 +592,15 @@ def cmd_config_keys(args) -> int:
     "--nproc ranks, and FLOPs per step (with --peak-tflops, the step time at --mfu). --measure runs a few "
     "real steps (torchrun for N > 1) and sets each component against a tracker of live tensor storages.",
     *CONFIGURED,
-    arg("--nproc", type=bounded(int, ge=1, le=1024), default=1, metavar="N", help="ranks to plan for (default 1)"),
+    arg("--nproc", type=bounded(int, ge=1, le=1024), default=1, metavar="N",
+        help="ranks to plan for (default 1)"),
     arg("--measure", action="store_true", help="run --steps real steps and compare"),
     arg("--steps", type=bounded(int, ge=2, why="--measure tracks the last two steps"), default=4,
         help="steps of --measure; the last 2 tracked (default 4)"),
-    arg("--mfu", type=bounded(float, gt=0, le=1), default=0.4, help="model FLOPs utilisation for the step time (0.4)"),
-    arg("--peak-tflops", type=bounded(float, gt=0), default=None, help="a rank's peak TFLOP/s (an H100: 989 in bf16)"),
+    arg("--mfu", type=bounded(float, gt=0, le=1), default=0.4,
+        help="model FLOPs utilisation for the step time (0.4)"),
+    arg("--peak-tflops", type=bounded(float, gt=0), default=None,
+        help="a rank's peak TFLOP/s (an H100: 989 in bf16)"),
     arg("--json", action="store_true", help="print one JSON object instead of tables"),
     epilog="examples: ember plan cpu-quick | ember plan tiny --nproc 2 parallel.tp=2 --measure | "
     "ember plan gpt2-small --nproc 8 parallel.data=fsdp --peak-tflops 989",
@@ -602,7 +613,8 @@ def cmd_plan(args) -> int:
     from ember.train.layout import check_layout
 
     if args.measure and args.nproc > LOCAL_RANKS:
-        raise EmberError(f"--measure --nproc {args.nproc} launches that many processes here; at most {LOCAL_RANKS}")
+        raise EmberError(f"--measure --nproc {args.nproc} would start {args.nproc} processes here; "
+                         f"at most {LOCAL_RANKS} (4 per CPU core)")  # fmt: skip
     cfg = load_config(args.config, args.overrides)
     ranked = "LOCAL_RANK" in os.environ
     if not ranked:  # a prediction may be for bigger machines; a measurement runs on this one
@@ -666,14 +678,18 @@ def _instruments(args, run: Path) -> dict:
     arg("instrument", choices=["profile", "grads", "hessian", "memory", "nonfinite", "lens", "determinism"],
         help="what to measure (determinism: of a CONFIG)"),
     arg("--ckpt", default="last", help="last, best, all, or steps such as 100,200 (default last)"),
-    arg("--batch", type=bounded(int, ge=1), default=None, help="windows of seq_len tokens (default: grads 16, hessian 4)"),
-    arg("--seed", type=bounded(int, ge=0), default=0, help="which windows, and the random vectors (default 0)"),
+    arg("--batch", type=bounded(int, ge=1), default=None,
+        help="windows of seq_len tokens (default: grads 16, hessian 4)"),
+    arg("--seed", type=bounded(int, ge=0), default=0,
+        help="which windows, and the random vectors (default 0)"),
     arg("--text", default=None, help="grads: rank the windows by agreement with this text's gradient"),
     arg("--top", type=bounded(int, ge=1), default=5, help="grads: windows shown each way (default 5)"),
     arg("--k", type=bounded(int, ge=1), default=3, help="hessian: eigenvalues (default 3)"),
     arg("--iters", type=bounded(int, ge=1), default=20, help="hessian: Lanczos steps (default 20)"),
-    arg("--samples", type=bounded(int, ge=0), default=10, help="hessian: Hutchinson vectors (default 10; 0: none)"),
-    arg("--steps", type=bounded(int, ge=1), default=3, help="profile: steps profiled; memory: steps, the last tracked (3)"),
+    arg("--samples", type=bounded(int, ge=0), default=10,
+        help="hessian: Hutchinson vectors (default 10; 0: none)"),
+    arg("--steps", type=bounded(int, ge=1), default=3,
+        help="profile: steps profiled; memory: steps, the last tracked (3)"),
     arg("--stack", action="store_true", help="profile: record Python stacks (slower, larger trace)"),
     arg("--step", type=bounded(int, ge=1), default=None, help="nonfinite: the step to replay"),
     arg("--set", action="append", default=[], metavar="KEY=VALUE", help="determinism: a config override"),
@@ -689,7 +705,7 @@ def cmd_analyze(args) -> int:
         from ember.config import load_config
 
         cfg = load_config(args.run, args.set)
-        r = determinism(cfg, steps=args.steps, worlds=parse_worlds(args.nproc))
+        r = determinism(cfg, steps=args.steps, worlds=parse_worlds(args.nproc, LOCAL_RANKS))
         print(determinism_summary(r, args.run))
         return 0 if r["identical"] else 1
     run = Path(args.run)
@@ -708,9 +724,12 @@ def _bytes(text: str) -> int:
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     try:
-        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4096, 64K, 256M)") from None
+        size = int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except (ValueError, OverflowError):
+        size = 0
+    if not 1 <= size <= 2**40:
+        raise argparse.ArgumentTypeError(f"not a size from 1 byte to 1T: {text!r} (e.g. 4096, 64K, 256M)")
+    return size
 
 
 @verb(
@@ -719,12 +738,14 @@ def _bytes(text: str) -> int:
     "Launch N ranks (gloo on CPU, NCCL on GPU) and time each collective at message sizes growing 4x from "
     "--min-bytes to --max-bytes: time per call (slowest rank), algorithm and bus bandwidth (nccl-tests' "
     "definitions) and wrong elements (each result is checked). --out DIR writes comm.json and comm.png.",
-    arg("--nproc", type=bounded(int, ge=2, le=LOCAL_RANKS, why="at least 2 ranks to talk, at most 4 per CPU core here"), default=2,
+    arg("--nproc", default=2,
+        type=bounded(int, ge=2, le=LOCAL_RANKS, why="at least 2 ranks to talk, at most 4 per CPU core here"),
         help="ranks (default 2)"),
     arg("--device", choices=["auto", "cpu", "cuda"], default="auto", help="cpu: gloo, cuda: NCCL"),
     arg("--min-bytes", type=_bytes, default=2**10, help="smallest message (default 1K)"),
     arg("--max-bytes", type=_bytes, default=2**28, help="largest message (default 256M)"),
-    arg("--seconds", type=bounded(float, gt=0, le=3600), default=0.2, help="time spent per size, roughly (default 0.2)"),
+    arg("--seconds", type=bounded(float, gt=0, le=3600), default=0.2,
+        help="time spent per size, roughly (default 0.2)"),
     arg("--out", default=None, help="directory for comm.json and comm.png"),
     epilog="example: ember bench comm --nproc 4 --max-bytes 64M --out runs/comm",
 )

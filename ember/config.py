@@ -162,7 +162,9 @@ class DataConfig(_Section, key="data"):
 class ModelConfig(_Section, key="model"):
     """The decoder's shape and options (see ember/model/gpt.py)."""
 
-    vocab_size: int = opt(0, "vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple", ge=0, le=2**24)
+    vocab_size: int = opt(
+        0, "vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple", ge=0, le=2**24
+    )
     vocab_multiple: int = opt(64, "round a tokenizer-derived vocab_size up to a multiple of this", ge=1)
     n_layer: int = opt(6, "number of transformer blocks", ge=1, le=1024)
     n_head: int = opt(6, "attention (query) heads per block", ge=1, le=1024)

@@ -27,8 +27,8 @@ def ws(tiny_data, tmp_path_factory):
     from ember.train.trainer import train
 
     root = tmp_path_factory.mktemp("bad")
-    cfg = [f"data.dir={tiny_data}", "data.val_fraction=0.1", f"run.out_dir={root / 'runs'}", "train.device=cpu"]
-    train(load_config("tiny", [*cfg, "train.max_steps=4", "train.eval_every=0"]))
+    cfg = [f"data.dir={tiny_data}", "data.val_fraction=0.1", f"run.out_dir={root / 'runs'}"]
+    train(load_config("tiny", [*cfg, "train.device=cpu", "train.max_steps=4", "train.eval_every=0"]))
     run = root / "runs" / "tiny"
     imported = root / "runs" / "imported"  # what `ember import` writes: weights, no training history
     imported.mkdir()
@@ -73,8 +73,8 @@ def _tree(*roots: Path) -> dict:
                 st = path.lstat()
                 entry: tuple = (stat.S_IFMT(st.st_mode),)
                 if stat.S_ISREG(st.st_mode):
-                    small = st.st_size < 2**20
-                    entry += (st.st_size, st.st_mtime_ns, small and hashlib.sha256(path.read_bytes()).hexdigest())
+                    digest = st.st_size < 2**20 and hashlib.sha256(path.read_bytes()).hexdigest()
+                    entry += (st.st_size, st.st_mtime_ns, digest)
                 seen[str(path)] = entry
     return seen
 
@@ -133,10 +133,11 @@ CASES = [
     (["sweep", *S, "--alpha", "0"], "--alpha"),
     (["sweep", *S, "--alpha", "1"], "--alpha"),
     (["sweep", *S, "--alpha", "-0.5"], "--alpha"),
-    (["quantize", "{run}", "--scheme", "int4-weight", "--group-size", "0", "--out", "{ws}/q"], "--group-size"),
+    (["quantize", "{run}", "--scheme", "int4-weight", "--group-size", "0", "--out", "{ws}/q"], "--group"),
     (["quantize", "{run}", "--report", "--max-windows", "0"], "--max-windows"),
     (["plan", "tiny", "--nproc", "0"], "--nproc: must be int >= 1"),
     (["plan", "tiny", "--nproc", "5000"], "--nproc"),
+    (["plan", "tiny", "--nproc", "200", "--measure"], "would start 200 processes"),
     (["plan", "tiny", "--mfu", "0"], "--mfu: must be float > 0 and <= 1"),
     (["plan", "tiny", "--mfu", "5"], "--mfu"),
     (["plan", "tiny", "--mfu", "-0.4"], "--mfu"),
@@ -164,18 +165,25 @@ CASES = [
     (["bench", "comm", "--seconds", "-1"], "--seconds"),
     (["bench", "comm", "--min-bytes", "lots"], "not a size"),
     (["bench", "comm", "--max-bytes", "12Q"], "not a size"),
+    (["bench", "comm", "--min-bytes", "0"], "not a size"),
+    (["bench", "comm", "--max-bytes", "-5"], "not a size"),
+    (["bench", "comm", "--max-bytes", "9999T"], "not a size"),
     # --- sampling options, checked before the run is loaded ---
     (["generate", "{run}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "{run}", "--prompt", "a", "--temperature", "-1"], "--temperature"),
     (["generate", "{run}", "--prompt", "a", "--top-k", "-1"], "--top-k"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "0"], "--top-p"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "1.5"], "--top-p"),
-    (["generate", "{run}", "--prompt", "a", "--max-new-tokens", "x"], "invalid int"),
+    (["generate", "{run}", "--prompt", "a", "--max-new-tokens", "x"], "--max-new-tokens: expects int"),
     (["generate", "{run}", "--prompt", "a", "--stop", ""], "stop string is empty"),
     (["generate", "{run}"], "no prompt"),
     (["generate", "{run}", "--prompts-file", "{ws}/missing.txt"], "cannot read --prompts-file"),
     (["chat", "{run}", "--temperature", "-1"], "--temperature"),
     (["chat", "{run}", "--top-p", "2"], "--top-p"),
+    (["chat", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens"),
+    (["generate", "{run}", "--prompt", "a", "--temperature", "inf"], "--temperature"),
+    (["generate", "{run}", "--prompt", "a", "--top-p", "nan"], "--top-p"),
+    (["generate", "{run}", "--prompt", "a", "--seed", "-99999999999999999999"], "--seed"),
     # --- configs: files, keys, types, values, rules across fields ---
     (["config", "show", "nosuchpreset"], "not found"),
     (["config", "show", "{ws}/missing.yaml"], "not found"),
@@ -241,7 +249,7 @@ CASES = [
     # --- data sources: missing, empty, not files ---
     (["data", "prepare", "tiny", "data.sources=[{ws}/nowhere.txt]", "data.dir={ws}/d"], "not found"),
     (["data", "prepare", "tiny", "data.sources=[{ws}/*.nomatch]", "data.dir={ws}/d"], "matches no files"),
-    (["data", "prepare", "tiny", "data.sources=[embedded:cobol]", "data.dir={ws}/d"], "unknown embedded source"),
+    (["data", "prepare", "tiny", "data.sources=[embedded:cobol]", "data.dir={ws}/d"], "unknown embedded"),
     (["data", "prepare", "tiny", "data.sources=[{ws}/fifo]", "data.dir={ws}/d"], "is a FIFO"),
     (["data", "prepare", "tiny", "data.sources=[/dev/null]", "data.dir={ws}/d"], "is a character device"),
     (["data", "prepare", "tiny", "data.sources=[{ws}/selfloop]", "data.dir={ws}/d"], "symbolic link loop"),
@@ -251,7 +259,7 @@ CASES = [
     (["data", "stats", "{ws}/nowhere"], "nowhere"),
     (["data", "stats", "{ws}/nohf"], "nohf"),
     # --- preference pairs: the file and the line ---
-    (["train", *T, "train.task=dpo", "dpo.data={ws}/empty-reply.jsonl"], "empty-reply.jsonl:2: 'chosen' is empty"),
+    (["train", *T, "train.task=dpo", "dpo.data={ws}/empty-reply.jsonl"], ".jsonl:2: 'chosen' is empty"),
     (["train", *T, "train.task=dpo", "dpo.data={ws}/blank-reply.jsonl"], "'rejected' is empty"),
     (["train", *T, "train.task=dpo", "dpo.data={ws}/same-reply.jsonl"], "the same reply"),
     (["train", *T, "train.task=dpo", "dpo.data={ws}/no-rejected.jsonl"], "no-rejected.jsonl:2: expected"),
@@ -300,6 +308,7 @@ CASES = [
     (["analyze", "{ws}/nohf", "nonfinite", "--step", "3"], "config.yaml"),
     (["analyze", "tiny", "determinism", "--nproc", "0"], "--nproc 0"),
     (["analyze", "tiny", "determinism", "--nproc", "a,b"], "--nproc a,b"),
+    (["analyze", "tiny", "determinism", "--nproc", "1,100000"], "at most"),
     (["analyze", "nosuchpreset", "determinism"], "not found"),
     # --- sweep and report ---
     (["sweep", *S, "--seed-list", "1,x"], "--seed-list"),
@@ -367,3 +376,18 @@ def test_the_table_covers_every_verb():
     covered = {c[0][0] for c in CASES if c[0]}
     assert verbs <= covered, verbs - covered
     assert len(CASES) >= 150
+
+
+GPT2 = ["model.tie_embeddings=false", "model.pos=learned", "model.mlp=gelu"]
+SHAPES = [[], GPT2, ["model.n_kv_head=1", "model.n_layer=5"]]
+
+
+@pytest.mark.parametrize("overrides", SHAPES)
+def test_the_size_estimate_that_refuses_big_models_counts_the_parameters(overrides):
+    from ember.analysis.plan import estimated_params
+    from ember.config import load_config
+    from ember.model.gpt import GPT
+
+    cfg = load_config("tiny", ["model.vocab_size=512", *overrides]).model
+    n = sum(p.numel() for p in GPT(cfg).parameters())
+    assert 0.97 * n <= estimated_params(cfg) <= n  # norms (and biases) left out

@@ -277,6 +277,8 @@ def test_numeric_strings_convert(tmp_path: Path) -> None:
             r"data\.val_fraction \+ data\.test_fraction must be < 1; got 0\.6 \+ 0\.5",
         ),
         ("train.decay_fraction=0", r"train\.decay_fraction must be in \(0, 1\]; got 0\.0"),
+        ("train.qlora=true", r"train\.qlora=true adapts .*; give it train\.lora_rank"),
+        ("model.n_layer=100000", r"model\.n_layer must be in \[1, 1024\]; got 100000"),
     ],
 )
 def test_bad_values(override: str, expected: str) -> None:

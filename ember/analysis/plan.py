@@ -410,10 +410,10 @@ def check_size(model_cfg, world_size: int, margin: float) -> None:
     need, have = 16 * n / world_size, machine_bytes()
     if need > margin * have:
         raise EmberError(
-            f"model.n_layer={model_cfg.n_layer}, d_model={model_cfg.d_model}, vocab_size={model_cfg.vocab_size}: "
-            f"about {n:.2g} parameters, {need / 2**30:,.0f} GiB per rank for weights, gradients and AdamW "
-            f"state on {world_size} rank(s), over {margin:g} × this machine's {have / 2**30:.0f} GiB; "
-            "choose a smaller model or more ranks"
+            f"model.n_layer={model_cfg.n_layer}, d_model={model_cfg.d_model}, vocab_size="
+            f"{model_cfg.vocab_size}: about {n:.2g} parameters, {need / 2**30:,.0f} GiB per rank for "
+            f"weights, gradients and AdamW state on {world_size} rank(s), over {margin:g} × this "
+            f"machine's {have / 2**30:.0f} GiB; choose a smaller model or more ranks"
         )
 
 

@@ -53,8 +53,10 @@ def nonfinite(run_dir, step: int | None, inject=None) -> dict:
     cfg = run_config(run_dir)
     last = last_step(run_dir, cfg.train.log_every)
     if last is None:
-        raise EmberError(f"{run_dir} has no training history (no metrics.jsonl, checkpoints or summary.json: "
-                         "an imported or quantized run); nonfinite replays a step of a run `ember train` wrote")
+        raise EmberError(
+            f"{run_dir} has no training history (no metrics.jsonl, checkpoints or summary.json: an imported "
+            "or quantized run); nonfinite replays a step of a run `ember train` wrote"
+        )
     if step > last:
         raise EmberError(f"--step {step} is beyond {run_dir}, which trained to step {last}; give 1 to {last}")
     cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
@@ -126,8 +128,8 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
     return _first_difference(runs, steps) | {"worlds": list(worlds), "seconds": time.perf_counter() - started}
 
 
-def parse_worlds(spec: str | None) -> tuple[int, int]:
-    """``--nproc`` of determinism: none → (1, 1); N → (1, N); A,B → (A, B)."""
+def parse_worlds(spec: str | None, most: int = 1024) -> tuple[int, int]:
+    """``--nproc`` of determinism: none → (1, 1); N → (1, N); A,B → (A, B), each at most ``most``."""
     if spec is None:
         return (1, 1)
     try:
@@ -136,6 +138,8 @@ def parse_worlds(spec: str | None) -> tuple[int, int]:
         sizes = []
     if len(sizes) not in (1, 2) or min(sizes) < 1:
         raise EmberError(f"--nproc {spec}: give N (one process against N ranks) or A,B (A ranks against B)")
+    if max(sizes) > most:
+        raise EmberError(f"--nproc {spec}: at most {most} ranks launch on this machine")
     return (1, sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
 
 

@@ -245,7 +245,7 @@ def _resolve_path(spec: str) -> list[Path]:
             )
         return files
     if kind := unreadable_kind(path):
-        raise DataError(f"source {spec!r} is {kind}, not a file or directory; point data.sources at text files")
+        raise DataError(f"source {spec!r} is {kind}, not a file or folder; point data.sources at text files")
     raise DataError(
         f"source {spec!r} not found: no such file or directory "
         f"(use a path, a glob, or one of {', '.join(EMBEDDED)})"
