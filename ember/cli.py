@@ -6,9 +6,10 @@
 Each verb is one block: ``@verb(name, help, description, *arguments)`` declares its parser
 above the ``cmd_*`` function that runs it, and ``build_parser`` walks the table. Every verb that
 takes a config accepts a YAML path or a preset name (``configs/NAME.yaml``) followed by
-``key.sub=value`` overrides. An ``EmberError`` is printed as one short message and exits with
-code 2; anything else is a bug and keeps its traceback. Imports of torch and what stands on it
-stay inside the commands, so that ``ember --help`` answers at once.
+``key.sub=value`` overrides. An ``EmberError`` (a bad option too: every number declares its range
+with ``bounded``) is printed as one short message and exits with code 2; anything else is a bug
+and keeps its traceback. Imports of torch and what stands on it stay inside the commands, so that
+``ember --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -81,11 +82,11 @@ def bounded(kind: type, *, why: str = "", **bounds: float) -> Callable[[str], in
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors in ember's form: one line ``ember: error: ...`` and exit 2."""
+    """argparse with its errors as EmberErrors: one line ``ember: error: ...``, exit code 2."""
 
     def error(self, message: str):  # type: ignore[override]
         verb = self.prog.partition(" ")[2]
-        self.exit(2, f"ember: error: {verb + ': ' if verb else ''}{message} (see `{self.prog} --help`)\n")
+        raise EmberError(f"{verb + ': ' if verb else ''}{message} (see `{self.prog} --help`)")
 
 
 CONFIG = arg("config", metavar="CONFIG", help="a YAML config file or a preset name from configs/ (e.g. python, tiny)")  # fmt: skip # noqa: E501
@@ -100,12 +101,12 @@ NPROC = arg("--nproc", type=bounded(int, ge=1, le=LOCAL_RANKS, why="at most 4 ra
 def sampling_args(seed_help: str) -> list[tuple]:
     """The fields of ``ember.infer.sampling.Sampling`` as options, shared by `generate` and `chat`."""
     options = [
-        ("--max-new-tokens", bounded(int, ge=1), "tokens to generate at most (default %(default)s)"),
-        ("--temperature", bounded(float, ge=0), "0 = greedy (default %(default)s)"),
-        ("--top-k", bounded(int, ge=0), "sample among the k most likely tokens"),
-        ("--top-p", bounded(float, gt=0, le=1), "nucleus sampling: smallest set with mass p"),
-        ("--seed", int, seed_help),  # its range depends on the prompts: Sampling.check_seed
-    ]
+        ("--max-new-tokens", int, "tokens to generate at most (default %(default)s)"),
+        ("--temperature", float, "0 = greedy (default %(default)s)"),
+        ("--top-k", int, "sample among the k most likely tokens"),
+        ("--top-p", float, "nucleus sampling: smallest set with mass p"),
+        ("--seed", int, seed_help),
+    ]  # their bounds are Sampling's, which the server checks too: checked by `_sampling`, before any work
     stop = arg("--stop", action="append", default=[], help="stop when this text appears (repeatable)")
     default = lambda flag: getattr(Sampling, flag[2:].replace("-", "_"))  # noqa: E731
     return [*(arg(flag, type=kind, default=default(flag), help=text) for flag, kind, text in options), stop]
@@ -841,13 +842,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    # Overrides may follow options too (`ember train tiny --nproc 2 run.seed=3`).
-    args, extra = parser.parse_known_args(argv)
-    if extra and (not hasattr(args, "overrides") or any("=" not in a or a.startswith("-") for a in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:
-        args.overrides = [*args.overrides, *extra]
     try:
+        # Overrides may follow options too (`ember train tiny --nproc 2 run.seed=3`).
+        args, extra = parser.parse_known_args(argv)
+        stray = not hasattr(args, "overrides") or any("=" not in a or a.startswith("-") for a in extra)
+        if extra and stray:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra:
+            args.overrides = [*args.overrides, *extra]
         return args.func(args)
     except EmberError as e:
         print(f"ember: error: {e}", file=sys.stderr)

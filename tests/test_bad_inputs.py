@@ -174,14 +174,14 @@ CASES = [
     (["generate", "{run}", "--prompt", "a", "--top-k", "-1"], "--top-k"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "0"], "--top-p"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "1.5"], "--top-p"),
-    (["generate", "{run}", "--prompt", "a", "--max-new-tokens", "x"], "--max-new-tokens: expects int"),
+    (["generate", "{run}", "--prompt", "a", "--max-new-tokens", "x"], "--max-new-tokens: invalid int"),
     (["generate", "{run}", "--prompt", "a", "--stop", ""], "stop string is empty"),
     (["generate", "{run}"], "no prompt"),
     (["generate", "{run}", "--prompts-file", "{ws}/missing.txt"], "cannot read --prompts-file"),
     (["chat", "{run}", "--temperature", "-1"], "--temperature"),
     (["chat", "{run}", "--top-p", "2"], "--top-p"),
     (["chat", "{run}", "--max-new-tokens", "-1"], "--max-new-tokens"),
-    (["generate", "{run}", "--prompt", "a", "--temperature", "inf"], "--temperature"),
+    (["generate", "{run}", "--prompt", "a", "--top-k", "some"], "--top-k: invalid int"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "nan"], "--top-p"),
     (["generate", "{run}", "--prompt", "a", "--seed", "-99999999999999999999"], "--seed"),
     # --- configs: files, keys, types, values, rules across fields ---
@@ -355,10 +355,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(argv, message, places,
     argv = [a.format(**places) for a in argv]
     before = _tree(ws, tiny_data)
     capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse
-        code = e.code
+    code = main(argv)  # argparse's errors too are returned, not raised as SystemExit
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err
