@@ -41,6 +41,8 @@ def ws(tiny_data, tmp_path_factory):
         config = json.loads((root / name / "config.json").read_text())
         (root / name / "config.json").write_text(json.dumps({**config, key: value}))
     (root / "nohf").mkdir()
+    (root / "foreign").mkdir()
+    (root / "foreign" / "mine.txt").write_text("not ember's\n")
     (root / "text.txt").write_text("def f():\n    return 1\n")
     (root / "loop").mkdir()
     (root / "loop" / "a.txt").write_text("some text\n")
@@ -337,6 +339,18 @@ CASES = [
     (["report", "{run}", "{imp}", "--out", "/proc/r"], ""),
     (["report", "{run}", "--out", "/proc/r"], ""),
     (["sweep", "tiny", D, "data.val_fraction=0.1", "--out", "/proc/s"], ""),
+    (["sweep", "tiny", D, "data.val_fraction=0.1", "--out", "{run}"], ""),
+    (["export", "{run}", "--to", "hf", "{ws}/foreign", "--force"], ""),
+    (["export", "{run}", "--to", "onnx", "{ws}/foreign", "--force"], ""),
+    (["quantize", "{run}", "--scheme", "int8-weight", "--out", "{ws}/foreign", "--force"], ""),
+    (["import", "hf", "{ws}/hf", "--out", "{ws}/foreign", "--force"], ""),
+    (["data", "prepare", "tiny", "data.dir={ws}/foreign", "--force"], ""),
+    (["bench", "comm", "--out", "/proc/c"], ""),
+    # --- serve: address and device, before the model loads (tests/test_server_robust.py has the rest) ---
+    (["serve", "{run}", "serve.device=tpu"], "serve.device=tpu"),
+    (["serve", "{run}", "serve.device=cuda:99"], "serve.device=cuda:99"),
+    (["serve", "{run}", "--host", "999.1.1.1"], "--host"),
+    (["serve", "{run}", "--host", "8.8.8.8"], "8.8.8.8"),
 ]
 
 
