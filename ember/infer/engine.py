@@ -9,7 +9,8 @@
 The model is touched only through ``model(idx, cache=cache)`` (the ``KVCache`` protocol of
 ember/model/gpt.py); hand-written because the cache is what ember studies (DESIGN). ``KVCache``
 is the eager one; ``StaticKVCache`` lets ``Engine(..., compile=True)`` run the decode step as one
-``torch.compile(fullgraph=True)`` graph (benchmarks/decode.py times both). docs/serve.md ("The
+``torch.compile(fullgraph=True)`` graph, and ``Engine(..., graphs=True)`` replays that step from a
+CUDA graph (``GraphedDecode``; benchmarks/decode.py times all three). docs/serve.md ("The
 engine") has the cache contract and each choice below at length.
 
 Design choices:
@@ -33,6 +34,7 @@ Design choices:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,7 +258,8 @@ class _Stream:
         self.next_input, pad, inverse = distinct_left_padded(prompts, pad_id, engine.device)
         self.inverse = torch.tensor(inverse, device=engine.device) if len(pad) < len(rows) else None
         # The last sampled token is never fed back, hence the - 1.
-        self.cache = engine.cache_type(self.next_input.size(1) + max_new_tokens - 1, pad, engine.device)
+        slots = engine.cache_slots(self.next_input.size(1) + max_new_tokens - 1)
+        self.cache = engine.cache_type(slots, pad, engine.device)
 
     @property
     def done(self) -> bool:
@@ -317,11 +320,97 @@ def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
     return torch.compile(step, fullgraph=True, options={"guard_filter_fn": inputs_only})
 
 
+GRAPH_SLOTS = 256  # graphed caches round up to a multiple of this: one graph serves many lengths
+GRAPH_WARMUP = 3  # eager steps before a capture (PyTorch's CUDA graphs notes: allocator, cuBLAS, autotuning)
+
+
+@dataclass
+class _Graphed:
+    """One batch size and cache length: the static cache, input ids and logits a CUDA graph
+    replays on (``graph`` None off CUDA), and the stream's cache that holds them now."""
+
+    cache: StaticKVCache
+    idx: Tensor  # (B, 1)
+    logits: Tensor | None = None  # (B, 1, V), written by each replay
+    graph: torch.cuda.CUDAGraph | None = None
+    owner: weakref.ref | None = None
+
+
+class GraphedDecode:
+    """The one-token decode ``step(idx, cache=StaticKVCache)`` captured once per (batch size,
+    cache length) in a CUDA graph and replayed per token (gpt-fast, SGLang): one launch instead of
+    ~10 kernels per layer, each costing more host time than a batch-1 GEMV takes on the GPU.
+
+    A graph replays fixed addresses, so it owns its inputs: a static cache and ids. A stream's
+    ``StaticKVCache`` is *bound* on its first decode step: its buffers, position and pads are
+    copied in and the stream's cache then points at the graph's tensors. A stream bound while
+    another still lives takes the slot over: the other gets private copies back (``evict``) and is
+    copied in again if it steps again. Off CUDA there are no graphs and the step runs eagerly (or
+    compiled) on the same static cache, through the same binding: the CPU tests check that path."""
+
+    def __init__(self, step: Callable[..., Tensor]):
+        self.step = step
+        self.graphed: dict[tuple[int, int], _Graphed] = {}
+
+    def __call__(self, idx: Tensor, cache: KVCache) -> Tensor:
+        if not isinstance(cache, StaticKVCache):
+            raise TypeError("GraphedDecode needs a StaticKVCache: its step must have no Python-side state")
+        g = self.graphed.get((idx.size(0), cache.max_len)) or self.capture(idx, cache)
+        owner = g.owner() if g.owner else None
+        if owner is not cache:
+            if owner is not None:
+                self.evict(owner)
+            self.bind(g, cache)
+        g.idx.copy_(idx)
+        if g.graph is None:
+            return self.step(g.idx, g.cache)
+        g.graph.replay()
+        return g.logits
+
+    def capture(self, idx: Tensor, cache: StaticKVCache) -> _Graphed:
+        B = idx.size(0)
+        static = StaticKVCache(cache.max_len, device=cache.device)
+        static.pad = torch.zeros(B, dtype=torch.long, device=cache.device)  # (B,): any stream's pads fit
+        static.k = {layer: torch.zeros_like(t) for layer, t in cache.k.items()}
+        static.v = {layer: torch.zeros_like(t) for layer, t in cache.v.items()}
+        g = self.graphed[B, cache.max_len] = _Graphed(static, torch.zeros_like(idx))
+        if idx.is_cuda:  # CUDA-only: a graph records kernel launches on a CUDA stream; a CPU has neither
+            side = torch.cuda.Stream(idx.device)
+            side.wait_stream(torch.cuda.current_stream(idx.device))
+            with torch.cuda.stream(side):  # compiles, autotunes and fills the allocator before capture
+                for _ in range(min(GRAPH_WARMUP, cache.max_len)):  # from slot 0: bind overwrites all
+                    self.step(g.idx, static)
+            torch.cuda.current_stream(idx.device).wait_stream(side)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph):  # records, runs nothing: pos is not advanced
+                g.logits = self.step(g.idx, static)
+        return g
+
+    @staticmethod
+    def bind(g: _Graphed, cache: StaticKVCache) -> None:
+        static = g.cache
+        for mine, theirs in ((static.k, cache.k), (static.v, cache.v)):
+            for layer, buffer in mine.items():
+                buffer.copy_(theirs[layer])  # a (1, ...) row broadcasts, as the stream's pads do
+        static.pos.copy_(cache.pos)
+        static.pad.copy_(cache.pad)
+        cache.k, cache.v, cache.pos, cache.pad = dict(static.k), dict(static.v), static.pos, static.pad
+        g.owner = weakref.ref(cache)
+
+    @staticmethod
+    def evict(cache: StaticKVCache) -> None:
+        cache.k = {layer: t.clone() for layer, t in cache.k.items()}
+        cache.v = {layer: t.clone() for layer, t in cache.v.items()}
+        cache.pos, cache.pad = cache.pos.clone(), cache.pad.clone()
+
+
 class Engine:
     """Generate text from a ``GPT`` (or anything called as ``model(idx, cache=...)`` with a
     ``cfg.max_seq_len``) and its tokenizer. ``device`` None keeps the model where it is.
     ``compile`` runs the one-token decode step under ``torch.compile(model, fullgraph=True)``
-    with a ``StaticKVCache`` (the prefill stays eager; the first call compiles, seconds)."""
+    with a ``StaticKVCache`` (the prefill stays eager; the first call compiles, seconds).
+    ``graphs`` replays that step (compiled or not) from a CUDA graph (``GraphedDecode``); on a CPU
+    it runs the same static-cache path without graphs."""
 
     def __init__(
         self,
@@ -329,6 +418,7 @@ class Engine:
         tokenizer: Tokenizer,
         device: str | torch.device | None = None,
         compile: bool = False,
+        graphs: bool = False,
     ):
         if getattr(model.cfg, "head", "lm") != "lm":
             raise EmberError(
@@ -342,8 +432,17 @@ class Engine:
         vocab_size = model.cfg.vocab_size
         self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
         self.end_turn_id = tokenizer.hf.token_to_id(END_TURN) if hasattr(tokenizer, "hf") else None
-        self.cache_type = StaticKVCache if compile else KVCache
-        self.decode = _compiled_step(model) if compile else model
+        self.graphs = graphs
+        self.cache_type = StaticKVCache if compile or graphs else KVCache
+        step = _compiled_step(model) if compile else model
+        self.decode = GraphedDecode(step) if graphs else step
+
+    def cache_slots(self, needed: int) -> int:
+        """A stream's cache length: what it needs, or with ``graphs`` the next multiple of
+        GRAPH_SLOTS (at most max_seq_len), so one captured graph serves prompts of many lengths."""
+        if not self.graphs:
+            return needed
+        return max(needed, min(-(-needed // GRAPH_SLOTS) * GRAPH_SLOTS, self.model.cfg.max_seq_len))
 
     @classmethod
     def from_run(cls, run_dir: str | Path, device: str | torch.device = "cpu", ckpt: str = "last") -> Engine:
