@@ -218,7 +218,7 @@ CASES = [
     (["config", "show", "tiny", "train.qlora=true", "train.lora_rank=0"], "train.lora_rank"),
     (["config", "show", "tiny", "train.lora_alpha=0"], "train.lora_alpha"),
     (["config", "show", "tiny", "train.qat_group_size=48"], "train.qat_group_size"),
-    (["config", "show", "tiny", "train.precision=fp8"], "train.precision"),
+    (["config", "show", "tiny", "train.precision=fp4"], "train.precision"),
     (["config", "show", "tiny", "train.compile=maybe"], "train.compile"),
     (["config", "show", "tiny", "data.val_fraction=1"], "data.val_fraction"),
     (["config", "show", "tiny", "data.val_fraction=0.5", "data.test_fraction=0.5"], "must be < 1"),
