@@ -320,7 +320,7 @@ def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
     return torch.compile(step, fullgraph=True, options={"guard_filter_fn": inputs_only})
 
 
-GRAPH_SLOTS = 256  # graphed caches round up to a multiple of this: one graph serves many lengths
+GRAPH_SLOTS = 128  # graphed caches round up to a multiple of this: one graph serves many lengths
 GRAPH_WARMUP = 3  # eager steps before a capture (PyTorch's CUDA graphs notes: allocator, cuBLAS, autotuning)
 
 
