@@ -1,12 +1,16 @@
 """The graph-captured decode step (``Engine(..., graphs=True)``, ``GraphedDecode``) against the
 plain path: the same logits (1e-5) and greedy tokens, with its static buffers reused by prompts
 of different lengths back to back and taken over by interleaved streams. On a CPU the wrapper
-runs the step eagerly on its static cache (no CUDA graphs); the CUDA test replays real graphs."""
+runs the step eagerly on its static cache (no CUDA graphs); ``TracedDecode`` stands in for
+capture and replay there; the CUDA cases replay real graphs."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
@@ -17,7 +21,25 @@ from ember.model.gpt import GPT
 LLAMA = {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
 TEXT = ["The quick brown fox jumps over the lazy dog. " * 4, "def main():\n    return sum(range(10))\n" * 4]
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-DEVICES = ["cpu", pytest.param("cuda", marks=NO_GPU)]
+KINDS = ["cpu", "traced", pytest.param("cuda", marks=NO_GPU)]  # eager wrapper, stand-in graph, real graph
+
+
+class TracedDecode(GraphedDecode):
+    """A CPU stand-in for a CUDA graph: the step traced once by ``make_fx`` (its Python frozen at
+    capture, as a graph's kernel launches are), its static tensors baked in as the same objects,
+    and replayed on them. State the step kept in Python, or a binding that replaced a static
+    tensor instead of copying into it, would give wrong logits here and pass eagerly."""
+
+    def capture(self, idx: torch.Tensor, cache: StaticKVCache):
+        g = super().capture(idx, cache)
+        traced = make_fx(lambda ids: self.step(ids, cache=g.cache))(g.idx)  # runs a step: bind overwrites it
+        g.logits = traced(g.idx)
+        g.graph = SimpleNamespace(replay=lambda: g.logits.copy_(traced(g.idx)))
+        return g
+
+
+def graphed_decode(kind: str, step) -> GraphedDecode:
+    return TracedDecode(step) if kind == "traced" else GraphedDecode(step)
 
 
 def tiny_model(device: str = "cpu", **layout) -> GPT:
@@ -37,12 +59,13 @@ def decode(model: GPT, step, cache: KVCache, seq: torch.Tensor, prefill: int) ->
     return torch.cat([step(seq[:, t : t + 1], cache=cache).clone() for t in range(prefill, seq.size(1))], 1)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", [{}, LLAMA])
 @torch.inference_mode()
-def test_graphed_step_gives_the_plain_logits_with_its_buffers_reused(device, layout):
+def test_graphed_step_gives_the_plain_logits_with_its_buffers_reused(kind, layout):
+    device = "cuda" if kind == "cuda" else "cpu"
     model = tiny_model(device, **layout)
-    graphed = GraphedDecode(model)
+    graphed = graphed_decode(kind, model)
     gen = torch.Generator().manual_seed(0)
     worst, largest = 0.0, 0.0
     # back to back on one (batch, cache length): prompts of 9, 4 and 13 tokens, pads or none
@@ -54,13 +77,14 @@ def test_graphed_step_gives_the_plain_logits_with_its_buffers_reused(device, lay
         largest = max(largest, want.abs().max().item())
     assert largest > 1 and worst <= 1e-5, f"graphed vs plain max |diff| {worst:.2e}"
     [(key, g)] = graphed.graphed.items()  # one static state served all three
-    assert key == (2, 32) and (g.graph is not None) == (device == "cuda")
+    assert key == (2, 32) and (g.graph is not None) == (kind != "cpu")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_graphed_engine_generates_the_plain_engines_tokens_back_to_back(tok, device):
-    model = tiny_model(device, **LLAMA, n_kv_head=2)
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_engine_generates_the_plain_engines_tokens_back_to_back(tok, kind):
+    model = tiny_model("cuda" if kind == "cuda" else "cpu", **LLAMA, n_kv_head=2)
     plain, graphed = Engine(model, tok), Engine(model, tok, graphs=True)
+    graphed.decode = graphed_decode(kind, model)
     calls = [
         (["The quick"], Sampling(max_new_tokens=12, temperature=0)),
         (["def main():\n    return sum("], Sampling(max_new_tokens=7, temperature=0)),  # longer prompt
@@ -73,13 +97,15 @@ def test_graphed_engine_generates_the_plain_engines_tokens_back_to_back(tok, dev
     assert sorted(graphed.decode.graphed) == [(1, 64), (3, 64)]  # one per batch size: the length rounds up
 
 
-def test_interleaved_streams_take_the_static_buffers_over_and_get_their_own_back(tok, monkeypatch):
+@pytest.mark.parametrize("kind", ["cpu", "traced"])
+def test_interleaved_streams_take_the_static_buffers_over_and_get_their_own_back(tok, monkeypatch, kind):
     """Two live streams of one batch size share one static state: each step of the other evicts
     the one bound (its cache gets private copies) and binds itself."""
     evictions, evict = [], GraphedDecode.evict
     monkeypatch.setattr(GraphedDecode, "evict", staticmethod(lambda cache: evictions.append(evict(cache))))
     model = tiny_model(**LLAMA)
     plain, graphed = Engine(model, tok), Engine(model, tok, graphs=True)
+    graphed.decode = graphed_decode(kind, model)
     greedy = Sampling(max_new_tokens=10, temperature=0, ignore_eos=True)
     prompts = ["The quick brown", "def main():\n"]
     want = [plain.generate([p], greedy)[0].text for p in prompts]
