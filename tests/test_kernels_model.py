@@ -56,17 +56,10 @@ def test_compiled_block_traces_through_the_kernels():
 def test_tiny_training_with_triton_kernels_matches_torch(tiny_cfg):
     """20 steps of `ember train tiny`: the loss with train.kernels=triton (norms, RoPE,
     attention, fused linear + cross-entropy with z-loss) within 1e-4 of train.kernels=torch."""
-    common = [
-        "train.precision=fp32",
-        "train.deterministic=true",
-        "train.max_steps=20",
-        "train.eval_every=0",
-        "train.z_loss=1e-4",
-        "train.seq_len=16",
-        "train.batch_tokens=32",
-        "train.micro_batch=2",
-        "train.eval_windows=2",
-    ]  # fmt: skip  (the interpreter runs a program in ~10 ms: few rows)
+    # the interpreter spends milliseconds on each program: a one-layer tiny on 2 rows of 8 tokens
+    common = ["train.precision=fp32", "train.deterministic=true", "train.max_steps=20", "train.eval_every=0",
+              "train.z_loss=1e-4", "train.seq_len=8", "train.batch_tokens=16", "train.micro_batch=2",
+              "train.eval_windows=2", "model.n_layer=1"]  # fmt: skip
     curves = []
     for kind in ("torch", "triton"):
         cfg = tiny_cfg(*common, f"run.name={kind}", f"train.kernels={kind}")

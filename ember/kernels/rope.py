@@ -2,7 +2,7 @@
 
     q_rot, k_rot = rope_qk(q, k, cos, sin)    # q (B, H, T, hd), k (B, Hkv, T, hd); cos, sin as gpt.py's
 
-One program per (b, t) loads that position's cos/sin once and turns every head of q and of k:
+One program per (b, block of positions) loads their cos/sin once and turns every head of q and k:
 dimension i pairs with i + hd/2, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), fp32 inside.
 q and k may be strided (a transpose(1, 2) of a (B, T, H, hd) view) as long as the last dim is
 dense; the outputs are contiguous (B, H, T, hd), as apply_rotary's torch.cat. The backward is
@@ -23,34 +23,35 @@ from ember.kernels import triton_ready
 
 
 @triton.jit
-def _rotate(X, O, n_heads, sxh, soh, cos, sin, ACC: tl.constexpr, HALF: tl.constexpr,
-            BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Turn the heads of one position: X, O at (b, 0, t, 0); cos, sin (1, BLOCK_D)."""
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < n_heads) & (d < HALF)
-    x1 = tl.load(X + h * sxh + d, mask=mask, other=0.0).to(ACC)
-    x2 = tl.load(X + h * sxh + d + HALF, mask=mask, other=0.0).to(ACC)
-    tl.store(O + h * soh + d, (x1 * cos - x2 * sin).to(O.dtype.element_ty), mask=mask)
-    tl.store(O + h * soh + d + HALF, (x2 * cos + x1 * sin).to(O.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rope_kernel(Q, K, QO, KO, COS, SIN, T, H, HK, sqb, sqh, sqt, skb, skh, skt, scb, sct,
-                 INVERSE: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    b, t = pid // T, pid % T
-    d = tl.arange(0, BLOCK_D)[None, :]
-    cos = tl.load(COS + b * scb + t * sct + d, mask=d < HALF, other=0.0).to(ACC)
-    sin = tl.load(SIN + b * scb + t * sct + d, mask=d < HALF, other=0.0).to(ACC)
+                 INVERSE: tl.constexpr, ACC: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program turns BLOCK_T positions of one row b: every head of q, then of k (heads are
+    tiled by BLOCK_H, which covers both H and Hkv)."""
+    b, pid_t = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]  # (BLOCK_T, 1, 1)
+    h = tl.arange(0, BLOCK_H)[None, :, None]  # (1, BLOCK_H, 1)
+    d = tl.arange(0, BLOCK_D)[None, None, :]  # (1, 1, BLOCK_D)
+    row = (t < T) & (d < HALF)
+    cos = tl.load(COS + b * scb + t * sct + d, mask=row, other=0.0).to(ACC)  # (BLOCK_T, 1, BLOCK_D)
+    sin = tl.load(SIN + b * scb + t * sct + d, mask=row, other=0.0).to(ACC)
     if INVERSE:
         sin = -sin
     hd = 2 * HALF  # outputs contiguous (B, heads, T, hd)
-    _rotate(Q + b * sqb + t * sqt, QO + (b * H * T + t) * hd, H, sqh, T * hd, cos, sin,
-            ACC, HALF, BLOCK_H, BLOCK_D)
-    _rotate(K + b * skb + t * skt, KO + (b * HK * T + t) * hd, HK, skh, T * hd, cos, sin,
-            ACC, HALF, BLOCK_HK, BLOCK_D)
+    mask = row & (h < H)
+    x = Q + b * sqb + h * sqh + t * sqt + d
+    o = QO + ((b * H + h) * T + t) * hd + d
+    x1 = tl.load(x, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(ACC)
+    tl.store(o, (x1 * cos - x2 * sin).to(QO.dtype.element_ty), mask=mask)
+    tl.store(o + HALF, (x2 * cos + x1 * sin).to(QO.dtype.element_ty), mask=mask)
+    mask = row & (h < HK)
+    x = K + b * skb + h * skh + t * skt + d
+    o = KO + ((b * HK + h) * T + t) * hd + d
+    x1 = tl.load(x, mask=mask, other=0.0).to(ACC)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(ACC)
+    tl.store(o, (x1 * cos - x2 * sin).to(KO.dtype.element_ty), mask=mask)
+    tl.store(o + HALF, (x2 * cos + x1 * sin).to(KO.dtype.element_ty), mask=mask)
 
 
 @torch.library.custom_op("ember::rope", mutates_args=())
@@ -67,10 +68,12 @@ def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> tupl
     qo, ko = q.new_empty(q.shape), k.new_empty(k.shape)
     half = hd // 2
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
-    _rope_kernel[(B * T,)](q, k, qo, ko, cos, sin, T, H, HK, *q.stride()[:3], *k.stride()[:3], scb,
-                           cos.stride(1), INVERSE=inverse, ACC=acc, HALF=half,
-                           BLOCK_H=triton.next_power_of_2(H), BLOCK_HK=triton.next_power_of_2(HK),
-                           BLOCK_D=triton.next_power_of_2(half), num_warps=4 if H * hd <= 4096 else 8)
+    block_h, block_d = triton.next_power_of_2(H), triton.next_power_of_2(half)
+    block_t = max(1, min(triton.next_power_of_2(T), 4096 // (block_h * block_d)))  # ~4k elements a tile
+    _rope_kernel[(B, triton.cdiv(T, block_t))](
+        q, k, qo, ko, cos, sin, T, H, HK, *q.stride()[:3], *k.stride()[:3], scb, cos.stride(1),
+        INVERSE=inverse, ACC=acc, HALF=half, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
     return qo, ko
 
 
