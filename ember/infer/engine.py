@@ -391,9 +391,9 @@ class GraphedDecode:
         static = g.cache
         for mine, theirs in ((static.k, cache.k), (static.v, cache.v)):
             for layer, buffer in mine.items():
-                buffer.copy_(theirs[layer])  # a (1, ...) row broadcasts, as the stream's pads do
+                buffer.copy_(theirs[layer])
         static.pos.copy_(cache.pos)
-        static.pad.copy_(cache.pad)
+        static.pad.copy_(cache.pad)  # (1,) zeros when the stream has no pads: broadcast
         cache.k, cache.v, cache.pos, cache.pad = dict(static.k), dict(static.v), static.pos, static.pad
         g.owner = weakref.ref(cache)
 
