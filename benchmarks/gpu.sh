@@ -14,7 +14,9 @@
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
-#   decode    benchmarks/decode.py, gpt2-small in bf16 against transformers          (240 s)
+#   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
+#             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
+#             graphs against transformers' generate (issue 29 point 3)              (300 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -64,7 +66,8 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 240 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16"
+        stage decode 300 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 3"
         ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
