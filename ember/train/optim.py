@@ -20,7 +20,8 @@ Design choices:
   Newton–Schulz in bf16. ``tests/test_optim.py`` checks ours against it.
 - Muon's update scale is Keller Jordan's ``max(1, rows/cols) ** 0.5`` (the "original" of
   ``torch.optim.Muon``), so ``muon_lr`` is about 0.02, not AdamW-sized. Newton–Schulz runs in
-  fp32 on the CPU (exact resume and rank parity hold to the bit) and bf16 on CUDA.
+  fp32 on the CPU (exact resume and rank parity hold to the bit) and bf16 on CUDA, where
+  same-shape matrices go through it as one batched chain (``orthogonalize_all``).
 - Under FSDP2 a matrix is a DTensor sharded on dim 0, and orthogonalising a shard is not
   orthogonalising the matrix: each rank gathers the full momentum-updated matrix, runs
   Newton–Schulz on it (every rank the same), and keeps its own rows of the result.
@@ -49,22 +50,45 @@ def orthogonalize(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.fl
 
     Each step maps every singular value σ to p(σ) and leaves U, V alone. Dividing by the
     Frobenius norm (≥ the spectral norm) puts all σ in [0, 1] first. A wide X (rows ≤ cols)
-    keeps the Gram matrix A at the small side, so a tall G is transposed and back."""
+    keeps the Gram matrix A at the small side, so a tall G is transposed and back. ``g`` may
+    be a stack (n, rows, cols) of same-shape matrices: one batched chain (``baddbmm``) for all."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / x.norm().clamp_min(1e-7)
+    batched = x.dim() == 3
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True) if batched else x.norm()
+    x = x / norm.clamp_min(1e-7)
+    mm = torch.baddbmm if batched else torch.addmm
     for _ in range(steps):
-        gram = x @ x.mT  # (r, r), r = min(rows, cols)
+        gram = x @ x.mT  # (r, r), r = min(rows, cols); (n, r, r) batched
         # addmm scales, multiplies and adds in one kernel, rounding once: in bf16 on a GPU
         # that halves the error of the step against fp32 (benchmarks/muon_gpu.py)
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A²
-        x = torch.addmm(x, poly, x, beta=a)  # a X + (b A + c A²) X
+        poly = mm(gram, gram, gram, beta=b, alpha=c)  # b A + c A²
+        x = mm(x, poly, x, beta=a)  # a X + (b A + c A²) X
     if tall:
         x = x.mT
     return x.to(g.dtype)
+
+
+def orthogonalize_all(updates: list[torch.Tensor], steps: int, dtype: torch.dtype, batched: bool) -> list:
+    """``orthogonalize`` of each matrix; with ``batched``, same-shape plain matrices go as one
+    stack per shape (a gpt2-small's 48 attention matrices, 12 w1's, 12 w2's: 3 chains of bmm, not 72 of mm,
+    each launch busier). Off on the CPU: a stack's fp32 ``bmm`` may round differently from ``mm``
+    (tests/test_train_levers.py: within 1e-5), and CPU runs keep their bits."""
+    out: list = [None] * len(updates)
+    groups: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        if batched and not hasattr(u, "device_mesh"):
+            groups.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
+        else:
+            out[i] = _orthogonalize_any(u, steps, dtype)
+    for idx in groups.values():
+        stacked = orthogonalize(torch.stack([updates[i] for i in idx]), steps, dtype)
+        for i, o in zip(idx, stacked.unbind(0), strict=True):
+            out[i] = o
+    return out
 
 
 def _orthogonalize_any(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +115,8 @@ class Muon(torch.optim.Optimizer):
         W ← W (1 − lr·wd) − lr · max(1, rows/cols)^½ · NS₅(M)
 
     AdamW (Loshchilov & Hutter), decoupled decay, bias-corrected moments, per parameter.
-    ``ns_dtype`` None means fp32 on the CPU, bf16 on CUDA."""
+    ``ns_dtype`` None means fp32 on the CPU, bf16 on CUDA; ``ns_batched`` None means one
+    batched Newton–Schulz chain per matrix shape on CUDA, one per matrix on the CPU."""
 
     def __init__(
         self,
@@ -104,6 +129,7 @@ class Muon(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         ns_dtype: torch.dtype | None = None,
+        ns_batched: bool | None = None,
     ):
         defaults = dict(
             lr=lr,
@@ -116,7 +142,7 @@ class Muon(torch.optim.Optimizer):
             use_muon=True,
         )
         super().__init__(params, defaults)
-        self.ns_dtype = ns_dtype
+        self.ns_dtype, self.ns_batched = ns_dtype, ns_batched
         for group in self.param_groups:
             bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
             if group["use_muon"] and bad:
@@ -124,36 +150,47 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update. ``self.found_inf``, when set (a 0-dim tensor on the device, as
+        ``torch.optim.AdamW(fused=True)`` reads it), skips the update on the device where it
+        is nonzero, with no host sync: every new moment and weight is computed, then kept
+        only where ``found_inf`` is 0 (``torch.where``; NaN never leaks in). AdamW's step
+        count (a CPU tensor, for the bias correction) still advances on a skipped step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found = getattr(self, "found_inf", None)
+        found = None if found is None else found.bool()
         for group in self.param_groups:
             if group["use_muon"]:
-                self._muon(group)
+                self._muon(group, found)
             else:
-                self._adamw(group)
+                self._adamw(group, found)
         return loss
 
-    def _muon(self, group: dict) -> None:
+    def _muon(self, group: dict, found) -> None:
         lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
-            state = self.state[p]
+        params = [p for p in group["params"] if p.grad is not None]
+        moments = []
+        for p in params:
+            g, state = p.grad, self.state[p]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(g)
             buf = state["momentum_buffer"]
-            buf.lerp_(g, 1 - mu)
-            m = g.lerp(buf, mu) if group["nesterov"] else buf
-            dtype = self.ns_dtype or (torch.bfloat16 if m.device.type == "cuda" else torch.float32)
-            update = _orthogonalize_any(m, group["ns_steps"], dtype)
+            new_buf = buf.lerp(g, 1 - mu)
+            moments.append(g.lerp(new_buf, mu) if group["nesterov"] else new_buf)
+            _commit(buf, new_buf, found)
+        if not params:
+            return
+        device = params[0].device.type
+        dtype = self.ns_dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+        batched = device == "cuda" if self.ns_batched is None else self.ns_batched
+        updates = orthogonalize_all(moments, group["ns_steps"], dtype, batched)
+        for p, update in zip(params, updates, strict=True):
             rows, cols = p.shape
-            p.mul_(1 - lr * wd)
-            p.add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+            _commit(p, p.mul(1 - lr * wd).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5), found)
 
-    def _adamw(self, group: dict) -> None:
+    def _adamw(self, group: dict, found) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         for p in group["params"]:
@@ -166,13 +203,19 @@ class Muon(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(g)
                 state["exp_avg_sq"] = torch.zeros_like(g)
             state["step"] += 1
-            step = state["step"].item()
-            state["exp_avg"].lerp_(g, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            step = state["step"].item()  # a CPU tensor: no device sync
+            exp_avg = state["exp_avg"].lerp(g, 1 - beta1)
+            exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul_(g, g, value=1 - beta2)
             bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(bias2)).add_(eps)
-            p.mul_(1 - lr * wd)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / bias1)
+            denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+            new_p = p.mul(1 - lr * wd).addcdiv_(exp_avg, denom, value=-lr / bias1)
+            for old, new in ((state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq), (p, new_p)):
+                _commit(old, new, found)
+
+
+def _commit(old: torch.Tensor, new: torch.Tensor, found) -> None:
+    """``old ← new``, or keep ``old`` where the step is skipped (``found``, on the device)."""
+    old.copy_(new if found is None else torch.where(found, old, new))
 
 
 # ---------------------------------------------------------------- groups
