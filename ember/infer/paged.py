@@ -17,12 +17,15 @@ manager, prefix caching and copy-on-write.
 Design choices:
 
 - **Pool buffers are sized on the first ``attend``** from the keys received (engine.py's rule).
-- **Attention is a gather, on every device**: each layer writes the step's new keys into their
-  slots, gathers each sequence's slots (``index_select``) and runs SDPA; all decoding sequences
-  go as one padded batch, so many of them cost one SDPA per layer. A paged kernel (vLLM's,
-  FlexAttention with a block mask) would read blocks in place; ember gathers because it is plain
-  PyTorch that runs the same on the 2-core CPU, where the copy is small against the matmuls, and
-  on a GPU it is the readable baseline a kernel must be tested against.
+- **Two ways to attend** (``serve.paged_attention``, the ``PAGED_ATTENTION`` registry). ``gather``
+  (the default): each layer writes the step's new keys into their slots, gathers each
+  sequence's slots (``index_select``) and runs SDPA; all decoding sequences go as one padded
+  batch. Plain PyTorch, the same on every device, and the reference. ``flex``
+  (``FlexPagedKVCache``): one FlexAttention call per layer reads the pool in place, a
+  ``mask_mod`` mapping a physical slot to its logical position through an inverse block table
+  and a block mask built from the tables (PyTorch's ``_paged_attention``, gpt-fast). On the
+  2-core CPU gather is faster (tiny model, 40 requests: 4.7 s against 18 s with flex compiled
+  and warm), so it stays the default; the GPU comparison is in docs/serve.md.
 - **Prefix keys are chained hashes** (parent key + own tokens), so equal keys mean equal whole
   prefixes; sharing stops one token short of the prompt, whose logits start the answer. Only a
   partly filled last block after ``fork`` can be written by two sequences: it is copied on the
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.nn import functional as F
 
 from ember.errors import EmberError
 from ember.model.gpt import sdpa_attention
@@ -191,8 +195,8 @@ class PagedKVCache:
     """The ``KVCache`` protocol of ember/model/gpt.py over a ``BlockManager``'s pool, for one
     packed row of tokens from many sequences (module docstring). ``plan`` before each forward."""
 
-    def __init__(self, blocks: BlockManager, device: torch.device | None = None):
-        self.blocks, self.device = blocks, device
+    def __init__(self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64):
+        self.blocks, self.device = blocks, device  # (max_seqs: the flex cache's; any number fits here)
         self.k: dict[str, Tensor] = {}  # layer -> (num_blocks * block_size, n_kv_head, head_dim)
         self.v: dict[str, Tensor] = {}
         self.spans: list[tuple[int, int, Tensor]] = []
@@ -258,3 +262,127 @@ class PagedKVCache:
             qq = q[0, :, at].transpose(0, 1)[:, :, None]  # (D, n_head, 1, hd)
             out[0, :, at] = sdpa_attention(qq, kk, vv, 0.0, held)[:, :, 0].transpose(0, 1)
         return out
+
+
+KV_TILE = 128  # FlexAttention's sparse block (queries and pool slots): its CUDA kernel's tiles divide it
+
+
+def flex_kernel():
+    """FlexAttention compiled (the fused kernel; on a CPU inductor's C++ template), once per process.
+    Static shapes, padded to ``bucket`` lengths: a few kernels serve every step."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)  # dynamic: inductor's CPU template fails (2.13)
+    return _FLEX
+
+
+_FLEX = None
+
+
+def bucket(n: int) -> int:
+    """The power of two >= n, at least 16: the lengths FlexAttention is compiled for."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+class FlexPagedKVCache(PagedKVCache):
+    """``PagedKVCache`` whose attention reads the pool in place: one FlexAttention call per layer
+    over the packed row and the whole pool, a ``mask_mod`` mapping each physical slot back to its
+    logical position in the query's sequence (PyTorch's ``_paged_attention``, gpt-fast), and a
+    block mask built from the block tables so only the ``KV_TILE`` tiles a query's sequence owns
+    are read. Prompt chunks and decodes go in the same call. ``flex``: the attention function
+    (tests pass the eager one). ``plan(work, pad_to=B)`` pads the row to B tokens that write to
+    a scratch slot and attend to nothing: the fixed shapes a CUDA graph replays."""
+
+    def __init__(
+        self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64, flex=None
+    ):
+        super().__init__(blocks, device, max_seqs)
+        self.flex = flex
+        self.rows = bucket(max_seqs + 1)  # of the inverse table, fixed: one kernel per query bucket
+        bs = blocks.block_size
+        self.scratch = blocks.num_blocks * bs  # the slot padding tokens write to, owned by no block
+        self.pool_slots = -(-(self.scratch + 1) // KV_TILE) * KV_TILE
+        self.pages = -(-self.pool_slots // bs)  # columns of the inverse table, scratch's included
+        self._block_mask = None
+
+    def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
+        bs, S = self.blocks.block_size, len(work)
+        for seq, n in work:
+            assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
+        ns = torch.tensor([n for _, n in work])
+        N = int(ns.sum())
+        T = pad_to or N  # tokens fed: pads write to the scratch slot
+        assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
+        Q, R = bucket(T), self.rows  # fixed but for Q: a few compiled kernels serve every step
+        assert S < R, f"{S} sequences in one step; the cache was made for max_seqs={R - 1} at most"
+        q_seq = torch.repeat_interleave(torch.arange(S), ns)  # (N,) which sequence each token is
+        starts = torch.tensor([seq.computed for seq, _ in work]) - (ns.cumsum(0) - ns)
+        q_pos = starts[q_seq] + torch.arange(N)  # (N,) its position in that sequence
+        table = torch.tensor([b for seq, _ in work for b in seq.table], dtype=torch.long)  # tables, joined
+        lens = torch.tensor([len(seq.table) for seq, _ in work])
+        first = lens.cumsum(0) - lens  # where each sequence's table starts in ``table``
+        owner = torch.repeat_interleave(torch.arange(S), lens)
+        inv = torch.full((R, self.pages), -1, dtype=torch.int32, device=self.device)  # [seq, physical block]
+        logical = (torch.arange(len(table)) - first[owner]).int()  # -> logical block; rows >= S own none
+        inv[owner.to(self.device), table.to(self.device)] = logical.to(self.device)
+        slots = table[first[q_seq] + q_pos // bs] * bs + q_pos % bs  # (N,) where the new keys go
+        self.slots = torch.cat([slots, torch.full((T - N,), self.scratch)]).to(self.device)
+        self.positions = torch.cat([q_pos, torch.zeros(T - N, dtype=torch.long)]).to(self.device)[None]
+        q_seq = torch.cat([q_seq, torch.full((Q - N,), S)])  # pads belong to row S, which owns nothing
+        q_pos = torch.cat([q_pos, torch.zeros(Q - N, dtype=torch.long)])
+        # Block mask: a query tile reads every KV tile holding a block of one of its sequences.
+        n_q, n_kv = Q // KV_TILE or 1, self.pool_slots // KV_TILE
+        in_tile = torch.zeros(n_q, R)
+        in_tile[torch.arange(Q) // KV_TILE, q_seq] = 1
+        owns = torch.zeros(R, n_kv)
+        owns[owner, table * bs // KV_TILE] = 1
+        owns[owner, (table * bs + bs - 1) // KV_TILE] = 1  # a block across a tile edge
+        needed = (in_tile @ owns) > 0  # (n_q, n_kv)
+        num = needed.sum(-1, dtype=torch.int32)[None, None]  # (1, 1, n_q)
+        indices = needed.int().argsort(dim=-1, descending=True, stable=True).int()[None, None]  # theirs first
+        self.mask = (q_seq.to(self.device), q_pos.to(self.device), inv)
+        self.tiles = (num.to(self.device), indices.to(self.device), Q)
+
+    def block_mask(self):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        q_seq, q_pos, inv = self.mask
+        bs = self.blocks.block_size
+
+        def mask_mod(b, h, q, kv):  # kv: a physical slot; visible if its sequence's and causal
+            logical = inv[q_seq[q], kv // bs]
+            return (logical >= 0) & (logical * bs + kv % bs <= q_pos[q])
+
+        num, indices, n = self.tiles
+        return BlockMask.from_kv_blocks(
+            num, indices, BLOCK_SIZE=KV_TILE, mask_mod=mask_mod, seq_lengths=(n, self.pool_slots)
+        )
+
+    def extend(self, T: int) -> Tensor:
+        assert T == self.slots.numel(), f"planned {self.slots.numel()} tokens, fed {T}"
+        bs = self.blocks.block_size
+        for src, dst in self.blocks.copies:  # copy-on-write, before anything is written
+            for pool in (*self.k.values(), *self.v.values()):
+                pool[:, dst * bs : (dst + 1) * bs] = pool[:, src * bs : (src + 1) * bs]
+        self.blocks.copies.clear()
+        self._block_mask = None
+        return self.positions
+
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if layer not in self.k:  # (n_kv_head, pool_slots, hd): the layout FlexAttention reads
+            self.k[layer] = k.new_zeros(k.size(1), self.pool_slots, k.size(3))
+            self.v[layer] = v.new_zeros(v.size(1), self.pool_slots, v.size(3))
+        keys, values = self.k[layer], self.v[layer]
+        keys.index_copy_(1, self.slots, k[0])  # (n_kv_head, N, hd) into their slots
+        values.index_copy_(1, self.slots, v[0])
+        if self._block_mask is None:  # once per forward, shared by the layers
+            self._block_mask = self.block_mask()
+        flex, T, gqa = self.flex or flex_kernel(), q.size(2), q.size(1) != k.size(1)
+        q = F.pad(q, (0, 0, 0, self.tiles[2] - T))  # (1, n_head, Q, hd): the bucket's length
+        out = flex(q, keys[None], values[None], block_mask=self._block_mask, enable_gqa=gqa)
+        return out[:, :, :T]
+
+
+PAGED_ATTENTION = {"gather": PagedKVCache, "flex": FlexPagedKVCache}  # serve.paged_attention

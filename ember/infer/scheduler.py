@@ -38,7 +38,7 @@ import torch
 
 from ember.errors import EmberError
 from ember.infer.engine import Completion, Engine, Row, sample_next
-from ember.infer.paged import BlockManager, PagedKVCache, PagedSequence, blocks_for
+from ember.infer.paged import PAGED_ATTENTION, BlockManager, FlexPagedKVCache, PagedSequence, blocks_for
 from ember.infer.sampling import Sampling
 
 
@@ -46,6 +46,58 @@ def top_logprobs(logp: torch.Tensor, k: int) -> dict[int, float]:
     """{id: log-probability} of the ``k`` likeliest ids of a log-probability row (V,)."""
     values, indices = logp.topk(k)
     return dict(zip(indices.tolist(), values.tolist(), strict=True))
+
+
+class DecodeGraphs:
+    """Decode-only steps padded to a few batch sizes (``buckets``) and, on CUDA, replayed from one
+    CUDA graph per bucket (gpt-fast, vLLM): a decode step of a small model is mostly kernel
+    launches, which a graph replays at once. Needs the flex cache: its shapes depend on the
+    bucket alone, where the gather's follow the longest sequence. A graph records kernels on a
+    GPU stream and replays them on the same buffers, so everything it reads lives in buffers
+    kept per bucket (ids, and the cache's plan, copied in before each replay); a CPU has no such
+    streams, so there the same padded step runs eagerly, which is what tests/test_paged_flex.py
+    checks. Capture happens on a bucket's first use, after two warm-up forwards of that very
+    batch (they rewrite the same keys into the same slots, so they change nothing)."""
+
+    def __init__(
+        self, model: torch.nn.Module, cache: FlexPagedKVCache, buckets: tuple[int, ...], capture: bool
+    ):
+        self.model, self.cache, self.buckets, self.capture = model, cache, sorted(buckets), capture
+        self.static: dict[int, list[torch.Tensor]] = {}  # bucket -> ids, then the cache's planned tensors
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> graph, its logits
+
+    def fits(self, work: list[tuple[Request, int]]) -> bool:
+        return all(n == 1 for _, n in work) and len(work) <= self.buckets[-1]
+
+    def __call__(self, work: list[tuple[Request, int]]) -> torch.Tensor:
+        """Logits (len(work), V) of one decode step of ``work``'s sequences, padded to a bucket."""
+        B, cache = next(b for b in self.buckets if b >= len(work)), self.cache
+        cache.plan([(r.seq, 1) for r, _ in work], pad_to=B)
+        ids = torch.zeros(1, B, dtype=torch.long)
+        ids[0, : len(work)] = torch.tensor([r.seq.tokens[r.seq.computed] for r, _ in work])
+        planned = [ids.to(cache.slots.device), cache.slots, cache.positions, *cache.mask, *cache.tiles[:2]]
+        static = self.static.setdefault(B, [t.clone() for t in planned])
+        for buffer, t in zip(static, planned, strict=True):
+            buffer.copy_(t)
+        cache.slots, cache.positions, cache.mask = static[1], static[2], tuple(static[3:6])
+        cache.tiles = (static[6], static[7], cache.tiles[2])
+        cache.extend(B)  # copy-on-writes now: a replay would not see them
+        if not self.capture:
+            return self.model(static[0], cache=cache)[0, : len(work)]
+        if B not in self.graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.model(static[0], cache=cache)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self.model(static[0], cache=cache)
+            self.graphs[B] = (graph, logits)
+        graph, logits = self.graphs[B]
+        graph.replay()
+        return logits[0, : len(work)].clone()  # the buffer is overwritten by the next replay
 
 
 @dataclass(eq=False)
@@ -83,6 +135,8 @@ class Scheduler:
         max_batch_tokens: int = 512,
         max_seqs: int = 64,
         prefix_caching: bool = True,
+        paged_attention: str = "gather",
+        decode_buckets: tuple[int, ...] | None = None,
     ):
         if max_batch_tokens < 1 or max_seqs < 1:
             raise EmberError(
@@ -93,7 +147,14 @@ class Scheduler:
             num_blocks = blocks_for(kv_memory or 2**26, engine.model.cfg, block_size, dtype)
         self.engine = engine
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
-        self.cache = PagedKVCache(self.blocks, engine.device)
+        if paged_attention not in PAGED_ATTENTION:
+            choices = ", ".join(PAGED_ATTENTION)
+            raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
+        self.cache = PAGED_ATTENTION[paged_attention](self.blocks, engine.device, max_seqs=max_seqs)
+        self.graphs = None  # decode steps padded to ``decode_buckets`` (CUDA graphs on a GPU): flex only
+        if decode_buckets and paged_attention == "flex":
+            capture = torch.device(engine.device).type == "cuda"
+            self.graphs = DecodeGraphs(engine.model, self.cache, decode_buckets, capture)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
@@ -193,13 +254,8 @@ class Scheduler:
         work = self._schedule()
         if not work:
             return []
-        self.cache.plan([(r.seq, n) for r, n in work])
-        ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
-        keep = torch.zeros(1, len(ids), dtype=torch.bool)
-        keep[0, torch.tensor([n for _, n in work]).cumsum(0) - 1] = True  # each sequence's last fed token
-        device = self.engine.device
-        logits = self.engine.model(torch.tensor([ids], device=device), cache=self.cache, keep=keep.to(device))
-        logits = logits.float()  # (len(work), V)
+        forward = self.graphs if self.graphs and self.graphs.fits(work) else self._forward
+        logits = forward(work).float()  # (len(work), V)
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
         answers = []  # (request, its logits) of every sequence that samples a token now
@@ -220,6 +276,15 @@ class Scheduler:
             self.slots_used += request.seq.computed
             self.slots_held += len(request.seq.table) * self.blocks.block_size
         return events
+
+    def _forward(self, work: list[tuple[Request, int]]) -> torch.Tensor:
+        """Logits (len(work), V) of each sequence's last fed token, from one packed forward."""
+        self.cache.plan([(r.seq, n) for r, n in work])
+        ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
+        keep = torch.zeros(1, len(ids), dtype=torch.bool)
+        keep[0, torch.tensor([n for _, n in work]).cumsum(0) - 1] = True  # each sequence's last fed token
+        device = self.engine.device
+        return self.engine.model(torch.tensor([ids], device=device), cache=self.cache, keep=keep.to(device))
 
     @staticmethod
     def _draw(answers: list[tuple[Request, torch.Tensor]]) -> list[int]:

@@ -1,0 +1,149 @@
+"""The flex paged cache (FlexAttention over the pool in place) against the gather cache, and decode
+steps padded to a batch-size bucket (the shapes CUDA graphs replay) against unpadded ones.
+
+FlexAttention runs eagerly here (the reference of the same math: the compiled CPU kernel takes
+tens of seconds per shape to build); the block mask, the inverse tables and the padding are the
+same code the compiled kernel and the CUDA graphs read."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import flex_attention
+
+from ember.errors import EmberError
+from ember.infer.paged import BlockManager, FlexPagedKVCache, PagedKVCache, PagedSequence, bucket
+from ember.infer.sampling import Sampling
+from ember.infer.scheduler import Scheduler
+from tests.test_engine import LAYOUTS, tiny_model
+from tests.test_scheduler import engine, serve  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def step(model, cache, blocks, work, pad_to=None):
+    """Reserve, plan and run one packed forward of ``work`` [(seq, n)] (padded with id 0 to
+    ``pad_to`` tokens); the logits of each sequence's last fed token, then commit."""
+    for seq, n in work:
+        blocks.reserve(seq, n)
+    cache.plan(work, pad_to=pad_to) if pad_to else cache.plan(work)
+    ids = [t for seq, n in work for t in seq.tokens[seq.computed : seq.computed + n]]
+    ends = torch.tensor([n for _, n in work]).cumsum(0) - 1
+    logits = model(torch.tensor([ids + [0] * ((pad_to or 0) - len(ids))]), cache=cache)[0]  # (N, V)
+    for seq, n in work:
+        blocks.commit(seq, n)
+    return logits[ends]
+
+
+class Twin:
+    """The same sequences on two pools, one read by gathering, one by FlexAttention: every step
+    is made on both (same tables: same block managers' decisions) and their logits compared."""
+
+    def __init__(self, model, num_blocks, block_size, prompts):
+        self.model, self.worst = model, 0.0
+        self.blocks = [BlockManager(num_blocks, block_size) for _ in range(2)]
+        self.caches = [PagedKVCache(self.blocks[0]), FlexPagedKVCache(self.blocks[1], flex=flex_attention)]
+        self.seqs = [[PagedSequence(list(p)) for p in prompts] for _ in range(2)]
+
+    def admit(self, i):
+        for blocks, seqs in zip(self.blocks, self.seqs, strict=True):
+            blocks.admit(seqs[i])
+        return self.seqs[0][i].cached_tokens
+
+    def release(self, i):
+        for blocks, seqs in zip(self.blocks, self.seqs, strict=True):
+            blocks.release(seqs[i])
+
+    def step(self, plan, pad_to=None):
+        """plan [(i, n)]; appends each decoded sequence's greedy token; returns the flex logits."""
+        out = []
+        for side, (blocks, cache, seqs) in enumerate(zip(self.blocks, self.caches, self.seqs, strict=True)):
+            work = [(seqs[i], n) for i, n in plan]
+            out.append(step(self.model, cache, blocks, work, pad_to if side else None))
+        assert [s.table for s in self.seqs[0]] == [s.table for s in self.seqs[1]]
+        self.worst = max(self.worst, (out[0] - out[1]).abs().max().item())
+        for (i, _), g, f in zip(plan, *out, strict=True):
+            assert int(g.argmax()) == int(f.argmax())
+            for seqs in self.seqs:
+                if seqs[i].computed == len(seqs[i].tokens):
+                    seqs[i].tokens.append(int(g.argmax()))
+        return out[1]
+
+
+@pytest.mark.parametrize("layout", ["learned-mha", "rope-gqa"])
+def test_flex_equals_gather_on_ragged_rows_sharing_prefix_blocks(layout):
+    """Rows of 11, 3, 6 and 14 tokens in blocks of 4 (every chunk ends mid-block), two of them
+    sharing a prefix-cached 8 tokens, a fork writing its copied last block, then blocks freed
+    and taken again by a new sequence (stale keys in them): logits within 1e-5, same greedy ids."""
+    torch.manual_seed(0)
+    model = tiny_model(**LAYOUTS[layout])
+    shared = torch.randint(0, 64, (9,)).tolist()
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (11, 3, 6)]
+    prompts += [shared + [1, 2, 3, 4, 5], shared + [7]]
+    t = Twin(model, num_blocks=24, block_size=4, prompts=prompts)
+    with torch.no_grad():
+        for i in range(4):
+            t.admit(i)
+        t.step([(0, 5), (1, 3)])  # chunked prefill: one mid-prompt while another starts
+        t.step([(0, 6), (2, 6), (3, 14)])
+        assert t.admit(4) == 8  # two full blocks of sequence 3's prompt, shared
+        t.step([(4, 2), (0, 1), (1, 1), (2, 1), (3, 1)])  # prefill beside decodes in one row
+        for _ in range(4):  # sequence 2 ends with 11 of 12 slots of its last block filled
+            t.step([(i, 1) for i in range(5)])
+        for blocks, seqs in zip(t.blocks, t.seqs, strict=True):  # n answers: a fork of sequence 2
+            seqs.append(blocks.fork(seqs[2]))
+        for _ in range(3):
+            t.step([(i, 1) for i in range(6)])
+        assert t.blocks[1].cow == 1
+        t.release(0), t.release(1)  # their blocks go back; a new sequence takes them, stale keys and all
+        late = torch.randint(0, 64, (13,)).tolist()
+        for seqs in t.seqs:
+            seqs.append(PagedSequence(list(late)))
+        t.admit(6)
+        t.step([(6, 13), (2, 1), (5, 1)])
+        for _ in range(4):
+            t.step([(i, 1) for i in (2, 3, 4, 5, 6)])
+    assert t.worst < 1e-5
+
+
+def test_decode_padded_to_a_bucket_equals_the_unpadded_step():
+    """A decode step of 5 sequences padded to bucket 8 (three pad tokens writing to the scratch
+    slot and attending to nothing): the 5 real rows' logits equal the gather cache's, and the
+    next steps (which read what the padded step wrote) still do."""
+    torch.manual_seed(1)
+    model = tiny_model(**LAYOUTS["rope-gqa"])
+    prompts = [torch.randint(0, 64, (n,)).tolist() for n in (7, 1, 12, 4, 9)]
+    t = Twin(model, num_blocks=40, block_size=4, prompts=prompts)
+    with torch.no_grad():
+        for i in range(5):
+            t.admit(i)
+        t.step([(i, len(p)) for i, p in enumerate(prompts)])
+        for _ in range(6):
+            t.step([(i, 1) for i in range(5)], pad_to=8)
+        t.step([(i, 1) for i in range(5)])  # unpadded again
+    assert t.worst < 1e-5
+    assert bucket(5) == 16 and bucket(17) == 32 and bucket(64) == 64
+
+
+def test_scheduler_flex_and_buckets_equal_gather_with_preemptions(engine):  # noqa: F811
+    """The scheduler over the flex cache, with decode steps padded to buckets (CUDA graphs'
+    shapes; captured only on CUDA), in a pool small enough to preempt: every greedy answer equals
+    the gather cache's, token for token, and every block is free at the end."""
+    rng = random.Random(1)  # 8 requests of up to 30 + 16 tokens, a pool of 7 blocks of 8: preemptions
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 30))] for _ in range(8)]
+    requests = [(rng.randint(0, 2), prompt, rng.randint(1, 16)) for prompt in prompts]
+    answers, preemptions = {}, {}
+    for kind, buckets in [("gather", None), ("flex", (1, 2, 4, 8))]:
+        s = Scheduler(engine, num_blocks=7, block_size=8, max_batch_tokens=64, max_seqs=8,
+                      paged_attention=kind, decode_buckets=buckets)  # fmt: skip
+        if kind == "flex":
+            s.cache.flex = flex_attention
+            assert s.graphs is not None and not s.graphs.capture  # a CPU: the padded step runs eagerly
+        got = serve(s, requests, lambda i, new: Sampling(new, temperature=0))
+        answers[kind], preemptions[kind] = [c.token_ids for c in got], s.preemptions
+    assert answers["flex"] == answers["gather"]
+    assert preemptions["flex"] > 0
+    with pytest.raises(EmberError, match="serve.paged_attention=dense"):
+        Scheduler(engine, num_blocks=40, paged_attention="dense")
