@@ -30,6 +30,7 @@ Design choices:
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,8 +93,13 @@ class DecodeGraphs:
                     self.model(static[0], cache=cache)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self.model(static[0], cache=cache)
+            try:
+                with torch.cuda.graph(graph):
+                    logits = self.model(static[0], cache=cache)
+            except RuntimeError as e:  # untested on this GPU stack: serve on, padded and eager, and say so
+                warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}", stacklevel=2)
+                self.capture = False
+                return self.model(static[0], cache=cache)[0, : len(work)]
             self.graphs[B] = (graph, logits)
         graph, logits = self.graphs[B]
         graph.replay()
