@@ -20,6 +20,19 @@ After each level the server's /metrics must show no sequence running and no KV b
 averaged over engine steps, that held a token's keys: 1 - the waste of partly filled blocks.
 
 On a 2-core CPU the clients share the cores with the server; the figures include that cost.
+
+Without ``--run``, on a device (issue 29's GPU serving check; ``--device cpu`` is its dry run):
+
+    .venv/bin/python benchmarks/serve.py --device cuda [--model gpt2-small] [--clients 1 16 64 256]
+        [--attention gather flex] [serve.max_seqs=256 serve.kv_memory=8e9 ...]
+
+a seeded model of that shape (random weights, ``init_std`` 0.1 so greedy ids are not ties) is
+served in this process: the scheduler is stepped directly, with C closed-loop clients (a
+client submits its next request when its last finishes), so no HTTP stack is needed on the GPU
+machine. Per level: output tokens/s, TTFT and ITL p50/p99 (a token's time is the end of the
+step that made it), KV slots used of those held, the peak share of the pool in use, the ratio to
+the batch-1 engine's tokens/s over the same requests one after another, and whether every
+greedy completion equals the batch-1 engine's (fp32; the script exits 1 if one differs).
 """
 
 from __future__ import annotations
@@ -38,9 +51,19 @@ import httpx
 import torch
 from printing import cpu_model, print_table
 
+from ember.config import ModelConfig, load_config
+from ember.data.tokenizer import Tokenizer
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
+from ember.infer.scheduler import Scheduler
+from ember.model.gpt import GPT
 from ember.model.hf import to_hf
+
+GPT2 = dict(pos="learned", norm="layernorm", mlp="gelu", bias=True)
+MODELS = {  # --model: shapes of benchmarks/decode.py's, with GPT-2's padded vocabulary
+    "tiny": dict(n_layer=2, n_head=4, d_model=64, vocab_size=512, **GPT2),
+    "gpt2-small": dict(n_layer=12, n_head=12, d_model=768, vocab_size=50304, **GPT2),
+}
 
 
 def workload(n: int, seed: int, vocab: tuple[int, int]) -> list[tuple[list[int], int]]:
@@ -103,9 +126,95 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
+def serve_level(scheduler: Scheduler, requests, clients: int, warm: bool = False) -> dict:
+    """Closed-loop clients in this process; per-request token times and the level's figures."""
+    queue, live, done, start = list(enumerate(requests)), {}, {}, time.perf_counter()
+    held_peak, used0, held0 = 0, scheduler.slots_used, scheduler.slots_held
+    while queue or live:
+        while queue and len(live) < clients:
+            i, (prompt, n_out) = queue.pop(0)
+            [r] = scheduler.add(prompt, Sampling(n_out, temperature=0, ignore_eos=True))
+            live[i] = (r, time.perf_counter(), [])
+        scheduler.step()
+        now = time.perf_counter()
+        held_peak = max(held_peak, scheduler.blocks.in_use)
+        for i, (r, sent, times) in list(live.items()):
+            times += [now] * (len(r.row.ids) - len(times))
+            if r.done:
+                gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+                done[i] = (r.completion().token_ids, [times[0] - sent], gaps)
+                del live[i]
+    wall = time.perf_counter() - start
+    used, held = scheduler.slots_used - used0, scheduler.slots_held - held0
+    peak, tokens = held_peak / scheduler.blocks.num_blocks, sum(len(t) for t, _, _ in done.values())
+    return {"wall": wall, "done": done, "kv": used / max(held, 1), "peak": peak, "tokens": tokens}
+
+
+def device_main(args) -> None:
+    """Issue 29's serving check in one process (module docstring)."""
+    device = torch.device(args.device)
+    serve = load_config("tiny", args.serve).serve
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy parity with the batch-1 engine
+    text = " ".join(f"def f{i}(x): return x * {i} + {i % 7}" for i in range(400))
+    tokenizer = Tokenizer.train_bpe(text, 300)
+    cfg = ModelConfig(max_seq_len=512, init_std=0.1, dropout=0.0, **MODELS[args.model])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    model = GPT.build(cfg, device=device, seed=args.seed).eval().to(dtype)
+    engine = Engine(model, tokenizer, device=device)
+    n = max(args.requests, max(args.clients))
+    requests = workload(n, args.seed, (16, engine.n_valid))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+    print(f"{args.model}: {model.num_params() / 1e6:.1f}M parameters, {args.dtype}, on {name}, "
+          f"torch {torch.__version__}")  # fmt: skip
+    with torch.inference_mode():  # the batch-1 engine: the reference answers and the sequential rate
+        start, reference = time.perf_counter(), []
+        for prompt, n_out in requests:
+            [c] = engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
+            reference.append(c.token_ids)
+        sequential = sum(len(t) for t in reference) / (time.perf_counter() - start)
+    rows, equal_all = [], True
+    for attention in args.attention:
+        buckets = tuple(serve.decode_buckets) if attention == "flex" else None
+        scheduler = Scheduler(engine, kv_memory=int(serve.kv_memory), block_size=serve.block_size,
+                              max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
+                              prefix_caching=serve.prefix_caching, paged_attention=attention,
+                              decode_buckets=buckets)  # fmt: skip
+        level = {c: requests[: max(args.per_level, c)] for c in args.clients}
+        for clients in args.clients:  # warm-up: each level's shapes compiled (flex) and captured (graphs)
+            serve_level(scheduler, [(p, min(o, 4)) for p, o in level[clients]], clients)
+            scheduler.blocks.block_of.clear(), scheduler.blocks.key_of.clear()  # no prefix-cache hits after
+        for clients in args.clients:
+            got = serve_level(scheduler, level[clients], clients)
+            scheduler.blocks.block_of.clear(), scheduler.blocks.key_of.clear()
+            ttft = [x * 1e3 for _, t, _ in got["done"].values() for x in t]
+            itl = [x * 1e3 for _, _, gaps in got["done"].values() for x in gaps]
+            same = sum(got["done"][i][0] == reference[i] for i in got["done"])
+            equal_all &= same == len(got["done"])
+            rate = got["tokens"] / got["wall"]
+            rows.append([attention, str(clients), f"{len(got['done'])}", f"{rate:,.0f}",
+                         f"{statistics.median(ttft):.1f} / {pct(ttft, 0.99):.1f}",
+                         f"{statistics.median(itl):.1f} / {pct(itl, 0.99):.1f}" if itl else "",
+                         f"{got['kv']:.1%}", f"{got['peak']:.0%}", f"{rate / sequential:.2f}x",
+                         f"{same}/{len(got['done'])}"])  # fmt: skip
+        graphs = scheduler.graphs and (sorted(scheduler.graphs.graphs) or "none (no CUDA, or failed)")
+        print(f"{attention}: {scheduler.preemptions} preemptions, {scheduler.blocks.num_blocks} blocks of "
+              f"{serve.block_size}; decode buckets {buckets}, CUDA graphs: {graphs or 'off'}")  # fmt: skip
+    print(f"batch-1 engine, one request after another: {sequential:,.0f} output tok/s")
+    print_table(["attention", "clients", "requests", "output tok/s", "TTFT ms p50 / p99", "ITL ms p50 / p99",
+                 "KV used", "KV peak", "x sequential", "= batch-1"], rows)  # fmt: skip
+    if not equal_all:
+        print("some greedy completions differ from the batch-1 engine's")
+        raise SystemExit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--run", required=True, help="the run directory to serve")
+    parser.add_argument("--run", help="the run directory to serve over HTTP; without it, --device")
+    parser.add_argument("--device", default="cpu", help="without --run: serve a seeded --model here")
+    parser.add_argument("--model", choices=MODELS, help="without --run (gpt2-small on cuda, tiny on cpu)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=("gather", "flex"))
+    parser.add_argument("--per-level", type=int, default=32, help="without --run: per level")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seed", type=int, default=0)
@@ -114,6 +223,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate")
     parser.add_argument("serve", nargs="*", metavar="serve.key=value", help="server settings")
     args = parser.parse_args()
+    if args.run is None:
+        args.model = args.model or ("gpt2-small" if args.device.startswith("cuda") else "tiny")
+        return device_main(args)
     name, url = Path(args.run).resolve().name, f"http://127.0.0.1:{args.port}"
     engine = Engine.from_run(args.run)
     requests = workload(args.requests, args.seed, (16, engine.n_valid))
