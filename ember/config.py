@@ -232,7 +232,11 @@ class TrainConfig(_Section, key="train"):
     eps: float = opt(1e-8, "AdamW epsilon", ge=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
-    precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler", choices=("fp32", "bf16", "fp16"))
+    precision: str = opt(
+        "fp32",
+        "bf16/fp16 autocast, fp16 with GradScaler; fp8(-rowwise): torchao float8 block linears (CUDA sm89+)",
+        choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"),
+    )
     compile: bool = opt(False, "torch.compile each block")
     kernels: str = opt(
         "torch", "triton = ember.kernels: norms, RoPE, attention, fused linear+CE loss", choices=("torch", "triton")

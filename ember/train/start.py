@@ -172,3 +172,55 @@ def apply_qat_cfg(model, train_cfg) -> None:
                 f"{bad}; choose a group size that divides {widths}"
             )
     apply_qat(model, spec)
+
+
+# train.precision → torchao's float8 recipe: tensorwise scales (one per tensor: the fastest) or
+# rowwise (one per row of each operand: closer to bf16, a little slower)
+FP8_RECIPES = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
+
+
+def check_fp8(train_cfg, device: torch.device, layout: tuple[str, ...] = (), capability=None) -> None:
+    """Refuse ``train.precision=fp8`` where it cannot run, before any work. Float8 training
+    multiplies in float8 on tensor cores (``torch._scaled_mm``), which exist only on CUDA GPUs
+    of compute capability 8.9 or newer (L4, 4090, H100, H200, B200): a CPU has no float8
+    GEMM, so this path can be refused on one but never run there. ``layout``: the parts of the
+    layout in use that float8 linears do not compose with here (TP, PP, FSDP)."""
+    where = f"train.precision={train_cfg.precision}"
+    if train_cfg.precision not in FP8_RECIPES:
+        return
+    if device.type != "cuda":
+        raise ConfigError(f"{where} needs a CUDA GPU of compute capability 8.9 or newer; this run is on {device.type}: use train.precision=bf16")  # fmt: skip # noqa: E501
+    major, minor = capability or torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise ConfigError(f"{where} needs float8 tensor cores (compute capability 8.9 or newer: L4, H100, H200); this GPU has {major}.{minor}: use train.precision=bf16")  # fmt: skip # noqa: E501
+    clash = [*layout, *(["train.qat"] if train_cfg.qat != "none" else [])]
+    clash += ["LoRA"] if train_cfg.lora_rank else []
+    if clash:
+        raise ConfigError(f"{where} converts the block linears to torchao's Float8Linear: not with {', '.join(clash)} yet")  # fmt: skip # noqa: E501
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{where} needs torchao's float8 training: pip install 'ember[quant]'") from None
+
+
+def fp8_filter(module: torch.nn.Module, fqn: str) -> bool:
+    """The linears float8 training converts: the blocks' (the head stays in bf16, and under
+    ``train.kernels=triton`` feeds the fused loss), with both widths multiples of 16 (float8
+    GEMMs' alignment)."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        and fqn.startswith("layers.")
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
+
+
+def apply_fp8(model, train_cfg) -> None:
+    """``train.precision=fp8``: torchao's ``Float8Linear`` on the block linears (same
+    parameters and names: checkpoints and exported weights are a plain run's), with dynamic
+    tensorwise or rowwise scales; the rest of the step runs under bf16 autocast. CUDA only
+    (``check_fp8``); the tests check the refusal and ``fp8_filter`` on the CPU."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(FP8_RECIPES[train_cfg.precision])
+    convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)

@@ -14,7 +14,12 @@ tokenizer, ``train.init_from``, QAT, LoRA), then the layout is applied
 (``train.optimizer``: AdamW, or Muon on the block matrices) comes from ``ember.train.optim``
 with one parameter group per role; each group has its own peak learning rate
 (``group["peak_lr"]``) and the schedule scales each peak alike. The logged ``lr`` is the
-schedule at ``train.lr``.
+schedule at ``train.lr``. The loop waits for the device once per ``train.log_every`` steps
+(``to_host`` in ``_flush``, also before an evaluation or a checkpoint): losses and gradient
+norms stay on the device until then, and the non-finite guard skips an update there
+(``found_inf``, which fused AdamW and ember's Muon take); ``_skips_on_device`` says where it
+still reads one flag a step. ``train.precision=fp8`` converts the block linears to torchao's
+float8 training (``ember.train.start.apply_fp8``; CUDA, compute capability 8.9+).
 
 Numbers you can trust:
 
@@ -73,10 +78,20 @@ from ember.train.layout import check_layout
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
 from ember.train.recorder import Recorder
-from ember.train.start import apply_lora_cfg, apply_qat_cfg, init_from, resolve_model_config, start_tokenizer
+from ember.train.start import (
+    FP8_RECIPES,
+    apply_fp8,
+    apply_lora_cfg,
+    apply_qat_cfg,
+    check_fp8,
+    init_from,
+    resolve_model_config,
+    start_tokenizer,
+)
 from ember.train.tasks import task_class
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST |= dict.fromkeys(FP8_RECIPES, torch.bfloat16)  # float8 block linears, the rest in bf16
 
 
 # On resume the config must equal the run's, but for where the run lives, computes and logs
@@ -92,6 +107,14 @@ RESUME_FIXED += ("data.sampling", "tokenizer")
 
 class NonFiniteError(EmberError):
     """Loss or gradients became NaN/Inf."""
+
+
+def to_host(values: list) -> list[float]:
+    """The loop's one host sync: device scalars (losses, gradient norms, the non-finite flags of
+    the steps since the last call) read together, once per ``train.log_every`` steps."""
+    if not values:
+        return []
+    return torch.stack([v.detach().float().reshape(()).to(values[0].device) for v in values]).tolist()
 
 
 # ---------------------------------------------------------------- helpers
@@ -199,6 +222,8 @@ class Trainer:
             raise ConfigError("no training budget: set train.max_steps, train.max_tokens or train.max_time")
         self.env = env = init_distributed(cfg.parallel, t.device)
         self.watch = Watchdog(env, cfg.parallel.timeout_s)  # a failed collective says who and why
+        fsdp = env.distributed and cfg.parallel.data == "fsdp"
+        check_fp8(t, env.device, tuple(k for k, on in (("TP", env.tp > 1), ("PP", env.pp > 1), ("FSDP", fsdp)) if on))  # fmt: skip # noqa: E501
         if t.precision != "fp32" and env.device.type == "cpu":
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
@@ -239,6 +264,8 @@ class Trainer:
             if not ready:
                 raise ConfigError(f"train.kernels=triton: {why}; use train.kernels=torch")
             model.set_kernels("triton")
+        if t.precision in FP8_RECIPES:  # after the kernels: they leave the block linears alone
+            apply_fp8(model, t)
         self.frozen = None  # a reference copy of the starting weights, if the task keeps one
         task.prepare(self, model)
         self.model = parallelize(model, env, cfg)
@@ -261,6 +288,10 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir, env.is_main and not self.done, t.tensorboard, resumed_at)
         self.dynamics = Dynamics(unwrap(self.model)) if t.log_dynamics else None
         self.dyn_metrics = {}
+        # the non-finite guard on the device (run() turns it on; advance() decides on the host):
+        # records and first micro-batches of the steps not yet read, a stop-mode latch
+        self.deferred, self.pending, self.pending_batches, self.latch = False, [], {}, None
+        self.plain_params = not any(hasattr(p, "device_mesh") for p in self.model.parameters())
 
     def _resume(self) -> None:
         """The counters at the start, or the checkpoint's state on resume."""
@@ -394,6 +425,7 @@ class Trainer:
         last = {}
         progress = self.progress(self.elapsed_before)
         batches = self.loader.iterate(self.step)  # background prefetch + pinned copies on CUDA
+        self.deferred = True  # one host sync per train.log_every steps (_flush)
         comm = {"ddp": "DDP's gradient all-reduce", "fsdp": "FSDP's all-gathers and reduce-scatters"}
         if self.env.pp > 1:
             comm = dict.fromkeys(comm, f"the pipeline's sends and receives ({self.cfg.parallel.pp_schedule})")
@@ -417,12 +449,16 @@ class Trainer:
                 self.tokens += t.batch_tokens
                 elapsed = self._elapsed(start)
                 progress = self.progress(elapsed)
-                last = self._log(bar, lr, loss, grad_norm, (t0, t1, t1 + fwd_bwd_s, t3), elapsed, progress)
                 final = progress >= 1.0
-                if (t.eval_every and self.step % t.eval_every == 0) or final:
+                evaluate = (t.eval_every and self.step % t.eval_every == 0) or final
+                checkpoint = (t.ckpt_every and self.step % t.ckpt_every == 0) or final
+                read = evaluate or checkpoint or self.step % t.log_every == 0 or self.step == 1
+                times = (t0, t1, t1 + fwd_bwd_s, t3)
+                last = self._log(bar, lr, loss, grad_norm, times, elapsed, progress, read)
+                if evaluate:
                     self.watch.phase("evaluation")
                     last.update(self._evaluate())
-                if (t.ckpt_every and self.step % t.ckpt_every == 0) or final:
+                if checkpoint:
                     self.watch.phase("the checkpoint save")
                     self._checkpoint(elapsed)
         except Exception as e:
@@ -431,6 +467,7 @@ class Trainer:
                 raise
             raise explained from None
         finally:
+            self._write_unread()
             self.watch.stop()
             bar.close()
             self.loader.close()
@@ -498,46 +535,70 @@ class Trainer:
             bad = ~torch.isfinite(loss_sum)
             if not self.scaler.is_enabled():  # under fp16 the scaler skips inf-gradient steps itself
                 bad |= ~torch.isfinite(grad_norm)
-            if all_reduce(bad.float(), "max").item():
-                self._on_nonfinite(tuple(b[: t.micro_batch] for b in batch))
+            self.bad = all_reduce(bad.float(), "max")  # agreed across ranks, on the device
+            if self._skips_on_device():
+                self._step_on_device(tuple(b[: t.micro_batch] for b in batch))
+            elif to_host([self.bad])[0]:
+                self._on_nonfinite(tuple(b[: t.micro_batch] for b in batch), self.step + 1)
             else:
                 self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, fwd_bwd_s
 
-    def _log(self, bar, lr: float, loss, grad_norm, times: tuple, elapsed: float, progress: float) -> dict:
-        """The finished step's record, written to metrics.jsonl and shown on the progress bar, and
-        a line every ``train.log_every`` steps. ``times``: when the step began, its batch came,
-        forward + backward ended, and it ended."""
-        t, env = self.cfg.train, self.env
+    def _log(self, bar, lr, loss, grad_norm, times: tuple, elapsed: float, progress: float, read: bool):
+        """The finished step's record, kept with its device scalars until ``read`` (a log, eval or
+        checkpoint step, or the last): then every kept record is read in one host sync
+        (``_flush``), written to metrics.jsonl, and a line printed every ``train.log_every``
+        steps. ``times``: when the step began, its batch came, forward + backward ended, and it
+        ended (host clocks: on a GPU the host runs ahead between syncs, so ``tokens_per_s`` and
+        ``mfu`` are each window's average, the wait for the device included)."""
         t0, t1, t2, t3 = times
-        dt = t3 - t0
-        last = {
+        record = {
             "skipped": self.skipped,
             "step": self.step,
             "tokens": self.tokens,
-            "loss": loss.item(),
+            "loss": loss,
             "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens_per_s": t.batch_tokens / dt,
-            "step_s": dt,
+            "grad_norm": grad_norm,
+            "step_s": t3 - t0,
             "data_s": t1 - t0,
             "fwd_bwd_s": t2 - t1,
             "opt_s": t3 - t2,
             "elapsed_s": elapsed,
-            "peak_mem_mb": peak_memory_mb(env.device),
+            "peak_mem_mb": peak_memory_mb(self.env.device),
+            **self.step_metrics,
+            **getattr(self.loader, "metrics", {}),  # GRPO's rollout: rewards, lengths, times
+            **self.dyn_metrics,  # train.log_dynamics, on the steps it observes
         }
-        if self.peak_flops:
-            last["mfu"] = self.flops_per_token * t.batch_tokens / dt / (self.peak_flops * env.world_size)
-        last.update({key: value.item() for key, value in self.step_metrics.items()})
-        last.update(getattr(self.loader, "metrics", {}))  # GRPO's rollout: rewards, lengths, times
-        last.update(self.dyn_metrics)  # train.log_dynamics, on the steps it observes
+        if self._skips_on_device():
+            record["_bad"] = self.bad
         self.dyn_metrics = {}
-        self.metrics.write(last)
+        self.pending.append(record)
+        return self._flush(bar, lr, progress) if read else record
+
+    def _flush(self, bar, lr: float, progress: float) -> dict:
+        """Read the kept records' device scalars at once, act on the non-finite ones (skip: count
+        them; stop: raise at the first, whose update and every later one were skipped on the
+        device, so the weights are those it started from), write them; the newest one back."""
+        t, env = self.cfg.train, self.env
+        batches, self.pending_batches, self.latch = self.pending_batches, {}, None
+        start = time.perf_counter()
+        records = self._read_pending()
+        window_s = sum(r["step_s"] for r in records) + time.perf_counter() - start
+        for r in records:
+            if "_bad" in r:  # guarded on the device: the skip is counted (or the stop raised) here
+                if r.pop("_bad"):
+                    self._on_nonfinite(batches.get(r["step"]), r["step"])
+                r["skipped"] = self.skipped
+            r["tokens_per_s"] = t.batch_tokens * len(records) / window_s
+            if self.peak_flops:
+                r["mfu"] = self.flops_per_token * r["tokens_per_s"] / (self.peak_flops * env.world_size)
+            self.metrics.write(r)
+        last = records[-1]
         bar.update(progress, f"step {self.step} loss {last['loss']:.3f}")
         if self.step % t.log_every == 0 or self.step == 1:
-            eta = elapsed / max(progress, 1e-9) * (1 - progress)
+            eta = last["elapsed_s"] / max(progress, 1e-9) * (1 - progress)
             print0(
                 f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
                 f"| grad {last['grad_norm']:.2f} | "
@@ -545,11 +606,37 @@ class Trainer:
             )
         return last
 
+    def _read_pending(self) -> list[dict]:
+        """The kept records, their device scalars read in one ``to_host``."""
+        records, self.pending = self.pending, []
+        values = iter(to_host([v for r in records for v in r.values() if isinstance(v, torch.Tensor)]))
+        for r in records:
+            r.update({k: next(values) for k, v in r.items() if isinstance(v, torch.Tensor)})
+        return records
+
+    def _write_unread(self) -> None:
+        """When an exception (an interrupt, a crash) leaves the loop: the records not yet read,
+        up to the first non-finite one, so that no finished step goes unrecorded."""
+        if not self.pending:
+            return
+        try:
+            records = self._read_pending()
+        except Exception:  # the device itself failed: nothing more to read
+            return
+        for r in records:
+            if r.pop("_bad", 0.0) and self.cfg.train.nonfinite == "stop":
+                break
+            r["tokens_per_s"] = self.cfg.train.batch_tokens / r["step_s"]
+            self.metrics.write(r)
+
     def _elapsed(self, start: float) -> float:
-        """Seconds of training so far, including earlier legs; the slowest rank's clock, so
-        all ranks agree when a time budget is spent."""
-        elapsed = torch.tensor(self.elapsed_before + time.perf_counter() - start, device=self.env.device)
-        return all_reduce(elapsed, "max").item()
+        """Seconds of training so far, including earlier legs; under a time budget on many
+        ranks, the slowest rank's clock, so all agree when it is spent (a collective and a host
+        sync each step: the learning rate of every step depends on it)."""
+        elapsed = self.elapsed_before + time.perf_counter() - start
+        if not (self.env.distributed and self.cfg.train.max_time):
+            return elapsed
+        return all_reduce(torch.tensor(elapsed, device=self.env.device), "max").item()
 
     def _sync_grads(self, sync: bool):
         """Skip the gradient all-reduce on all but the last micro-step of accumulation."""
@@ -559,22 +646,45 @@ class Trainer:
             self.model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def _on_nonfinite(self, batch: tuple) -> None:
+    def _skips_on_device(self) -> bool:
+        """Whether this step's non-finite guard acts on the device (``_step_on_device``): in
+        ``run`` (``advance`` decides on the host, as its callers read every step anyway), with
+        an optimizer that takes ``found_inf`` (fused AdamW, CUDA's default; ember's Muon), plain
+        parameters (one device, DDP: a DTensor's optimizer step beside a plain flag is untried
+        here) and no fp16 GradScaler (which reads its own found-inf on the host unless the
+        optimizer is fused). Otherwise the guard reads one flag a step: free on a CPU, where
+        there is no device to wait for; a sync on a GPU under FSDP2, TP or fp16."""
+        fused = any(g.get("fused") for g in self.optimizer.param_groups)
+        takes_found_inf = fused or hasattr(self.optimizer, "ns_dtype")  # (ember's Muon)
+        return self.deferred and takes_found_inf and self.plain_params and not self.scaler.is_enabled()
+
+    def _step_on_device(self, batch: tuple) -> None:
+        """The optimizer step, skipped on the device where ``self.bad``: skip mode skips that
+        step; stop mode latches, skipping it and every step after it until ``_flush`` reads the
+        flags and raises, with the weights the bad step started from and its micro-batch kept."""
+        found = self.bad
+        if self.cfg.train.nonfinite == "stop":
+            self.latch = found = found if self.latch is None else torch.maximum(self.latch, found)
+            self.pending_batches[self.step + 1] = batch
+        self.optimizer.found_inf = found
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+
+    def _on_nonfinite(self, batch: tuple, step: int) -> None:
         """Skip the update (the step still counts: the data moves on), or stop naming the culprit."""
         if self.cfg.train.nonfinite == "skip":
             self.skipped += 1
-            print0(
-                f"step {self.step + 1}: non-finite loss or gradient norm; "
-                f"update skipped ({self.skipped} so far)"
-            )
+            print0(f"step {step}: non-finite loss or gradient norm; update skipped ({self.skipped} so far)")
             return
         module = "not located under pipeline parallel"
         if getattr(self.model, "schedule", None) is None:
             module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
         raise NonFiniteError(
-            f"step {self.step + 1}: loss or gradient norm is not finite; first non-finite output: {module}. "
+            f"step {step}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip. With the statistics of what "
-            f"came before it: `ember analyze {self.run_dir} nonfinite --step {self.step + 1}`"
+            f"came before it: `ember analyze {self.run_dir} nonfinite --step {step}`"
         )
 
     def _evaluate(self) -> dict:

@@ -1,0 +1,165 @@
+"""One GPU's training step: ember's trainer against transformers' GPT-2, same batch, one script.
+
+    python benchmarks/gpu_train.py                          # CUDA: gpt2-small, 16 × 1024, bf16
+    python benchmarks/gpu_train.py --rows ember ember-muon  # some rows only
+    .venv/bin/python benchmarks/gpu_train.py --device cpu   # a tiny-shape dry run of every row
+
+Rows (tokens/s, MFU against 989 TFLOP/s, the H100/H200 dense bf16 peak, whatever the card):
+
+- ``hf-eager``, ``hf-compiled``: ``GPT2LMHeadModel`` (SDPA attention) holding ember's initial
+  weights (``to_hf``), bf16 autocast, loss as ``LMTask.loss``, clip 1.0, fused AdamW: the step a
+  transformers user writes; compiled is ``torch.compile`` of the whole model.
+- ``ember``: the gpt2-small preset's own step (``Trainer.train_step``: per-block compile, bf16,
+  clip, the non-finite guard on the device, fused AdamW) on the same batch; ``ember-triton``
+  (``train.kernels=triton``: ember's norms, RoPE, attention and the fused linear + loss),
+  ``ember-muon`` (``train.optimizer=muon``: batched bf16 Newton–Schulz), ``ember-fp8`` and
+  ``ember-fp8-rowwise`` (``train.precision=fp8``: torchao float8 block linears). A row that
+  cannot run on this machine says why (its ConfigError) instead of a number.
+
+Each row: ``--warmup`` steps (compilation), then ``--steps`` steps timed between two
+``torch.cuda.synchronize()`` calls; tokens/s = steps × B × T / seconds. The ember rows step
+through ``train_step`` with the guard on the device (as ``Trainer.run`` does), so their loop
+never waits for the GPU between steps. With ``--device cpu`` the shapes shrink (2 layers,
+d_model 64, 4 × 32 tokens, fp32, no compile) and the tiny corpus supplies the tokenizer: it
+checks that every row builds and steps, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from printing import cpu_model, print_table
+
+from ember.config import load_config
+from ember.data.manifest import read_manifest
+from ember.data.prepare import prepare
+from ember.errors import EmberError
+from ember.model.hf import to_hf
+from ember.train.trainer import scratch_trainer
+
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet), the issue's yardstick
+ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
+    "hf-eager": None,
+    "hf-compiled": None,
+    "ember": [],
+    "ember-triton": ["train.kernels=triton"],
+    "ember-muon": ["train.optimizer=muon"],
+    "ember-fp8": ["train.precision=fp8"],
+    "ember-fp8-rowwise": ["train.precision=fp8-rowwise"],
+}
+CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_size=512",
+       "model.max_seq_len=32", "train.precision=fp32", "train.compile=false"]  # fmt: skip
+
+
+def config(args, overrides: list[str]):
+    """gpt2-small at one micro-batch of ``--batch`` rows (no accumulation), or its CPU shrink."""
+    shape = [f"train.seq_len={args.seq_len}", f"train.micro_batch={args.batch}", "train.max_steps=1000000",
+             f"train.batch_tokens={args.batch * args.seq_len}", f"train.device={args.device}"]  # fmt: skip
+    cfg = load_config("gpt2-small", [*shape, *(CPU if args.device == "cpu" else []), *overrides])
+    if args.device == "cpu":
+        cfg = replace(cfg, data=load_config("tiny").data)  # a corpus prepared in seconds
+    try:
+        read_manifest(cfg.data.dir)
+    except (EmberError, OSError):
+        print(f"preparing {cfg.data.dir} (once) ...", flush=True)
+        prepare(cfg, log=lambda _: None)
+    return cfg
+
+
+def timed(step, args) -> float:
+    """Seconds per step after the warm-up, the device drained at both ends."""
+    for _ in range(args.warmup):
+        step()
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / args.steps
+
+
+def ember_row(args, overrides, x, y) -> tuple[float, float]:
+    with scratch_trainer(config(args, overrides)) as trainer:
+        trainer.deferred = True  # the guard on the device, as in Trainer.run
+
+        def step():
+            trainer.set_lr(0.5)
+            trainer.train_step([x, y])
+            trainer.step += 1
+
+        return timed(step, args), trainer.flops_per_token
+
+
+def hf_row(args, compiled: bool, x, y) -> tuple[float, float]:
+    with scratch_trainer(config(args, ["train.compile=false"])) as trainer:  # ember's initial weights
+        model = to_hf(trainer.model.float().cpu()).to(args.device).train()
+        flops_per_token = trainer.flops_per_token
+    model.config._attn_implementation = "sdpa"
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=args.device == "cuda")
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+
+    def step():
+        with torch.autocast(args.device, dtype=dtype, enabled=args.device == "cuda"):
+            logits = forward(input_ids=x, use_cache=False).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())  # as LMTask.loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timed(step, args), flops_per_token
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--batch", type=int, default=None, help="rows per step (cuda 16, cpu 4)")
+    parser.add_argument("--seq-len", type=int, default=None, help="(cuda 1024, cpu 32)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (cuda 20, cpu 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (cuda 5, cpu 1)")
+    args = parser.parse_args()
+    cuda = args.device == "cuda"
+    for key, on_cuda, on_cpu in (("batch", 16, 4), ("seq_len", 1024, 32), ("steps", 20, 2), ("warmup", 5, 1)):
+        if getattr(args, key) is None:
+            setattr(args, key, on_cuda if cuda else on_cpu)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    name = torch.cuda.get_device_name() if cuda else cpu_model()
+    print(f"gpt2-small{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}, "
+          f"{args.steps} steps after {args.warmup}; torch {torch.__version__}")  # fmt: skip
+    vocab = config(args, []).model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, vocab, (args.batch, args.seq_len), generator=g) for _ in range(2))
+    x, y = x.to(args.device), y.to(args.device)
+    flops_per_token, results = None, {}
+    for row in args.rows:
+        try:
+            if ROWS[row] is None:
+                results[row], flops_per_token = hf_row(args, row == "hf-compiled", x, y)
+            else:
+                results[row], flops_per_token = ember_row(args, ROWS[row], x, y)
+        except EmberError as e:  # a lever this machine cannot run: say why
+            results[row] = f"refused: {e}"
+        print(row, results[row], flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    base = next((results[k] for k in ("hf-compiled", "hf-eager") if isinstance(results.get(k), float)), None)
+    table = []
+    for row, s in results.items():
+        if isinstance(s, str):
+            table.append([row, s[:110], "", "", ""])
+            continue
+        tps = args.batch * args.seq_len / s
+        mfu = f"{100 * flops_per_token * tps / PEAK_FLOPS:.1f}%" if cuda else ""
+        table.append([row, f"{tps:,.0f}", f"{s * 1e3:.1f}", mfu, f"{base / s:.2f}x" if base else ""])
+    print_table(["row", "tokens/s", "ms/step", "MFU of 989 TFLOP/s", "vs hf (compiled if run)"], table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""The single-GPU training levers of issue 29, checked on the CPU against the plain path.
+
+- host syncs: ``Trainer.run`` reads the device once per ``train.log_every`` steps
+  (``trainer.to_host``), with the non-finite guard acting on the device, and trains the same
+  bits as the guard read on the host every step;
+- Muon's Newton–Schulz batched across same-shape matrices equals the per-matrix chain;
+- ``train.precision=fp8`` is refused before any work where it cannot run (here: a CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ember.train.trainer as trainer_module
+from ember.config import load_config
+from ember.errors import ConfigError
+from ember.run import read_metrics
+from ember.train.optim import Muon, orthogonalize, orthogonalize_all
+from ember.train.start import check_fp8, fp8_filter
+from ember.train.trainer import NonFiniteError, Trainer
+
+LEVERS = ("train.max_steps=6", "train.log_every=3", "train.eval_every=0", "train.deterministic=true")
+LEVERS += ("train.schedule=constant", "train.eval_windows=1")
+
+
+def _fused_adamw(trainer):
+    """CUDA's default optimizer (fused AdamW, which takes ``found_inf``), built on the CPU."""
+    groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in trainer.optimizer.param_groups]  # fmt: skip # noqa: E501
+    trainer.optimizer = torch.optim.AdamW(groups, fused=True)
+
+
+OPTIMIZERS = {"muon": ("train.optimizer=muon",), "adamw-fused": ()}
+
+
+def _train(
+    tiny_cfg, optimizer, *overrides, host_guard=False, counts=None, flaky_call=None, name="", out=None
+):
+    trainer = Trainer(tiny_cfg(*LEVERS, *OPTIMIZERS[optimizer], f"run.name={name}", *overrides))
+    if optimizer == "adamw-fused":
+        _fused_adamw(trainer)
+    trainer._write_report = lambda: None  # (seconds of plotting, beside the point here)
+    if host_guard:  # the guard as before: one flag read on the host every step
+        trainer._skips_on_device = lambda: False
+    if flaky_call is not None:
+        real, calls = trainer.task.loss, {"n": 0}
+
+        def flaky(model, batch):
+            calls["n"] += 1
+            loss, m = real(model, batch)
+            return (loss * float("inf") if calls["n"] == flaky_call else loss), m
+
+        trainer.task.loss = flaky
+    if out is not None:
+        out.append(trainer)
+    if counts is not None:
+        _count_syncs(counts)
+    try:
+        trainer.run()
+    finally:
+        _count_syncs(None)
+    return trainer
+
+
+_REAL = {}
+
+
+def _count_syncs(counts):
+    """Count ``to_host`` calls, and every other read of a tensor's value made from trainer.py
+    (``.item()``, ``.tolist()``, ``float()``, ``bool()``, ``.cpu()``) outside it: there must be none."""
+    names = ("item", "tolist", "__float__", "__bool__", "cpu")
+    if counts is None:
+        for n, f in _REAL.items():
+            setattr(torch.Tensor, n, f)
+        trainer_module.to_host = _REAL.pop("to_host", trainer_module.to_host)
+        _REAL.clear()
+        return
+    _REAL.update({n: getattr(torch.Tensor, n) for n in names})
+    _REAL["to_host"] = real_to_host = trainer_module.to_host
+
+    def to_host(values):
+        counts["to_host"] += 1
+        return real_to_host(values)
+
+    def wrap(n):
+        def read(self, *a, **k):
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename == trainer_module.__file__ and frame.f_code.co_name != "to_host":
+                counts["stray"].append(f"{n} in {frame.f_code.co_name}:{frame.f_lineno}")
+            return _REAL[n](self, *a, **k)
+
+        return read
+
+    for n in names:
+        setattr(torch.Tensor, n, wrap(n))
+    trainer_module.to_host = to_host
+
+
+def _steps(trainer):
+    return [r for r in read_metrics(trainer.run_dir) if "loss" in r]
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_one_host_sync_per_log_every_and_the_same_bits(tiny_cfg, optimizer):
+    counts = {"to_host": 0, "stray": []}
+    device = _train(tiny_cfg, optimizer, counts=counts, name="device")
+    assert counts["stray"] == []
+    assert counts["to_host"] == 3  # steps 1, 3 and 6 (log_every=3; the first is always shown)
+    host_counts = {"to_host": 0, "stray": []}
+    host = _train(tiny_cfg, optimizer, host_guard=True, counts=host_counts, name="host")
+    assert host_counts["to_host"] == 6 + 3  # the instrument sees the old path's per-step reads
+    a, b = _steps(device), _steps(host)
+    assert [r["step"] for r in a] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "lr", "skipped"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    for (name, p), q in zip(device.model.state_dict().items(), host.model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_skip_on_the_device(tiny_cfg, optimizer):
+    """Step 2's loss is inf (its first micro-batch's, the 3rd call): skipped on the device,
+    counted when read (step 3), the record of step 2 says so, and the losses before and after
+    agree with the host guard's run."""
+    skip = ("train.nonfinite=skip",)
+    device = _train(tiny_cfg, optimizer, *skip, flaky_call=3, name="device")
+    host = _train(tiny_cfg, optimizer, *skip, flaky_call=3, host_guard=True, name="host")
+    assert device.skipped == host.skipped == 1
+    a, b = _steps(device), _steps(host)
+    assert [r["skipped"] for r in a] == [r["skipped"] for r in b] == [0] + [1] * 5
+    assert [r["loss"] for r in a][:3] == [r["loss"] for r in b][:3]  # step 2's update left nothing behind
+    if optimizer == "adamw-fused":  # fused AdamW also takes the skipped step off its count: exact
+        assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    else:  # Muon's AdamW part counts the skipped step in its bias correction (optim.Muon.step)
+        after = [r["loss"] for r in a[3:]], [r["loss"] for r in b[3:]]  # steps 4-6
+        assert after[0] == pytest.approx(after[1], rel=1e-2) and after[0] != after[1]
+
+
+def test_stop_on_the_device_keeps_the_weights_the_bad_step_started_from(tiny_cfg):
+    """Step 2 is bad, read at step 3: the error names step 2, the records stop at step 1, and the
+    weights are those of a 1-step run (steps 2 and 3 were skipped on the device)."""
+    raised = []
+    with pytest.raises(NonFiniteError, match=r"step 2: loss or gradient norm is not finite"):
+        _train(tiny_cfg, "muon", flaky_call=3, name="device", out=raised)
+    two = _train(tiny_cfg, "muon", "train.max_steps=1", name="one")
+    assert [r["step"] for r in _steps(raised[0])] == [1]
+    assert [r["loss"] for r in _steps(raised[0])] == [r["loss"] for r in _steps(two)]
+    for (name, p), q in zip(
+        raised[0].model.state_dict().items(), two.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(p, q), name
+
+
+def test_batched_newton_schulz_equals_per_matrix():
+    torch.manual_seed(0)
+    shapes = [(64, 96), (64, 96), (96, 64), (96, 64), (96, 64), (32, 32), (48, 80)]
+    grads = [torch.randn(s) for s in shapes]
+    per_matrix = orthogonalize_all(grads, 5, torch.float32, batched=False)
+    batched = orthogonalize_all(grads, 5, torch.float32, batched=True)
+    for g, a, b in zip(grads, per_matrix, batched, strict=True):
+        assert torch.equal(a, orthogonalize(g))  # unbatched is the old path, bit for bit
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # fp32 bmm vs mm: rounding only
+    params = [torch.nn.Parameter(g.clone()) for g in grads]
+    twin = [torch.nn.Parameter(g.clone()) for g in grads]
+    for ps, flag in ((params, True), (twin, False)):
+        opt = Muon(ps, lr=0.02, ns_batched=flag)
+        for p in ps:
+            p.grad = p.detach().sin()
+        opt.step()
+    for p, q in zip(params, twin, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_fp8_is_refused_before_any_work(tiny_cfg, monkeypatch):
+    cfg = tiny_cfg("train.precision=fp8", "train.max_steps=2")
+    assert cfg.train.precision == "fp8"
+    assert tiny_cfg("train.precision=fp8-rowwise").train.precision == "fp8-rowwise"
+    with pytest.raises(ConfigError, match=r"train.precision=fp8.*CUDA GPU.*cpu"):
+        Trainer(cfg)
+    assert not (Path(cfg.run.out_dir) / cfg.run.name).exists()  # refused before the run directory
+    with pytest.raises(ConfigError, match="compute capability 8.9"):
+        check_fp8(cfg.train, torch.device("cuda"), capability=(8, 0))
+    with pytest.raises(ConfigError, match="not with FSDP, train.qat"):
+        qat = tiny_cfg("train.precision=fp8", "train.qat=int8-weight").train
+        check_fp8(qat, torch.device("cuda"), ("FSDP",), (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # not installed
+    with pytest.raises(ConfigError, match=r"pip install 'ember\[quant\]'"):
+        check_fp8(cfg.train, torch.device("cuda"), capability=(9, 0))
+    check_fp8(tiny_cfg().train, torch.device("cpu"))  # the other precisions pass untouched
+
+
+def test_fp8_converts_only_block_linears():
+    from dataclasses import replace
+
+    from ember.model.gpt import GPT
+
+    model = GPT.build(replace(load_config("tiny").model, vocab_size=512), device="cpu")
+    chosen = {name for name, m in model.named_modules() if fp8_filter(m, name)}
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert chosen and chosen < linears
+    assert all(name.startswith("layers.") for name in chosen)  # never the head: its loss is fused
