@@ -46,8 +46,6 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-import httpx
 import torch
 from printing import cpu_model, print_table
 
@@ -77,6 +75,8 @@ def workload(n: int, seed: int, vocab: tuple[int, int]) -> list[tuple[list[int],
 
 
 def metrics(url: str) -> dict[str, float]:
+    import httpx
+
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return {k: float(v) for k, v in (ln.split() for ln in text.splitlines() if not ln.startswith("#"))}
 
@@ -105,6 +105,8 @@ async def one(session, url: str, name: str, prompt: list[int], n_out: int) -> di
 
 
 async def level(url: str, name: str, requests, clients: int) -> tuple[list[dict], float]:
+    import aiohttp  # (here and in main: the --device path needs no HTTP client on the GPU machine)
+
     queue = list(enumerate(requests))
     results: list[dict] = [{}] * len(requests)
 
@@ -226,6 +228,8 @@ def main() -> None:
     if args.run is None:
         args.model = args.model or ("gpt2-small" if args.device.startswith("cuda") else "tiny")
         return device_main(args)
+    import httpx
+
     name, url = Path(args.run).resolve().name, f"http://127.0.0.1:{args.port}"
     engine = Engine.from_run(args.run)
     requests = workload(args.requests, args.seed, (16, engine.n_valid))
