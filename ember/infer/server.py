@@ -319,7 +319,8 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
         kv *= torch.cuda.mem_get_info()[0] if engine.device.type == "cuda" else _free_ram()
     scheduler = Scheduler(engine, kv_memory=int(kv), block_size=serve.block_size,
                           max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
-                          prefix_caching=serve.prefix_caching)  # fmt: skip
+                          prefix_caching=serve.prefix_caching, paged_attention=serve.paged_attention,
+                          decode_buckets=tuple(serve.decode_buckets) or None)  # fmt: skip
     loop_holder: dict[str, EngineLoop] = {}
 
     @contextlib.asynccontextmanager
