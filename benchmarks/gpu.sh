@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu.sh lora plan              # a second call (<= 9 min)
 #   bash benchmarks/gpu.sh parallel               # a third (<= 5 min)
 #   bash benchmarks/gpu.sh env kernels kernels-train    # issue 28 (<= 9 min; carry .gpu, below)
+#   bash benchmarks/gpu.sh all                    # issue 29: env train decode serve (<= 9 min)
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below), so each call above stays inside the device's 10 minutes a command; the script
@@ -16,7 +17,7 @@
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
 #             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3)              (300 s)
+#             graphs against transformers' generate (issue 29 point 3)              (240 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -28,6 +29,10 @@
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
+#   train     benchmarks/gpu_train.py: ember's gpt2-small step against transformers' GPT-2
+#             (eager, compiled), and ember with kernels=triton, muon, fp8 (issue 29 pt 1-2) (150 s)
+#   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
+#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (150 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,7 +71,7 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 300 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+        stage decode 240 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
             $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 3"
         ;;
     lora)
@@ -88,8 +93,19 @@ for what in "$@"; do
                 --batch-tokens ${KTOK:-131072} --micro-batch ${KMB:-16} --steps 25 --warmup 10 --layouts single train.kernels=$k"
         done
         ;;
+    train)
+        stage train 150 "$PY benchmarks/gpu_train.py --device $DEV"
+        ;;
+    serve)
+        stage serve 150 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
+            --requests 256 --attention gather flex serve.max_seqs=256 serve.max_batch_tokens=2048 \
+            serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256]"
+        ;;
+    all)  # issue 29 in one call: env, train, decode, serve (<= 9 min together)
+        "$0" env train decode serve || failed=1
+        ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel kernels kernels-train" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel kernels kernels-train train serve all" >&2
         exit 2
         ;;
     esac
