@@ -26,6 +26,8 @@
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
 #             lacks it), gpt2-small and llama-small shapes; kernels.json          (300 s)
+#             (here, once: pip download liger-kernel --no-deps -d /tmp/lg &&
+#              unzip -q /tmp/lg/*.whl -d .gpu && echo /.gpu/ >> .git/info/exclude)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
