@@ -18,7 +18,6 @@ import argparse
 import itertools
 import json
 import math
-import operator
 import os
 import shlex
 import subprocess
@@ -28,6 +27,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import ember
+from ember.config import COMPARE
 from ember.data.chat import render
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
@@ -59,7 +59,6 @@ def arg(*flags: str, **settings) -> tuple:
 
 
 LOCAL_RANKS = max(8, 4 * (os.cpu_count() or 1))  # processes one launch may start on this machine
-_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 def bounded(kind: type, *, why: str = "", **bounds: float) -> Callable[[str], int | float]:
@@ -74,7 +73,7 @@ def bounded(kind: type, *, why: str = "", **bounds: float) -> Callable[[str], in
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expects {wanted}; got {text!r}") from None
-        if not math.isfinite(value) or not all(_COMPARE[op](value, b) for op, b in rules):
+        if not math.isfinite(value) or not all(COMPARE[op](value, b) for op, b in rules):
             raise argparse.ArgumentTypeError(f"must be {wanted}{f' ({why})' if why else ''}; got {text}")
         return value
 

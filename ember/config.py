@@ -54,7 +54,7 @@ PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 TOKENIZER_KINDS = ("bpe", "char")
 SAMPLING_MODES = ("random", "epoch")
 
-_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 def opt(
@@ -116,7 +116,7 @@ class _Section:
         for f in dataclasses.fields(typing.cast(Any, self)):
             value, meta, key = getattr(self, f.name), f.metadata, f"{self.section}.{f.name}"
             choices, bounds = meta.get("choices"), meta.get("bounds", [])
-            ok = value in choices if choices else all(_COMPARE[op](value, b) for op, b in bounds)
+            ok = value in choices if choices else all(COMPARE[op](value, b) for op, b in bounds)
             _require(ok, key, f"{key} must be {_allowed(meta)}; got {value!r}")
 
 
@@ -239,7 +239,7 @@ class TrainConfig(_Section, key="train"):
     )
     compile: bool = opt(False, "torch.compile each block")
     kernels: str = opt(
-        "torch", "triton = ember.kernels: norms, RoPE, attention, fused linear+CE loss", choices=("torch", "triton")
+        "torch", "triton = ember.kernels: norms, RoPE, attention, linear+CE", choices=("torch", "triton")
     )
     activation_checkpointing: bool = opt(False, "recompute block activations in backward")
     deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")
