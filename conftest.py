@@ -12,6 +12,9 @@ refused at collection.
 
 import os
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each, before torch
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 import torch
 

@@ -203,44 +203,17 @@ def cmd_train(args) -> int:
         help="score only this many evenly spaced windows per dataset (default: all, every token)"),
 )  # fmt: skip
 def cmd_eval(args) -> int:
-    from rich.console import Console
-    from rich.table import Column, Table
-    from rich.text import Text
+    from ember.infer.evaluate import evaluate_run, evaluate_task, print_results, print_task
 
-    from ember.infer.evaluate import evaluate_run, evaluate_task
-
-    written = Path(args.run) / "eval.json"
     if args.task:
         if args.data or args.split:
             raise EmberError("--task scores generated answers; give it without --split or --data")
-        r = evaluate_task(Path(args.run), args.task, args.n, args.ckpt, skip=args.skip)
-        lo, hi = r["accuracy_ci95"]
-        for ex in r["examples"]:
-            print(f"  {ex['prompt']!r} -> {ex['output']!r} (want {ex['answer']!r}, reward {ex['reward']:.2f})")  # fmt: skip # noqa: E501
-        print(f"{args.task}: accuracy {r['accuracy']:.1%} (95% interval {lo:.1%} … {hi:.1%}), mean reward "
-              f"{r['mean_reward']:.3f}, over {r['problems']} problems of its test split"
-              f"{f' after the first {args.skip}' if args.skip else ''}, greedy, chat format; written {written}")  # fmt: skip # noqa: E501
+        run = Path(args.run)
+        print_task(evaluate_task(run, args.task, args.n, args.ckpt, skip=args.skip), run)
         return 0
     results = evaluate_run(Path(args.run), args.data, args.ckpt, args.seq_len, args.batch_size,
                            args.max_windows, splits=args.split, stride=args.stride)  # fmt: skip
-    table = Table(
-        Column("data", no_wrap=True), "documents", "tokens", "bytes", "loss", "perplexity", "bits/byte",
-        title=Text(f"{args.run} ({args.ckpt})"), title_justify="left",
-    )  # fmt: skip
-    for name, r in results.items():
-        for label, m in [(name, r)] + [(f"  {k}", v) for k, v in r.get("strata", {}).items()]:
-            table.add_row(Text(label),  # literally: a glob like test_[a-c]*.py is not markup
-                          f"{m['documents']:,}", f"{m['tokens']:,}", f"{m['bytes']:,}",
-                          f"{m['loss']:.4f}", f"{m['ppl']:.2f}", f"{m['bpb']:.4f}")  # fmt: skip
-        if r.get("bpb_ci95"):
-            lo, hi = r["bpb_ci95"]
-            print(f"{name}: bits/byte 95% interval over its {r['documents']:,} documents: {lo:.4f} … {hi:.4f}")  # fmt: skip # noqa: E501
-        if r["windows"] < r["windows_total"]:
-            print(f"note: {name}: {r['windows']} of {r['windows_total']} windows scored (--max-windows)")
-    width = max(len(name) for name in results) + 100
-    Console(width=max(Console().width, width)).print(table)
-    first = next(iter(results.values()))
-    print(f"windows of {first['seq_len']} tokens, stride {first['stride']}; written {written}")
+    print_results(results, f"{args.run} ({args.ckpt})", Path(args.run))
     return 0
 
 
@@ -409,10 +382,7 @@ def cmd_report(args) -> int:
     "--jobs 2 --metric summary.loss train.max_steps=50",
 )  # fmt: skip
 def cmd_sweep(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from ember.sweep import SWEEP_MD, plan_sweep, run_sweep, table
+    from ember.sweep import SWEEP_MD, plan_sweep, print_table, run_sweep
 
     seed_list = None
     if args.seed_list is not None:
@@ -424,11 +394,7 @@ def cmd_sweep(args) -> int:
                        metric=args.metric, baseline=args.baseline, out=args.out, overrides=args.overrides,
                        jobs=args.jobs, alpha=args.alpha)  # fmt: skip
     record = run_sweep(sweep, command=_command_line())
-    header, rows = table(record)
-    out = Table(*header, title=f"{sweep.metric} ({sweep.out})", title_justify="left")
-    for row in rows:
-        out.add_row(*row)
-    Console(width=max(Console().width, 120)).print(out)
+    print_table(record, f"{sweep.metric} ({sweep.out})")
     print(f"written {sweep.out / SWEEP_MD}")
     if record["failed"]:
         print(f"ember: {len(record['failed'])} run(s) failed: {', '.join(record['failed'])}", file=sys.stderr)
@@ -516,10 +482,7 @@ def cmd_import(args) -> int:
     "ember quantize runs/cpu-quick --report",
 )  # fmt: skip
 def cmd_quantize(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from ember.export.quantize import quantize_run, report
+    from ember.export.quantize import print_report, quantize_run, report
     from ember.model.quant import GROUP_SIZES, QuantSpec
 
     if not args.report:
@@ -535,17 +498,7 @@ def cmd_quantize(args) -> int:
     for scheme in args.scheme or ["int8-weight", "int8-dynamic", "int4-weight"]:
         groups = [args.group_size] if args.group_size else GROUP_SIZES if scheme == "int4-weight" else [32]
         specs += [QuantSpec(scheme, g, head=not args.float_head) for g in groups]
-    out = report(args.run, specs, args.max_windows)
-    table = Table(
-        "scheme", "weights", "test bits/byte", "change", "greedy agreement", "decode tok/s",
-        title=f"{args.run}: {out['measured_on']}", title_justify="left",
-    )  # fmt: skip
-    for label, r in out["rows"].items():
-        table.add_row(label, f"{r['bytes'] / 2**20:.2f} MiB", f"{r['bpb']:.4f}", f"{r['bpb_change']:+.2%}",
-                      f"{r['agree']:.1%}", f"{r['tok_s']:,.0f}")  # fmt: skip
-    Console(width=max(Console().width, 110)).print(table)
-    written = Path(args.run) / "quantize.json"
-    print(f"agreement: {out['agreement']}; decode: {out['decode']}; written {written}")
+    print_report(report(args.run, specs, args.max_windows), Path(args.run))
     return 0
 
 
@@ -606,45 +559,13 @@ def cmd_config_keys(args) -> int:
     "ember plan gpt2-small --nproc 8 parallel.data=fsdp --peak-tflops 989",
 )
 def cmd_plan(args) -> int:
-    from ember.analysis import plan
-    from ember.config import load_config
-    from ember.data.prepare import prepare
-    from ember.parallel.dist import run_ranks
-    from ember.train.layout import check_layout
+    from ember.analysis.plan import plan_command
 
     if args.measure and args.nproc > LOCAL_RANKS:
         raise EmberError(f"--measure --nproc {args.nproc} would start {args.nproc} processes here; "
                          f"at most {LOCAL_RANKS} (4 per CPU core)")  # fmt: skip
-    cfg = load_config(args.config, args.overrides)
-    ranked = "LOCAL_RANK" in os.environ
-    if not ranked:  # a prediction may be for bigger machines; a measurement runs on this one
-        plan.check_size(plan.model_config_for(cfg), args.nproc, 1 if args.measure else 64)
-    if args.measure and not ranked:
-        prepare(cfg, command=_command_line())  # the measured steps read the data, as training would
-    model_cfg = plan.model_config_for(cfg)
-    if not ranked:
-        check_layout(cfg, args.nproc, model_cfg)
-    predicted = plan.predict(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", args.nproc)))
-    measured = None
-    if args.measure and args.nproc > 1 and not ranked:
-        flags = ["--measure", f"--steps={args.steps}", "--json"]  # (the ranks read WORLD_SIZE)
-        out = run_ranks(args.nproc, "plan", args.config, *args.overrides, *flags, what="the measured run")
-        lines = [line for line in out.splitlines() if line.startswith('{"measured"')]
-        if not lines:
-            raise EmberError("the measured run printed no measurement:\n" + "\n".join(out.splitlines()[-8:]))
-        measured = json.loads(lines[-1])["measured"]
-    elif args.measure:
-        measured = plan.measure_config(cfg, args.steps)
-        if measured is None:  # not rank 0
-            return 0
-        if ranked:
-            print(json.dumps({"measured": measured}), flush=True)
-            return 0
-    flops = plan.step_flops(model_cfg, cfg)
-    if args.json:
-        print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops}))
-    else:
-        plan.print_plan(cfg, predicted, measured, flops, args.config, args.steps, args.peak_tflops, args.mfu)
+    plan_command(args.config, args.overrides, args.nproc, args.measure, args.steps, args.json,
+                 args.peak_tflops, args.mfu, command=_command_line())  # fmt: skip
     return 0
 
 

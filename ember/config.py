@@ -14,19 +14,13 @@ Design choices:
   generic pass (``_Section.__post_init__``) checks every field against them, so a dataclass built in
   code is checked like one loaded from YAML, and ``ember config keys`` prints the same declarations.
   Only rules across fields are written out.
-- No OmegaConf. It did the typed merge: plain dicts merged onto ``OmegaConf.structured(Config)``,
-  ``'64'`` converted for an int, ``key=value`` dotlists parsed, the dataclasses built by ``to_object``.
-  Knowing no line numbers, it needed each file parsed a second time with PyYAML's node API, a pre-pass
-  for what it let through (``true`` for a str, a list in a ``list[str]``) and its exceptions
-  translated back. Its one feature beyond that, ``${key}`` interpolation, no preset uses
-  (``configs/*.yaml``; it is still filled in, after the merge). Now each file, and each override's
-  value, is composed once into PyYAML nodes, which keep their line and source text; ``_Merged.add``
-  walks them onto the defaults and checks each key and value against the field types as it lands
-  (``_check`` keeps OmegaConf's conversions), so an error names the file and line, or the override.
-  PyYAML's SafeLoader reads ``1e-3`` as a string, which a float field converts. Measured: 967 lines
-  became 700 (the sections and their schema walk are 392 of them, the loading 258, was 355);
-  ``import ember.config`` takes 75 ms, was 155 (medians of 15; ``-X importtime`` puts omegaconf with
-  its antlr4 and attrs at 90 ms); ``load_config("tiny")`` takes 11 ms, was 90.
+- No OmegaConf: its typed merge knew no line numbers (each file was parsed twice) and needed its
+  exceptions translated back. Each file, and each override's value, is now composed once into PyYAML
+  nodes, which keep their line and text; ``_Merged.add`` walks them onto the defaults, checking each
+  value against its field's type as it lands (with OmegaConf's conversions: ``'64'`` for an int), so
+  an error names the file and line, or the override. ``${key}`` interpolation, its one feature
+  beyond that, is still filled in after the merge. Measured: 967 lines became 700; ``import
+  ember.config`` 75 ms, was 155; ``load_config("tiny")`` 11 ms, was 90.
 - A config is data: YAML is loaded with a safe loader, nothing is ever ``exec``'d or ``eval``'d.
 """
 
@@ -162,9 +156,7 @@ class DataConfig(_Section, key="data"):
 class ModelConfig(_Section, key="model"):
     """The decoder's shape and options (see ember/model/gpt.py)."""
 
-    vocab_size: int = opt(
-        0, "vocabulary size; 0 = the tokenizer's, rounded up to vocab_multiple", ge=0, le=2**24
-    )
+    vocab_size: int = opt(0, "vocabulary size; 0: the tokenizer's, to a vocab_multiple", ge=0, le=2**24)
     vocab_multiple: int = opt(64, "round a tokenizer-derived vocab_size up to a multiple of this", ge=1)
     n_layer: int = opt(6, "number of transformer blocks", ge=1, le=1024)
     n_head: int = opt(6, "attention (query) heads per block", ge=1, le=1024)
@@ -238,18 +230,14 @@ class TrainConfig(_Section, key="train"):
         choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"),
     )
     compile: bool = opt(False, "torch.compile each block")
-    kernels: str = opt(
-        "torch", "triton = ember.kernels: norms, RoPE, attention, linear+CE", choices=("torch", "triton")
-    )
+    kernels: str = opt("torch", "triton: ember.kernels (norm, RoPE, attn, CE)", choices=("torch", "triton"))
     activation_checkpointing: bool = opt(False, "recompute block activations in backward")
     deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")
     device: str = opt("auto", "auto = cuda if present", choices=("auto", "cpu", "cuda"))
     eval_every: int = opt(100, "evaluate every this many steps (0 = only at the end)", ge=0)
     eval_windows: int = opt(256, "at most this many validation windows per evaluation", ge=1)
     log_every: int = opt(10, "print a log line every this many steps", ge=1)
-    log_dynamics: int = opt(
-        0, "every this many steps log weight/update RMS, activation RMS/kurtosis, attn entropy (0: off)", ge=0
-    )
+    log_dynamics: int = opt(0, "every N steps log weight/update/activation RMS, kurtosis... (0: off)", ge=0)
     ckpt_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
     keep_last: int = opt(2, "checkpoints kept, newest first", ge=2)
     keep_best: bool = opt(True, "export best-val-loss weights to model-best/, keep their checkpoint if any")
@@ -259,9 +247,7 @@ class TrainConfig(_Section, key="train"):
         "on resume, accept changes to the run's config (budgets, eval/ckpt cadence, lr, schedule); "
         "never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer",
     )
-    nonfinite: str = opt(
-        "stop", "NaN/Inf loss or grads: stop (naming the module) or skip the step", choices=("stop", "skip")
-    )
+    nonfinite: str = opt("stop", "NaN/Inf loss/grads: stop (naming where) or skip", choices=("stop", "skip"))
     tensorboard: bool = opt(False, "also log to TensorBoard (needs the track extra)")
     qat: str = opt(
         "none",
@@ -291,14 +277,10 @@ class TrainConfig(_Section, key="train"):
 
 @dataclass
 class SFTConfig(_Section, key="sft"):
-    data: str = opt(
-        "", "an embedded task (train split, e.g. add-2) or JSONL of {messages} or {prompt, completion} rows"
-    )
+    data: str = opt("", "an embedded task (its train split), or JSONL of {messages} / {prompt, completion}")
     examples: int = opt(20000, "problems drawn from an embedded task's train split", ge=1)
     packing: bool = opt(True, "pack several conversations per row (no attention between them)")
-    eval_problems: int = opt(
-        100, "with a task: test problems answered greedily per eval (rm: as pairs to rank); 0 = none", ge=0
-    )
+    eval_problems: int = opt(100, "a task's test problems answered per eval (rm: ranked); 0 = none", ge=0)
 
 
 @dataclass
@@ -306,9 +288,7 @@ class DPOConfig(_Section, key="dpo"):
     """Direct preference optimisation (``train.task=dpo``): the pairs, the loss and its β. A reward
     model (``train.task=rm``) trains on the same pairs (data, examples, rejected, eval_problems)."""
 
-    data: str = opt(
-        "", "a JSONL of {prompt, chosen, rejected} rows, or an embedded task (answer chosen; see rejected)"
-    )
+    data: str = opt("", "JSONL of {prompt, chosen, rejected}, or an embedded task (see dpo.rejected)")
     examples: int = opt(20000, "pairs made from an embedded task's train split", ge=1)
     rejected: str = opt(
         "corrupt",
@@ -349,9 +329,7 @@ class GRPOConfig(_Section, key="grpo"):
         choices=("token", "sequence"),
     )
     iterations: int = opt(1, "μ: optimizer steps on each rollout batch (>1: the clip matters)", ge=1)
-    shared_prefix: bool = opt(
-        True, "run each group's prompt once in the log-prob forwards and backward; false: every row whole"
-    )
+    shared_prefix: bool = opt(True, "each group's prompt once in the log-prob passes; false: every row whole")
     format_reward: float = opt(0.0, "added to the reward of a completion that closes its turn", ge=0)
     eval_problems: int = opt(100, "test problems answered (greedy) at each evaluation; 0 = none", ge=0)
     reward_model: str = opt("", "a reward model's run: σ(score) is the reward; accuracy stays the verifier's")

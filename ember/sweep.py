@@ -363,6 +363,18 @@ def table(record: dict) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def print_table(record: dict, title: str) -> None:
+    """``table`` in the terminal, as `ember sweep` prints it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    header, rows = table(record)
+    out = Table(*header, title=title, title_justify="left")
+    for row in rows:
+        out.add_row(*row)
+    Console(width=max(Console().width, 120)).print(out)
+
+
 def _markdown(record: dict, plots: list[tuple[str, str]] | None) -> str:
     header, rows = table(record)
     failed = [r for r in record["runs"] if r["status"] == "failed"]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import os
 import weakref
@@ -56,10 +57,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from ember.config import load_config
 from ember.data.manifest import load_tokenizer
+from ember.data.prepare import prepare
 from ember.errors import EmberError
 from ember.model.gpt import GPT, mlp_hidden_size
+from ember.parallel.dist import run_ranks
 from ember.parallel.pipeline import microbatches, stage_layers, stage_model, virtual_stages
+from ember.train.layout import check_layout
 from ember.train.start import resolve_model_config
 from ember.train.trainer import scratch_trainer
 
@@ -498,3 +503,37 @@ def print_plan(cfg, predicted: list[dict], measured: list[dict] | None, flops: f
             table.add_row(str(pred["rank"]), "peak (allocator)", mib(a), mib(b), f"{a / b:.3f}")
     Console().print(table)
     print(f"largest difference: {worst:.1%} (relative; under 5% of the peak, as a share of the peak)")
+
+
+def plan_command(config: str, overrides: list[str], nproc: int, measure: bool, steps: int, as_json: bool,
+                 peak_tflops: float | None, mfu: float, command: str | None = None) -> None:  # fmt: skip
+    """`ember plan`: predict for ``nproc`` ranks and, with ``measure``, run the steps (a torchrun
+    launch for nproc > 1, whose rank 0 prints its figures as one JSON line that this reads back)."""
+    cfg, ranked = load_config(config, overrides), "LOCAL_RANK" in os.environ
+    if not ranked:  # a prediction may be for bigger machines; a measurement runs on this one
+        check_size(model_config_for(cfg), nproc, 1 if measure else 64)
+        if measure:
+            prepare(cfg, command=command)  # the measured steps read the data, as training would
+    model_cfg = model_config_for(cfg)  # (after prepare: the vocabulary may come from the tokenizer)
+    if not ranked:
+        check_layout(cfg, nproc, model_cfg)
+    predicted = predict(cfg, model_cfg, int(os.environ.get("WORLD_SIZE", nproc)))
+    measured = None
+    if measure and nproc > 1 and not ranked:
+        flags = ["--measure", f"--steps={steps}", "--json"]  # (the ranks read WORLD_SIZE)
+        out = run_ranks(nproc, "plan", config, *overrides, *flags, what="the measured run")
+        lines = [line for line in out.splitlines() if line.startswith('{"measured"')]
+        if not lines:
+            raise EmberError("the measured run printed no measurement:\n" + "\n".join(out.splitlines()[-8:]))
+        measured = json.loads(lines[-1])["measured"]
+    elif measure:
+        measured = measure_config(cfg, steps)
+        if measured is None or ranked:  # not rank 0; or rank 0 of a launch, read back by the launcher
+            if measured is not None:
+                print(json.dumps({"measured": measured}), flush=True)
+            return
+    flops = step_flops(model_cfg, cfg)
+    if as_json:
+        print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops}))
+    else:
+        print_plan(cfg, predicted, measured, flops, config, steps, peak_tflops, mfu)

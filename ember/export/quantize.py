@@ -125,3 +125,17 @@ def report(
     }
     write_text_atomic(run / "quantize.json", json.dumps(out, indent=2) + "\n")
     return out
+
+
+def print_report(out: dict, run: Path) -> None:
+    """``report``'s rows as the table `ember quantize --report` prints, then what was measured."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("scheme", "weights", "test bits/byte", "change", "greedy agreement", "decode tok/s",
+                  title=f"{run}: {out['measured_on']}", title_justify="left")  # fmt: skip
+    for label, r in out["rows"].items():
+        table.add_row(label, f"{r['bytes'] / 2**20:.2f} MiB", f"{r['bpb']:.4f}", f"{r['bpb_change']:+.2%}",
+                      f"{r['agree']:.1%}", f"{r['tok_s']:,.0f}")  # fmt: skip
+    Console(width=max(Console().width, 110)).print(table)
+    print(f"agreement: {out['agreement']}; decode: {out['decode']}; written {run / 'quantize.json'}")

@@ -315,3 +315,40 @@ def evaluate_task(
     }
     record_eval(run_dir, {f"task:{task_name}": result})
     return result
+
+
+# ---------------------------------------------------------------- what `ember eval` prints
+
+
+def print_task(r: dict, run_dir: Path) -> None:
+    """A few examples, then the accuracy with its interval, of ``evaluate_task``'s result ``r``."""
+    lo, hi = r["accuracy_ci95"]
+    for ex in r["examples"]:
+        print(f"  {ex['prompt']!r} -> {ex['output']!r} (want {ex['answer']!r}, reward {ex['reward']:.2f})")
+    skipped = f" after the first {r['skipped']}" if r["skipped"] else ""
+    print(f"{r['task']}: accuracy {r['accuracy']:.1%} (95% interval {lo:.1%} … {hi:.1%}), mean reward "
+          f"{r['mean_reward']:.3f}, over {r['problems']} problems of its test split{skipped}, greedy, "
+          f"chat format; written {run_dir / 'eval.json'}")  # fmt: skip
+
+
+def print_results(results: dict, title: str, run_dir: Path) -> None:
+    """``evaluate_run``'s results as a table, a row per dataset and per stratum, with the notes."""
+    from rich.console import Console
+    from rich.table import Column, Table
+    from rich.text import Text
+
+    table = Table(Column("data", no_wrap=True), "documents", "tokens", "bytes", "loss", "perplexity",
+                  "bits/byte", title=Text(title), title_justify="left")  # fmt: skip
+    for name, r in results.items():
+        for label, m in [(name, r)] + [(f"  {k}", v) for k, v in r.get("strata", {}).items()]:
+            table.add_row(Text(label),  # literally: a glob like test_[a-c]*.py is not markup
+                          f"{m['documents']:,}", f"{m['tokens']:,}", f"{m['bytes']:,}",
+                          f"{m['loss']:.4f}", f"{m['ppl']:.2f}", f"{m['bpb']:.4f}")  # fmt: skip
+        if r.get("bpb_ci95"):
+            lo, hi = r["bpb_ci95"]
+            print(f"{name}: bits/byte 95% interval over its {r['documents']:,} documents: {lo:.4f} … {hi:.4f}")  # fmt: skip # noqa: E501
+        if r["windows"] < r["windows_total"]:
+            print(f"note: {name}: {r['windows']} of {r['windows_total']} windows scored (--max-windows)")
+    Console(width=max(Console().width, max(map(len, results)) + 100)).print(table)
+    first = next(iter(results.values()))
+    print(f"windows of {first['seq_len']} tokens, stride {first['stride']}; written {run_dir / 'eval.json'}")
