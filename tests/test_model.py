@@ -323,11 +323,14 @@ def test_model_package_imports_nothing_distributed_when_run(monkeypatch):
         spec.loader.exec_module(module)
         return module
 
+    files = sorted((Path(__file__).parents[1] / "ember" / "model").glob("*.py"))
+    names = ["ember.model" if path.stem == "__init__" else f"ember.model.{path.stem}" for path in files]
+    for name in names:  # imported once as usual first: a dataclass looks its module up in sys.modules
+        importlib.import_module(name)
     monkeypatch.setattr(builtins, "__import__", hooked_import)
     monkeypatch.setattr(importlib, "import_module", hooked_import_module)
     fresh = {}
-    for path in sorted((Path(__file__).parents[1] / "ember" / "model").glob("*.py")):
-        name = "ember.model" if path.stem == "__init__" else f"ember.model.{path.stem}"
+    for name, path in zip(names, files, strict=True):
         fresh[path.stem] = run_afresh(name, path)
     model = fresh["gpt"].GPT.build(tiny(**LLAMA, n_kv_head=2, qk_norm=True, logit_softcap=5.0), seed=0)
     model(tokens()).sum().backward()
