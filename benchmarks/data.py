@@ -47,11 +47,12 @@ import numpy as np
 import tokenizers
 
 from ember.config import load_config
-from ember.data.clean import Cleaner, content_digest, is_validation
+from ember.data.clean import Cleaner, content_digest
 from ember.data.manifest import read_manifest
 from ember.data.prepare import prepare
 from ember.data.shards import HEADER_SIZE, read_shard
 from ember.data.sources import open_source
+from ember.data.splits import plan_splits
 from ember.data.tokenizer import Tokenizer
 
 VOCAB_SIZE = 4096
@@ -100,14 +101,19 @@ def data_config(data_dir: Path, sources: list[str] | None = None, train_bytes: i
     return dataclasses.replace(cfg, data=data)
 
 
-def split_documents(texts: list[str], data_cfg) -> list[tuple[str, str]]:
-    """(split, text) for every document that survives cleaning: prepare's rules, in a list."""
+def split_documents(data_cfg) -> list[tuple[str, str]]:
+    """(split, text) for every document of the training and test sources that survives cleaning
+    and has a split: prepare's rules (``ember.data.splits``), in a list."""
+    train = [open_source(spec, data_cfg) for spec in data_cfg.sources]
+    test = [open_source(spec, data_cfg) for spec in data_cfg.test_sources]
+    plan = plan_splits(train, test, data_cfg)
     cleaner = Cleaner(data_cfg.min_chars, data_cfg.max_nontext_fraction, data_cfg.dedup)
     pairs = []
-    for text in texts:
-        digest = content_digest(text)
-        if cleaner.keep(text, digest):
-            pairs.append(("val" if is_validation(digest, data_cfg.val_fraction) else "train", text))
+    for source in train + test:
+        for doc in source.documents():
+            digest = content_digest(doc.text)
+            if cleaner.keep(doc.text, digest) and (split := plan.split_of(doc.stratum, digest)):
+                pairs.append((split, doc.text))
     return pairs
 
 
@@ -143,11 +149,10 @@ def naive_prepare(cfg) -> None:
     data_cfg = cfg.data
     out = Path(data_cfg.dir)
     out.mkdir(parents=True, exist_ok=True)
-    docs = [d.text for spec in data_cfg.sources for d in open_source(spec, data_cfg).documents()]
-    pairs = split_documents(docs, data_cfg)
+    pairs = split_documents(data_cfg)
     tok = Tokenizer.train_bpe(tokenizer_texts(pairs, data_cfg.tokenizer_train_bytes), data_cfg.vocab_size)
     tok.save(out / "tokenizer.json")
-    ids: dict[str, list[int]] = {"train": [], "val": []}
+    ids: dict[str, list[int]] = {"train": [], "val": [], "test": []}
     for split, text in pairs:
         ids[split].extend(tok.encode(text))
         ids[split].append(tok.eos_id)
@@ -216,7 +221,7 @@ def bench_prepare(work: Path) -> dict[str, list[dict]]:
     manifest = read_manifest(work / "ember")
     naive_tok = Tokenizer.load(work / "naive" / "tokenizer.json")
     assert naive_tok.sha256 == manifest["tokenizer"]["sha256"], "naive prepare trained another tokenizer"
-    for split in ("train", "val"):
+    for split in ("train", "val", "test"):
         ember_ids = np.concatenate(
             [read_shard(work / "ember" / s["name"]) for s in manifest["splits"][split]["shards"]]
         )
@@ -307,7 +312,7 @@ def main() -> None:
         work = Path(tmp)
         data_cfg = data_config(work / "unused").data
         docs = [d.text for d in open_source("embedded:python", data_cfg).documents()]
-        pairs = split_documents(docs, data_cfg)
+        pairs = split_documents(data_cfg)
         train_texts = tokenizer_texts(pairs, data_cfg.tokenizer_train_bytes)
         corpus_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
         train_mb = sum(len(t.encode("utf-8")) for t in train_texts) / 1e6
