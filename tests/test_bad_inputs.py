@@ -173,6 +173,7 @@ CASES = [
     # --- sampling options, checked before the run is loaded ---
     (["generate", "{run}", "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["generate", "{run}", "--prompt", "a", "--temperature", "-1"], "--temperature"),
+    (["generate", "{run}", "--prompt", "a", "--temperature", "inf"], "must be finite"),
     (["generate", "{run}", "--prompt", "a", "--top-k", "-1"], "--top-k"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "0"], "--top-p"),
     (["generate", "{run}", "--prompt", "a", "--top-p", "1.5"], "--top-p"),

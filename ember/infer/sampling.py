@@ -31,8 +31,8 @@ class Sampling:
         object.__setattr__(self, "stop", stop)
         if self.max_new_tokens < 1:
             raise EmberError(f"--max-new-tokens must be >= 1; got {self.max_new_tokens}")
-        if not self.temperature >= 0:  # also catches NaN
-            raise EmberError(f"--temperature must be >= 0 (0 = greedy); got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):  # also catches NaN
+            raise EmberError(f"--temperature must be finite and >= 0 (0 = greedy); got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
             raise EmberError(f"--top-k must be a number of tokens >= 0 (0/None: all); got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
