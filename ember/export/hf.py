@@ -54,6 +54,7 @@ from ember.config import Config, config_to_yaml
 from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
+from ember.export.card import model_card
 from ember.model.hf import from_hf, to_hf
 from ember.run import export_weights, load_run
 
@@ -108,6 +109,8 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
         hf_tokenizer.save_pretrained(tmp)
         # ember's own file: transformers adds a no-op post_processor; this keeps the round trip exact
         (tmp / TOKENIZER).write_text(tokenizer.to_str(), encoding="utf-8")
+        card = model_card(Path(run_dir), model, type(hf).__name__, Path(out).name)
+        (tmp / "README.md").write_text(card, encoding="utf-8")
 
     return build_dir(out, fill, kind="hf")
 
