@@ -59,7 +59,7 @@ def test_the_card_says_what_the_run_files_say(run, tmp_path):
         f"{test['bpb']:.4f} bits/byte [{lo:.4f}, {hi:.4f}], perplexity {test['ppl']:.2f}",
         f"{test['documents']:,} documents, {test['tokens']:,} tokens, {test['bytes']:,} bytes",
         f"accuracy {task['accuracy']:.1%}",
-        f"| {'test'} | {manifest['splits']['test']['documents']:,} | {manifest['splits']['test']['bytes']:,} |",
+        "| test | {documents:,} | {bytes:,} |".format(**manifest["splits"]["test"]),
         'AutoModelForCausalLM.from_pretrained("hf")',
     ]
     for line in expected:
