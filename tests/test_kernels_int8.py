@@ -88,3 +88,22 @@ def test_quantlinear_int8_cpu_path_with_the_cpp_op(cpp):
         assert m(x.bfloat16()).dtype == torch.bfloat16
     f = torch.compile(m, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(x), m(x))
+
+
+def test_reading_a_run_does_not_import_dynamo():
+    """Every process that reads a run imports ember.model.quant: it stays clear of torch._dynamo
+    (1-2 s of CPU), marking the int8 dispatch constant as ``torch.compiler.assume_constant_result``
+    does (the fullgraph compile above holds it to that), without calling it."""
+    import subprocess
+    import sys
+
+    from ember.model import quant
+
+    code = "import sys, ember.run, ember.train.trainer; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+    def constant():
+        return 0
+
+    assert vars(torch.compiler.assume_constant_result(constant)) == vars(quant._own_int8)

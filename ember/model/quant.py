@@ -150,7 +150,6 @@ def fake_quantize(w: Tensor, spec: QuantSpec) -> Tensor:
 # ------------------------------------------------------------------ modules
 
 
-@torch.compiler.assume_constant_result
 def _own_int8(device_type: str) -> bool:
     """Whether ember's own int8-weight decode op serves this device: the Triton kernel on CUDA
     (``ember.kernels.int8``), the C++ one on a CPU once built (``ember.kernels.cpu``)."""
@@ -166,6 +165,12 @@ def _own_int8(device_type: str) -> bool:
 
         return cpp_ready(build=False)[0]
     return False
+
+
+# A constant to torch.compile: what ``torch.compiler.assume_constant_result`` sets, set directly,
+# since calling it imports torch._dynamo (1-2 s of CPU in every process that loads a run;
+# tests/test_quantize.py checks that the decorator still sets no more than this).
+_own_int8._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 class QuantLinear(nn.Module):
