@@ -353,19 +353,34 @@ class SwiGLU(nn.Module):
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))  # (B, T, hidden) inside
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+MIXERS: dict[str, type[nn.Module]] = {"attention": Attention}  # model.mixer / model.pattern
+MLPS: dict[str, type[nn.Module]] = {"swiglu": SwiGLU, "relu2": ReluSquaredMLP, "gelu": GeluMLP}  # model.mlp
 
-    def __init__(self, cfg: ModelConfig, layer_id: str) -> None:
+
+def layer_mixers(cfg: ModelConfig) -> list[str]:
+    """Each layer's mixer: ``model.pattern`` (A attention, M Mamba) repeated to ``n_layer``, or
+    ``model.mixer`` everywhere."""
+    if not cfg.pattern:
+        return [cfg.mixer] * cfg.n_layer
+    letters = (cfg.pattern * cfg.n_layer)[: cfg.n_layer]
+    return [{"A": "attention", "M": "mamba"}[c] for c in letters]
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is attention (named
+    ``attention``, whatever it is, so that weight names stay put) and ``model.mlp=none`` has no MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: str, mixer: str = "attention") -> None:
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.d_model)
-        self.attention = Attention(cfg, layer_id)
-        self.mlp_norm = make_norm(cfg, cfg.d_model)
-        self.mlp = {"swiglu": SwiGLU, "relu2": ReluSquaredMLP, "gelu": GeluMLP}[cfg.mlp](cfg)
+        self.attention = MIXERS[mixer](cfg, layer_id)
+        has_mlp = cfg.mlp != "none"
+        self.mlp_norm = make_norm(cfg, cfg.d_model) if has_mlp else None
+        self.mlp = MLPS[cfg.mlp](cfg) if has_mlp else None
 
     def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
         x = x + self.attention(self.attention_norm(x), rope, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
 # ------------------------------------------------------------------ the model
@@ -388,14 +403,16 @@ class GPT(nn.Module):
         self.cfg = cfg
         head_dim = cfg.d_model // cfg.n_head
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos: nn.Module = (
-            RotaryPositions(head_dim, cfg.max_seq_len, cfg.rope_theta)
-            if cfg.pos == "rope"
-            else LearnedPositions(cfg.max_seq_len, cfg.d_model)
-        )
+        positions = {
+            "rope": lambda: RotaryPositions(head_dim, cfg.max_seq_len, cfg.rope_theta),
+            "learned": lambda: LearnedPositions(cfg.max_seq_len, cfg.d_model),
+            "none": lambda: None,
+        }
+        self.pos: nn.Module | None = positions[cfg.pos]()  # fmt: skip
         self.dropout = nn.Dropout(cfg.dropout)
         # String keys, so that a pipeline stage can delete the layers it does not run.
-        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i)) for i in range(cfg.n_layer)})
+        mixers = layer_mixers(cfg)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
         self.norm = make_norm(cfg, cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size if cfg.head == "lm" else 1, bias=False)
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
