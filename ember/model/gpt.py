@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError
+from ember.model.moe import MoE
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
@@ -354,7 +355,12 @@ class SwiGLU(nn.Module):
 
 
 MIXERS: dict[str, type[nn.Module]] = {"attention": Attention}  # model.mixer / model.pattern
-MLPS: dict[str, type[nn.Module]] = {"swiglu": SwiGLU, "relu2": ReluSquaredMLP, "gelu": GeluMLP}  # model.mlp
+MLPS: dict[str, type[nn.Module]] = {  # model.mlp
+    "swiglu": SwiGLU,
+    "relu2": ReluSquaredMLP,
+    "gelu": GeluMLP,
+    "moe": MoE,  # ember/model/moe.py
+}
 
 
 def layer_mixers(cfg: ModelConfig) -> list[str]:
