@@ -5,6 +5,9 @@ FSDP2, expert parallel), generation, and the combinations refused before any wor
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,10 @@ from ember.config import ModelConfig
 from ember.errors import ConfigError
 from ember.model.gpt import GPT
 from ember.model.moe import MoE, moe_loss
+from ember.run import load_run, read_metrics
+from ember.train.trainer import train
+from tests.test_pp import _launch_legs
+from tests.test_trainer import DET
 
 MIXTRAL = {"pos": "rope", "norm": "rmsnorm", "mlp": "moe", "bias": False, "tie_embeddings": False}
 
@@ -145,3 +152,67 @@ def test_layouts_mixtral_lacks_are_refused(kw, message):
 
     with pytest.raises(ConfigError, match=message):
         to_hf(GPT.build(moe_cfg(**kw), seed=0))
+
+
+# ---------------------------------------------------------------------------
+# training: resume, data parallel, expert parallel, refusals
+# ---------------------------------------------------------------------------
+
+MOE = ["model.mlp=moe", "model.n_experts=4", "model.top_k=2", "model.mlp_hidden=64"]
+SHORT = [*DET, *MOE, "train.max_steps=6", "train.ckpt_every=3", "train.keep_last=3", "train.eval_every=3"]
+
+
+def test_training_logs_per_layer_router_metrics_and_resumes_bitwise(tiny_cfg):
+    cfg = tiny_cfg(*SHORT, "model.dropout=0.1", "model.shared_expert=true")
+    train(cfg)
+    rd = Path(cfg.run.out_dir) / cfg.run.name
+    records = [r for r in read_metrics(rd) if "loss" in r]
+    full = {r["step"]: r["loss"] for r in records}
+    assert sorted(full) == list(range(1, 7))
+    last = records[-1]
+    for layer in range(2):
+        assert last[f"moe_balance.{layer}"] > 1.0  # k=2 at an even load (module docstring)
+        assert last[f"moe_z.{layer}"] > 0
+        assert abs(sum(last[f"moe_load.{layer}.{e}"] for e in range(4)) - 1) < 1e-5
+    shutil.rmtree(rd / "checkpoints" / "step-000006")
+    lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 3))
+    train(tiny_cfg(*SHORT, "model.dropout=0.1", "model.shared_expert=true", "train.resume=auto"))
+    resumed = {r["step"]: r["loss"] for r in read_metrics(rd) if "loss" in r}
+    assert resumed == full  # bitwise equal floats
+
+
+LAYOUTS = {  # name -> overrides on 2 gloo ranks
+    "ddp": ["parallel.data=ddp"],
+    "fsdp": ["parallel.data=fsdp"],
+    "ep2-ddp": ["parallel.data=ddp", "parallel.ep=2"],
+    "ep2-fsdp": ["parallel.data=fsdp", "parallel.ep=2"],
+}
+
+
+@pytest.mark.slow
+def test_two_ranks_ddp_fsdp_and_expert_parallel_match_one_process(tiny_cfg, tmp_path):
+    """Every layout in one torchrun launch (tests/legs.py): losses, gradient norms, router
+    metrics and validation equal one process's; expert parallel exports whole weights."""
+    args = [*DET, *MOE, "train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2"]
+    single = tiny_cfg(*args, "run.name=single")
+    train(single)
+    records = read_metrics(Path(single.run.out_dir) / "single")
+    want = {r["step"]: r for r in records if "loss" in r}
+    want_val = [r["val_loss"] for r in records if "val_loss" in r]
+    common = [f"data.dir={single.data.dir}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}",
+              "train.device=cpu", *args]  # fmt: skip
+    _launch_legs(tmp_path, 2, {name: [*common, f"run.name={name}", *o] for name, o in LAYOUTS.items()})
+    for name in LAYOUTS:
+        got = {r["step"]: r for r in read_metrics(tmp_path / name) if "loss" in r}
+        assert sorted(got) == [1, 2, 3, 4], name
+        for step, r in got.items():
+            for key in ("loss", "grad_norm", "moe_balance.1", "moe_load.0.3"):
+                assert abs(r[key] - want[step][key]) <= 1e-5, (name, step, key, r[key], want[step][key])
+        val = [r["val_loss"] for r in read_metrics(tmp_path / name) if "val_loss" in r]
+        assert len(val) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(val, want_val, strict=True)), name
+    # the exported weights of the expert-parallel run are whole, and load on one process
+    model, _ = load_run(tmp_path / "ep2-fsdp")
+    ref, _ = load_run(Path(single.run.out_dir) / "single")
+    for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
+        assert a.shape == b.shape and (a - b).abs().max() <= 1e-5, name

@@ -73,12 +73,17 @@ class Experts(nn.Module):
         nn.init.normal_(self.w2, mean=0.0, std=std / math.sqrt(2 * self.n_layer), generator=generator)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        outs = []
-        for e, rows in enumerate(x.split(counts.tolist())):  # (counts[e], C): the rows expert e got
-            if rows.numel():
-                h = F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())  # (counts[e], hidden)
-                outs.append(h @ self.w2[e].t())
-        return torch.cat(outs) if outs else x.new_zeros(0, x.size(-1))  # (M, C)
+        return expert_loop(x, counts, self.w1, self.w3, self.w2)
+
+
+def expert_loop(x: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    """x (M, C) sorted by expert, counts (n,): each expert's SwiGLU on its rows, (M, C)."""
+    outs = []
+    for e, rows in enumerate(x.split(counts.tolist())):  # (counts[e], C): the rows expert e got
+        if rows.numel():
+            h = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())  # (counts[e], hidden)
+            outs.append(h @ w2[e].t())
+    return torch.cat(outs) if outs else x.new_zeros(0, x.size(-1))  # (M, C)
 
 
 class MoE(nn.Module):
