@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ember.model.moe import MoE, moe_loss
 from ember.run import load_run, read_metrics
 from ember.train.trainer import train
 from tests.test_pp import _launch_legs
-from tests.test_trainer import DET
+from tests.test_trainer import DET, assert_refused_before_launch
 
 MIXTRAL = {"pos": "rope", "norm": "rmsnorm", "mlp": "moe", "bias": False, "tie_embeddings": False}
 
@@ -216,3 +217,32 @@ def test_two_ranks_ddp_fsdp_and_expert_parallel_match_one_process(tiny_cfg, tmp_
     ref, _ = load_run(Path(single.run.out_dir) / "single")
     for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["model.mlp=moe", "model.n_experts=2", "model.top_k=3"], "top_k=3 is more than model.n_experts=2"),
+        (["--nproc", "2", "model.mlp=moe", "parallel.tp=2"], "model.mlp=moe does not run with parallel.tp=2"),
+        (["--nproc", "2", "parallel.data=fsdp", "parallel.ep=2"], "set model.mlp=moe or parallel.ep=1"),
+    ],
+)
+def test_bad_combinations_exit_2_before_any_work(tmp_path, args, message):
+    assert_refused_before_launch(tmp_path, args, message)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["parallel.pp=2", "model.tie_embeddings=false"], 2, "does not run with parallel.pp=2"),
+        (["train.compile=true"], 1, "does not run with train.compile=true"),
+        (["train.task=dpo"], 1, "does not run with train.task=dpo"),
+        (["parallel.ep=2", "parallel.data=fsdp"], 4, "set parallel.ep to the number of ranks (4)"),
+        (["parallel.ep=3", "parallel.data=fsdp", "model.n_experts=4"], 3, "must divide model.n_experts (4)"),
+    ],
+)
+def test_layouts_moe_does_not_run_are_config_errors(tiny_cfg, overrides, world, message):
+    from ember.train.layout import check_layout
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_layout(tiny_cfg(*MOE, *overrides), world)

@@ -88,7 +88,8 @@ def _check_experts(cfg, world_size: int, m) -> None:
     if m.mlp != "moe":
         raise ConfigError(f"parallel.ep={ep} splits the experts of an MoE over ranks: set model.mlp=moe or parallel.ep=1")  # fmt: skip # noqa: E501
     for on, what in ((p.tp > 1, f"parallel.tp={p.tp}"), (p.pp > 1, f"parallel.pp={p.pp}"),
-                     (cfg.train.compile, "train.compile=true")):  # fmt: skip
+                     (cfg.train.compile, "train.compile=true"),  # the router losses are lm's and sft's:
+                     (cfg.train.task not in ("lm", "sft"), f"train.task={cfg.train.task}")):  # fmt: skip
         if on:
             raise ConfigError(f"model.mlp=moe does not run with {what} yet; it runs on one device, under parallel.data=ddp or fsdp, and with parallel.ep")  # fmt: skip # noqa: E501
     if ep > 1 and (ep != world_size or p.dp_replicate > 1):
