@@ -14,12 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ember.cli import main
 from ember.config import ModelConfig
 from ember.errors import ConfigError
+from ember.infer.engine import Engine
+from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.model.moe import MoE, moe_loss
 from ember.run import load_run, read_metrics
 from ember.train.trainer import train
+from tests.test_engine import greedy_without_cache
 from tests.test_pp import _launch_legs
 from tests.test_trainer import DET, assert_refused_before_launch
 
@@ -246,3 +250,40 @@ def test_layouts_moe_does_not_run_are_config_errors(tiny_cfg, overrides, world, 
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_layout(tiny_cfg(*MOE, *overrides), world)
+
+
+# ---------------------------------------------------------------------------
+# a trained run: generation, export to HF and back
+# ---------------------------------------------------------------------------
+
+PROMPTS = ["def ", "class Foo", "import os\n", "The "]
+
+
+def test_a_trained_moe_run_generates_exports_to_mixtral_and_imports_back(tiny_cfg, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_cfg(*DET, *MOE, "train.max_steps=4", "train.eval_every=0")
+    train(cfg)
+    run = Path(cfg.run.out_dir) / cfg.run.name
+    model, tok = load_run(run)
+    engine, greedy = Engine(model, tok), Sampling(max_new_tokens=12, temperature=0)
+    ours = [engine.generate([p], greedy)[0] for p in PROMPTS]
+    assert any(got.token_ids for got in ours)
+    for prompt, got in zip(PROMPTS, ours, strict=True):  # the KV cache path equals full forwards
+        assert got.token_ids == greedy_without_cache(model, tok.encode(prompt), 12, tok)
+    hf_dir, back = tmp_path / "hf", tmp_path / "back"
+    assert main(["export", str(run), "--to", "hf", str(hf_dir)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    ids = torch.tensor([tok.encode("def f(x):\n    return x + 1  # the sum\n")])
+    with torch.no_grad():
+        diff = (model(ids) - hf(ids).logits).abs().max().item()
+        assert diff <= 1e-5, diff
+        for prompt, got in zip(PROMPTS, ours, strict=True):
+            x = torch.tensor([tok.encode(prompt)])
+            new = hf.generate(x, max_new_tokens=12, do_sample=False)[0, x.size(1) :].tolist()
+            assert new[: len(got.token_ids)] == got.token_ids
+    assert main(["import", "hf", str(hf_dir), "--out", str(back)]) == 0
+    model2, _ = load_run(back)
+    assert (model2.cfg.mlp, model2.cfg.n_experts, model2.cfg.top_k) == ("moe", 4, 2)
+    for (name, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
