@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ember.cli import main
 from ember.config import ModelConfig
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
@@ -287,3 +287,13 @@ def test_a_trained_moe_run_generates_exports_to_mixtral_and_imports_back(tiny_cf
     assert (model2.cfg.mlp, model2.cfg.n_experts, model2.cfg.top_k) == ("moe", 4, 2)
     for (name, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_graph_export_of_an_moe_run_is_refused(tiny_cfg, tmp_path):
+    from ember.export.graph import export_graph
+
+    cfg = tiny_cfg(*DET, *MOE, "train.max_steps=1", "train.eval_every=0")
+    train(cfg)
+    with pytest.raises(EmberError, match="use --to hf"):
+        export_graph(Path(cfg.run.out_dir) / cfg.run.name, "pt2", tmp_path / "m.pt2")
+    assert not (tmp_path / "m.pt2").exists()
