@@ -179,6 +179,8 @@ def test_training_logs_per_layer_router_metrics_and_resumes_bitwise(tiny_cfg):
         assert last[f"moe_balance.{layer}"] > 1.0  # k=2 at an even load (module docstring)
         assert last[f"moe_z.{layer}"] > 0
         assert abs(sum(last[f"moe_load.{layer}.{e}"] for e in range(4)) - 1) < 1e-5
+    if (rd / "report.md").is_file():  # matplotlib installed: the expert-load histogram is in the report
+        assert (rd / "plots" / "moe_load.png").is_file() and "moe_load.png" in (rd / "report.md").read_text()
     shutil.rmtree(rd / "checkpoints" / "step-000006")
     lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
     (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 3))
