@@ -299,3 +299,11 @@ def test_graph_export_of_an_moe_run_is_refused(tiny_cfg, tmp_path):
     with pytest.raises(EmberError, match="use --to hf"):
         export_graph(Path(cfg.run.out_dir) / cfg.run.name, "pt2", tmp_path / "m.pt2")
     assert not (tmp_path / "m.pt2").exists()
+
+
+def test_flops_count_the_active_experts_only():
+    moe = GPT.build(moe_cfg(n_experts=4, top_k=2), seed=0)
+    dense = GPT.build(moe_cfg(n_experts=2, top_k=2), seed=0)  # the same model with only its 2 used experts
+    assert moe.num_params() > dense.num_params()
+    router_extra = 2 * (4 - 2) * 32  # two layers' routers have 2 more rows of d_model each
+    assert moe.flops_per_token(16) == dense.flops_per_token(16) + 6 * router_extra

@@ -541,8 +541,12 @@ class GPT(nn.Module):
         """Training FLOPs (forward + backward) per token at context ``seq_len``."""
         # PaLM (Chowdhery et al. 2022) appendix B: 6N + 12·L·H·Q·T, N the non-embedding
         # parameters (matmuls with weights), 12LHQT the attention scores and weighted sums.
+        # An MoE token meets only its top_k experts: N counts the active parameters.
         n_head, head_dim = self.cfg.n_head, self.cfg.d_model // self.cfg.n_head
-        return 6 * self.num_params(non_embedding=True) + 12 * len(self.layers) * n_head * head_dim * seq_len
+        active = self.num_params(non_embedding=True) - sum(
+            m.idle_params() for m in self.modules() if isinstance(m, MoE)
+        )
+        return 6 * active + 12 * len(self.layers) * n_head * head_dim * seq_len
 
 
 def layer_of(name: str) -> str:

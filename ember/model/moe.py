@@ -106,6 +106,11 @@ class MoE(nn.Module):
             if experts is not None:
                 experts.init_weights(std, generator)
 
+    def idle_params(self) -> int:
+        """Parameters a token does not use: the n_experts - top_k experts it was not routed to."""
+        per_expert = sum(math.prod(w.shape[1:]) for w in (self.experts.w1, self.experts.w3, self.experts.w2))
+        return (self.n_experts - self.top_k) * per_expert
+
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (N, C) -> router logits (N, E) fp32, weights (N, k), expert ids (N, k)."""
         logits = self.router(x).float()  # (N, E)
