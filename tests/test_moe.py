@@ -167,6 +167,7 @@ MOE = ["model.mlp=moe", "model.n_experts=4", "model.top_k=2", "model.mlp_hidden=
 SHORT = [*DET, *MOE, "train.max_steps=6", "train.ckpt_every=3", "train.keep_last=3", "train.eval_every=3"]
 
 
+@pytest.mark.slow
 def test_training_logs_per_layer_router_metrics_and_resumes_bitwise(tiny_cfg):
     cfg = tiny_cfg(*SHORT, "model.dropout=0.1", "model.shared_expert=true")
     train(cfg)
@@ -223,6 +224,15 @@ def test_two_ranks_ddp_fsdp_and_expert_parallel_match_one_process(tiny_cfg, tmp_
     ref, _ = load_run(Path(single.run.out_dir) / "single")
     for (name, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-5, name
+    # its step-2 checkpoint (experts as Shard(0) DTensors) resumes in one process
+    rd = tmp_path / "ep2-fsdp"
+    shutil.rmtree(rd / "checkpoints" / "step-000004")
+    (rd / "metrics.jsonl").write_text("")
+    cfg = tiny_cfg(*args, "train.resume=auto")
+    cfg.run.out_dir, cfg.run.name = str(tmp_path), "ep2-fsdp"
+    train(cfg)
+    resumed = {r["step"]: r["loss"] for r in read_metrics(rd) if "loss" in r}
+    assert sorted(resumed) == [3, 4] and all(abs(resumed[s] - want[s]["loss"]) <= 1e-5 for s in resumed)
 
 
 @pytest.mark.parametrize(
@@ -261,6 +271,7 @@ def test_layouts_moe_does_not_run_are_config_errors(tiny_cfg, overrides, world, 
 PROMPTS = ["def ", "class Foo", "import os\n", "The "]
 
 
+@pytest.mark.slow
 def test_a_trained_moe_run_generates_exports_to_mixtral_and_imports_back(tiny_cfg, tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = tiny_cfg(*DET, *MOE, "train.max_steps=4", "train.eval_every=0")
@@ -291,6 +302,7 @@ def test_a_trained_moe_run_generates_exports_to_mixtral_and_imports_back(tiny_cf
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_graph_export_of_an_moe_run_is_refused(tiny_cfg, tmp_path):
     from ember.export.graph import export_graph
 
