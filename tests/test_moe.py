@@ -319,3 +319,22 @@ def test_flops_count_the_active_experts_only():
     assert moe.num_params() > dense.num_params()
     router_extra = 2 * (4 - 2) * 32  # two layers' routers have 2 more rows of d_model each
     assert moe.flops_per_token(16) == dense.flops_per_token(16) + 6 * router_extra
+
+
+def test_the_servers_scheduler_batches_moe_requests_as_the_batch1_engine_answers():
+    """Continuous batching (the server's scheduler, paged KV) puts other requests' tokens through
+    the same routers; each token's route is its own, so the answers equal one request at a time."""
+    from ember.data.tokenizer import Tokenizer
+    from ember.infer.scheduler import Scheduler
+    from tests.test_engine import TEXT
+    from tests.test_scheduler import serve, workload
+
+    tok = Tokenizer.train_bpe(TEXT, 300)
+    model = GPT.build(moe_cfg(vocab_size=320, max_seq_len=320), seed=0).eval()
+    engine = Engine(model, tok)
+    requests = workload(1, n=8)
+    scheduler = Scheduler(engine, num_blocks=200, block_size=16, max_batch_tokens=256, max_seqs=8)
+    got = serve(scheduler, requests, lambda i, new: Sampling(min(new, 16), temperature=0))
+    for (_, prompt, new), answer in zip(requests, got, strict=True):
+        [alone] = engine.generate([prompt], Sampling(min(new, 16), temperature=0))
+        assert answer.token_ids == alone.token_ids
