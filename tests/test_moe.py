@@ -338,3 +338,12 @@ def test_the_servers_scheduler_batches_moe_requests_as_the_batch1_engine_answers
     for (_, prompt, new), answer in zip(requests, got, strict=True):
         [alone] = engine.generate([prompt], Sampling(min(new, 16), temperature=0))
         assert answer.token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_plan_counts_every_expert(shared):
+    from ember.analysis.plan import estimated_params
+
+    cfg = moe_cfg(n_experts=8, shared_expert=shared)
+    norms = cfg.n_layer * 2 * cfg.d_model + cfg.d_model  # the sliver the estimate leaves out
+    assert estimated_params(cfg) + norms == GPT.build(cfg, seed=0).num_params()
