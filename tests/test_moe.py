@@ -210,7 +210,10 @@ def test_two_ranks_ddp_fsdp_and_expert_parallel_match_one_process(tiny_cfg, tmp_
     want_val = [r["val_loss"] for r in records if "val_loss" in r]
     common = [f"data.dir={single.data.dir}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}",
               "train.device=cpu", *args]  # fmt: skip
-    _launch_legs(tmp_path, 2, {name: [*common, f"run.name={name}", *o] for name, o in LAYOUTS.items()})
+    legs = {**LAYOUTS, "ep2-fsdp-bf16": [*LAYOUTS["ep2-fsdp"], "train.precision=bf16"]}
+    _launch_legs(tmp_path, 2, {name: [*common, f"run.name={name}", *o] for name, o in legs.items()})
+    bf16 = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ep2-fsdp-bf16") if "loss" in r}
+    assert all(abs(bf16[s] - want[s]["loss"]) <= 0.05 for s in want), bf16  # FSDP2's bf16 compute
     for name in LAYOUTS:
         got = {r["step"]: r for r in read_metrics(tmp_path / name) if "loss" in r}
         assert sorted(got) == [1, 2, 3, 4], name

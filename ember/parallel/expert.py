@@ -42,7 +42,8 @@ class ShardedExperts(Experts):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         ep = dist.get_world_size(self.group)
-        w1, w3, w2 = (getattr(self, w).to_local() for w in EXPERT_WEIGHTS)  # (E / ep, ...)
+        # (E / ep, ...); in the rows' dtype, as FSDP2's mixed precision gives the weights it manages
+        w1, w3, w2 = (getattr(self, w).to_local().to(x.dtype) for w in EXPERT_WEIGHTS)
         n_local = w1.size(0)
         received = torch.empty_like(counts)  # (E,) read as (ep, E / ep): rows from source r for expert e
         dist.all_to_all_single(received, counts, group=self.group)
@@ -52,7 +53,7 @@ class ShardedExperts(Experts):
         rows = all_to_all_single(x.new_empty(sum(recv), x.size(1)), x, recv, send, group=self.group)
         order = by_expert(received)  # (source, expert) order -> (expert, source)
         y = expert_loop(rows[order], received.sum(dim=0), w1, w3, w2)[order.argsort()]
-        return all_to_all_single(x.new_empty(x.shape), y, send, recv, group=self.group)  # (M, C)
+        return all_to_all_single(y.new_empty(x.size(0), y.size(1)), y, send, recv, group=self.group)  # (M, C)
 
 
 def by_expert(received: Tensor) -> Tensor:
