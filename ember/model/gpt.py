@@ -7,9 +7,10 @@
 Design choices:
 
 - Options are chosen once, in ``__init__``, by constructing the right submodule
-  (LayerNorm or RMSNorm, GELU, SwiGLU or ReLU² MLP, learned or rotary positions, RMSNorm
-  or Identity for qk_norm, SoftCap or Identity for the logits) or by storing the right
-  function (``Attention.rotate``, ``Attention.attend``). ``forward`` never reads the config.
+  (LayerNorm or RMSNorm, GELU, SwiGLU, ReLU² or mixture-of-experts MLP (moe.py), learned or
+  rotary positions, RMSNorm or Identity for qk_norm, SoftCap or Identity for the logits) or by
+  storing the right function (``Attention.rotate``, ``Attention.attend``). ``forward`` never reads
+  the config.
 - Built on meta, materialised by ``to_empty()`` and ``init_weights()`` (DESIGN rule 1). The
   RoPE tables are non-persistent buffers, recomputed by ``init_buffers()`` (which
   ``init_weights()`` calls): after ``to_empty()`` + ``load_state_dict()``, call it.
