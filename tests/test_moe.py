@@ -350,3 +350,11 @@ def test_plan_counts_every_expert(shared):
     cfg = moe_cfg(n_experts=8, shared_expert=shared)
     norms = cfg.n_layer * 2 * cfg.d_model + cfg.d_model  # the sliver the estimate leaves out
     assert estimated_params(cfg) + norms == GPT.build(cfg, seed=0).num_params()
+
+
+def test_rows_received_by_source_are_regrouped_by_expert():
+    from ember.parallel.expert import by_expert
+
+    received = torch.tensor([[2, 0, 1], [1, 3, 0]])  # from rank 0: e0 e0 e2; from rank 1: e0 e1 e1 e1
+    assert by_expert(received).tolist() == [0, 1, 3, 4, 5, 6, 2]
+    assert by_expert(torch.zeros(2, 2, dtype=torch.long)).tolist() == []

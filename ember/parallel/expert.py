@@ -59,13 +59,14 @@ class ShardedExperts(Experts):
 def by_expert(received: Tensor) -> Tensor:
     """The permutation that takes rows arriving as (source rank, local expert) segments of
     ``received`` (ep, n_local) rows each to (local expert, source rank) order."""
-    starts = (received.flatten().cumsum(0) - received.flatten()).view_as(received)  # (ep, n_local)
+    counts = received.cpu()  # one copy to the host, not one per segment
+    starts = (counts.flatten().cumsum(0) - counts.flatten()).view_as(counts)  # (ep, n_local)
     segments = [
-        torch.arange(int(starts[r, e]), int(starts[r, e] + received[r, e]))
-        for e in range(received.size(1))
-        for r in range(received.size(0))
+        torch.arange(int(starts[r, e]), int(starts[r, e] + counts[r, e]))
+        for e in range(counts.size(1))
+        for r in range(counts.size(0))
     ]
-    return torch.cat(segments).to(received.device) if segments else received.new_zeros(0)
+    return torch.cat(segments).to(received.device)
 
 
 def expert_params(model: torch.nn.Module) -> set[torch.nn.Parameter]:
