@@ -358,3 +358,11 @@ def test_rows_received_by_source_are_regrouped_by_expert():
     received = torch.tensor([[2, 0, 1], [1, 3, 0]])  # from rank 0: e0 e0 e2; from rank 1: e0 e1 e1 e1
     assert by_expert(received).tolist() == [0, 1, 3, 4, 5, 6, 2]
     assert by_expert(torch.zeros(2, 2, dtype=torch.long)).tolist() == []
+
+
+def test_the_tiny_moe_preset_is_tiny_with_experts():
+    from ember.config import load_config
+
+    cfg, tiny = load_config("tiny-moe"), load_config("tiny")
+    assert (cfg.model.mlp, cfg.model.n_experts, cfg.model.top_k) == ("moe", 8, 2)
+    assert dataclasses.replace(cfg.model, mlp="swiglu") == tiny.model and cfg.train == tiny.train
