@@ -366,3 +366,12 @@ def test_the_tiny_moe_preset_is_tiny_with_experts():
     cfg, tiny = load_config("tiny-moe"), load_config("tiny")
     assert (cfg.model.mlp, cfg.model.n_experts, cfg.model.top_k) == ("moe", 8, 2)
     assert dataclasses.replace(cfg.model, mlp="swiglu") == tiny.model and cfg.train == tiny.train
+
+
+def test_plan_refuses_to_predict_an_moe_it_cannot_trace():
+    from ember.analysis import plan
+    from ember.config import load_config
+
+    cfg = load_config("tiny-moe", ["model.vocab_size=512"])
+    with pytest.raises(EmberError, match="does not predict model.mlp=moe"):
+        plan.predict(cfg, cfg.model, 1)

@@ -182,6 +182,8 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
     """One dict per rank: bytes of parameters, gradients, optimizer state, activations (as run,
     without and with activation checkpointing) and the peak; see the module docstring."""
     t, pipelined = cfg.train, cfg.parallel.pp > 1
+    if model_cfg.mlp == "moe":  # the rows each expert gets depend on the routing: no fake-tensor trace
+        raise EmberError("ember plan does not predict model.mlp=moe yet (how many rows each expert multiplies depends on the routing); train it and run `ember analyze RUN memory`")  # fmt: skip # noqa: E501
     with torch.device("meta"):
         whole = GPT(model_cfg)
 
