@@ -375,3 +375,31 @@ def test_plan_refuses_to_predict_an_moe_it_cannot_trace():
     cfg = load_config("tiny-moe", ["model.vocab_size=512"])
     with pytest.raises(EmberError, match="does not predict model.mlp=moe"):
         plan.predict(cfg, cfg.model, 1)
+
+
+def test_peft_loads_lora_adapters_of_an_moe_on_the_exported_mixtral(tmp_path):
+    """LoRA swaps the blocks' linears named by its targets: in an MoE, the attention's (the
+    experts are stacked weights, the router is not a target). PEFT's loader on the exported
+    MixtralForCausalLM gives ember's adapted logits."""
+    peft = pytest.importorskip("peft")
+    from ember.export.peft import save_peft
+    from ember.model.hf import to_hf
+    from ember.model.lora import LoRALinear, apply_lora
+
+    model = GPT.build(moe_cfg(), seed=0).eval()
+    hf = to_hf(model).eval()
+    apply_lora(model, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.copy_(0.1 * torch.randn(m.lora_B.shape, generator=g))
+    model.eval()
+    save_peft(model, tmp_path / "adapter")
+    x = torch.randint(0, 96, (2, 12), generator=g)
+    with torch.no_grad():
+        base = hf(x).logits
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()(x).logits
+        ours = model(x)
+    assert (ours - base).abs().max() > 1e-3  # the adapters change the logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
