@@ -14,12 +14,10 @@ Design choices:
   generic pass (``_Section.__post_init__``) checks every field against them, so a dataclass built in
   code is checked like one loaded from YAML, and ``ember config keys`` prints the same declarations.
   Only rules across fields are written out.
-- No OmegaConf: its typed merge knew no line numbers (each file was parsed twice) and needed its
-  exceptions translated back. Each file, and each override's value, is now composed once into PyYAML
-  nodes, which keep their line and text; ``_Merged.add`` walks them onto the defaults, checking each
-  value against its field's type as it lands (with OmegaConf's conversions: ``'64'`` for an int), so
-  an error names the file and line, or the override. ``${key}`` interpolation, its one feature
-  beyond that, is still filled in after the merge. Measured: 967 lines became 700; ``import
+- No OmegaConf (its merge knew no line numbers): each file, and each override's value, is composed
+  once into PyYAML nodes, which keep their line; ``_Merged.add`` walks them onto the defaults,
+  checking each value's type as it lands, so an error names the file and line, or the override.
+  ``${key}`` interpolation is filled in after the merge. Measured: 967 lines became 700; ``import
   ember.config`` 75 ms, was 155; ``load_config("tiny")`` 11 ms, was 90.
 - A config is data: YAML is loaded with a safe loader, nothing is ever ``exec``'d or ``eval``'d.
 """
@@ -47,6 +45,7 @@ PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 # Choice lists that code outside this module reads too; the others are declared on their field.
 TOKENIZER_KINDS = ("bpe", "char")
 SAMPLING_MODES = ("random", "epoch")
+MLPS = ("gelu", "swiglu", "relu2", "moe", "none")
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
@@ -144,12 +143,9 @@ class DataConfig(_Section, key="data"):
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(len(self.sources) > 0, "data.sources", "data.sources is empty; give at least one source")
-        _require(
-            self.val_fraction + self.test_fraction < 1.0,
-            "data.test_fraction",
-            f"data.val_fraction + data.test_fraction must be < 1; got {self.val_fraction} + "
-            f"{self.test_fraction}",
-        )
+        message = (f"data.val_fraction + data.test_fraction must be < 1; "
+                   f"got {self.val_fraction} + {self.test_fraction}")  # fmt: skip
+        _require(self.val_fraction + self.test_fraction < 1.0, "data.test_fraction", message)
 
 
 @dataclass
@@ -163,11 +159,22 @@ class ModelConfig(_Section, key="model"):
     n_kv_head: int = opt(0, "key/value heads (GQA/MQA); 0 = n_head (plain multi-head attention)", ge=0)
     d_model: int = opt(384, "residual stream width", ge=1, le=2**17)
     max_seq_len: int = opt(256, "longest sequence the positions support", ge=1, le=2**24)
-    mlp: str = opt("gelu", "gelu (GPT-2), swiglu (Llama), relu2 (ReLU²)", choices=("gelu", "swiglu", "relu2"))
+    mlp: str = opt("gelu", "gelu (GPT-2), swiglu (Llama), relu2, moe (experts), none", choices=MLPS)
+    n_experts: int = opt(8, "moe: routed experts per layer, each a SwiGLU of mlp_hidden", ge=1, le=1024)
+    top_k: int = opt(2, "moe: experts each token is routed to (<= n_experts)", ge=1)
+    shared_expert: bool = opt(False, "moe: plus one expert that every token passes through")
+    moe_aux: float = opt(0.01, "moe: weight of the load-balancing loss (Switch, Mixtral)", ge=0)
+    moe_z: float = opt(0.001, "moe: weight of the router z-loss (ST-MoE)", ge=0)
+    mixer: str = opt("attention", "every layer's sequence mixer", choices=("attention", "mamba"))
+    pattern: str = opt("", "hybrid: a letter per layer, A attention, M Mamba, repeated to n_layer")
+    d_state: int = opt(16, "mamba: state size per channel", ge=1)
+    d_conv: int = opt(4, "mamba: width of the causal depthwise convolution", ge=1)
+    expand: int = opt(2, "mamba: inner width = expand * d_model", ge=1)
+    causal: bool = opt(True, "false: bidirectional attention (BERT-style, for train.task=mlm)")
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4*d_model, swiglu: 8/3*d_model rounded to 64", ge=0)
     norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
     norm_eps: float = opt(1e-5, "epsilon of the norms", ge=0)
-    pos: str = opt("learned", "positions: learned absolute embeddings or RoPE", choices=("learned", "rope"))
+    pos: str = opt("learned", "positions: learned, RoPE or none (Mamba)", choices=("learned", "rope", "none"))
     rope_theta: float = opt(10000.0, "RoPE base frequency", gt=0)
     tie_embeddings: bool = opt(True, "share the token embedding with the output head")
     bias: bool = opt(True, "biases in linear layers and norms (GPT-2 style)")
@@ -179,24 +186,19 @@ class ModelConfig(_Section, key="model"):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _require(
-            self.d_model % self.n_head == 0,
-            "model.n_head",
-            f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}; "
-            "choose a head count that divides the width",
-        )
+        message = (f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}; "
+                   "choose a head count that divides the width")  # fmt: skip
+        _require(self.d_model % self.n_head == 0, "model.n_head", message)
         kv = self.n_kv_head or self.n_head
-        _require(
-            kv <= self.n_head and self.n_head % kv == 0,
-            "model.n_kv_head",
-            f"model.n_kv_head={kv} does not divide model.n_head={self.n_head}; "
-            "each key/value head must serve a whole group of query heads",
-        )
-        _require(
-            self.pos != "rope" or (self.d_model // self.n_head) % 2 == 0,
-            "model.pos",
-            f"RoPE needs an even head dimension; d_model/n_head = {self.d_model // self.n_head}",
-        )
+        message = (f"model.n_kv_head={kv} does not divide model.n_head={self.n_head}; "
+                   "each key/value head must serve a whole group of query heads")  # fmt: skip
+        _require(kv <= self.n_head and self.n_head % kv == 0, "model.n_kv_head", message)
+        message = f"model.top_k={self.top_k} is more than model.n_experts={self.n_experts}"
+        _require(self.top_k <= self.n_experts, "model.top_k", message)
+        message = f"model.pattern={self.pattern!r}: one letter per layer, A (attention) or M (Mamba)"
+        _require(set(self.pattern) <= {"A", "M"}, "model.pattern", message)
+        message = f"RoPE needs an even head dimension; d_model/n_head = {self.d_model // self.n_head}"
+        _require(self.pos != "rope" or (self.d_model // self.n_head) % 2 == 0, "model.pos", message)
 
 
 @dataclass
@@ -262,6 +264,7 @@ class TrainConfig(_Section, key="train"):
     lora_targets: list[str] = opt(["wq", "wk", "wv", "wo", "w1", "w2", "w3"], "LoRA: block linears adapted")
     lora_plus: float = opt(1.0, "LoRA+: B matrices train at lr times this (Hayou et al. 2024: 16)", gt=0)
     qlora: bool = opt(False, "LoRA over a frozen base stored in NF4 (QLoRA)")
+    mlm_mask: float = opt(0.15, "mlm: tokens masked (80% [MASK], 10% random, 10% kept)", gt=0, lt=1)
     lora_chat_tokens: bool = opt(True, "LoRA + train.task=sft: also train the new chat tokens' embeddings")
     task: str = opt(
         "lm",
@@ -351,6 +354,7 @@ class ParallelConfig(_Section, key="parallel"):
     pp_virtual_stages: int = opt(0, "with pp: stages per rank; 0 = 2 for interleaved-1f1b, else 1", ge=0)
     backend: str = opt("auto", "auto = nccl on CUDA, gloo on CPU", choices=("auto", "nccl", "gloo"))
     timeout_s: int = opt(600, "seconds per collective; past them the rank stops and names the culprit", ge=1)
+    ep: int = opt(1, "expert parallel: ranks the experts of each MoE layer are split over", ge=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -387,18 +391,13 @@ class Config:
     serve: ServeConfig = opt(ServeConfig, "the server (ember serve)")
 
     def __post_init__(self) -> None:
-        _require(
-            (self.train.task == "rm") == (self.model.head == "score"),
-            "model.head",
-            f"train.task={self.train.task} with model.head={self.model.head}: a reward model "
-            "(train.task=rm) needs model.head=score, and every other task model.head=lm",
-        )
-        _require(
-            self.train.seq_len <= self.model.max_seq_len,
-            "train.seq_len",
-            f"train.seq_len={self.train.seq_len} is beyond model.max_seq_len={self.model.max_seq_len}; "
-            "lower train.seq_len or raise model.max_seq_len",
-        )
+        message = (f"train.task={self.train.task} with model.head={self.model.head}: a reward model "
+                   "(train.task=rm) needs model.head=score, and every other task model.head=lm")  # fmt: skip
+        _require((self.train.task == "rm") == (self.model.head == "score"), "model.head", message)
+        seq_len, max_seq_len = self.train.seq_len, self.model.max_seq_len
+        message = (f"train.seq_len={seq_len} is beyond model.max_seq_len={max_seq_len}; "
+                   "lower train.seq_len or raise model.max_seq_len")  # fmt: skip
+        _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", message)
 
 
 # --- The schema, walked: keys, types, help ---

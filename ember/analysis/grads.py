@@ -91,6 +91,8 @@ def analyze(run_dir, ckpts: list[str], batch: int, seed: int, text: str | None, 
     rows, influence = [], None
     for ckpt in ckpts:
         model, cfg = load_for_analysis(run_dir, ckpt)
+        if cfg.model.mlp == "moe":  # vmap cannot batch the expert loop's data-dependent row counts
+            raise EmberError(f"{run_dir}: per-example gradients (vmap) do not run through model.mlp=moe yet")
         x, y = windows(cfg, batch, seed)
         g = per_example_grads(model, x, y)
         step = checkpoint_step(run_dir, ckpt)

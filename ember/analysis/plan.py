@@ -182,6 +182,8 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
     """One dict per rank: bytes of parameters, gradients, optimizer state, activations (as run,
     without and with activation checkpointing) and the peak; see the module docstring."""
     t, pipelined = cfg.train, cfg.parallel.pp > 1
+    if model_cfg.mlp == "moe":  # the rows each expert gets depend on the routing: no fake-tensor trace
+        raise EmberError("ember plan does not predict model.mlp=moe yet (how many rows each expert multiplies depends on the routing); train it and run `ember analyze RUN memory`")  # fmt: skip # noqa: E501
     with torch.device("meta"):
         whole = GPT(model_cfg)
 
@@ -233,7 +235,9 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
         # a block's backward works on gradients of its MLP's hidden units (three for SwiGLU's two
         # branches and product, two otherwise) and of the stream coming in and going out
         hidden = rows * t.seq_len * mlp_hidden_size(model_cfg) // cfg.parallel.tp * 4
-        working = (3 if model_cfg.mlp == "swiglu" else 2) * hidden + 2 * stream
+        if model_cfg.mlp == "moe":  # each token's top_k experts (and the shared one)
+            hidden *= model_cfg.top_k + model_cfg.shared_expert
+        working = (3 if model_cfg.mlp in ("swiglu", "moe") else 2) * hidden + 2 * stream
         blocks = [act["block_input"]] * len(act["blocks"]) if t.activation_checkpointing else act["blocks"]
         n = len(blocks)
         peak = (0, 0, 0)  # (total, gradients then, activations and temporaries then)
@@ -394,7 +398,9 @@ def estimated_params(model_cfg) -> int:
     matrices (norms and biases, a sliver, left out)."""
     d, head_dim = model_cfg.d_model, model_cfg.d_model // model_cfg.n_head
     kv = (model_cfg.n_kv_head or model_cfg.n_head) * head_dim
-    mlp = (3 if model_cfg.mlp == "swiglu" else 2) * d * mlp_hidden_size(model_cfg)
+    mlp = (3 if model_cfg.mlp in ("swiglu", "moe") else 2) * d * mlp_hidden_size(model_cfg)
+    if model_cfg.mlp == "moe":  # each expert (and the shared one) a SwiGLU, and the router
+        mlp = mlp * (model_cfg.n_experts + model_cfg.shared_expert) + d * model_cfg.n_experts
     embeddings = model_cfg.vocab_size * d * (1 if model_cfg.tie_embeddings else 2)
     positions = model_cfg.max_seq_len * d if model_cfg.pos == "learned" else 0
     return embeddings + positions + model_cfg.n_layer * (2 * d * d + 2 * d * kv + mlp)

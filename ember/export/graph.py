@@ -203,6 +203,8 @@ def export_graph(
     if target.startswith("onnx"):
         _onnxruntime()  # before loading the run: a missing package is the first thing to hear
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
+    if model.cfg.mlp == "moe":  # its expert loop splits rows by counts read on the host: no static graph
+        raise EmberError(f"--to {target}: a model.mlp=moe run does not export as a graph yet; use --to hf")
     model = model.float().eval()
     stage = staging_dir(out)  # ember/atomic.py: a killed process's stage is swept by the next writer
     tmp = stage / ("graph.onnx" if target.startswith("onnx") else "graph.pt2")  # aoti wants .pt2

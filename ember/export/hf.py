@@ -3,9 +3,10 @@
     export_hf("runs/tiny", "out/tiny-hf")           # ember export runs/tiny --to hf out/tiny-hf
     import_hf("out/tiny-hf", "runs/tiny-back")       # ember import hf out/tiny-hf --out runs/tiny-back
 
-The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions, else
-``LlamaForCausalLM``), ``model.safetensors``, ``generation_config.json`` (bos/eos/pad ids)
-and a fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
+The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions,
+``MixtralForCausalLM`` for ``model.mlp=moe``, else ``LlamaForCausalLM``), ``model.safetensors``,
+``generation_config.json`` (bos/eos/pad ids) and a fast tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``), so
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it with no ember installed. The weight
 renaming lives in ember/model/hf.py; this module only reads and writes folders.
 
@@ -55,7 +56,7 @@ from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
 from ember.export.card import model_card
-from ember.model.hf import from_hf, to_hf
+from ember.model.hf import IMPORTS, from_hf, to_hf
 from ember.run import export_weights, load_run
 
 TARGETS = ("hf",)
@@ -116,7 +117,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Build a run directory at ``out`` from a GPT-2 or Llama HF folder on disk."""
+    """Build a run directory at ``out`` from a GPT-2, Llama or Mixtral HF folder on disk."""
     transformers = _transformers()
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():
@@ -132,9 +133,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError) as e:  # ValueError: bad JSON or UTF-8
         raise EmberError(f"{hf_dir / 'config.json'} cannot be read ({e})") from None
-    if model_type not in ("gpt2", "llama"):
+    if model_type not in IMPORTS:
         raise EmberError(
-            f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; ember reads gpt2, llama"
+            f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; "
+            f"ember reads {', '.join(IMPORTS)}"
         )
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

@@ -48,8 +48,9 @@ HF_NAMES = {  # ember linear -> its HF module under the block, per layout (ember
         "mlp.w2": "mlp.c_proj",
     },
 }
-HF_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h"}
-HF_EMBEDDINGS = {"llama": "model.embed_tokens", "gpt2": "transformer.wte"}
+HF_NAMES["mixtral"] = {k: v for k, v in HF_NAMES["llama"].items() if k.startswith("attention.")}
+HF_BLOCKS = {"llama": "model.layers", "gpt2": "transformer.h", "mixtral": "model.layers"}
+HF_EMBEDDINGS = {"llama": "model.embed_tokens", "gpt2": "transformer.wte", "mixtral": "model.embed_tokens"}
 
 
 def _peft_tensors(model: nn.Module, layout: str) -> dict[str, tuple[Tensor, Tensor]]:
@@ -98,7 +99,7 @@ def save_peft(
         tensors[f"base_model.model.{hf}.lora_A.weight"] = A.contiguous()
         tensors[f"base_model.model.{hf}.lora_B.weight"] = B.contiguous()
     # Suffixes PEFT matches module names against; GPT-2 needs the parent to tell attn.c_proj from mlp's.
-    keep = 1 if layout == "llama" else 2
+    keep = 2 if layout == "gpt2" else 1
     targets = sorted({".".join(hf.split(".")[-keep:]) for hf in pairs})
     rows = sorted(token_rows)
     token_indices: list[int] | dict[str, list[int]] | None = rows or None

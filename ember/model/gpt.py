@@ -7,9 +7,10 @@
 Design choices:
 
 - Options are chosen once, in ``__init__``, by constructing the right submodule
-  (LayerNorm or RMSNorm, GELU, SwiGLU or ReLU² MLP, learned or rotary positions, RMSNorm
-  or Identity for qk_norm, SoftCap or Identity for the logits) or by storing the right
-  function (``Attention.rotate``, ``Attention.attend``). ``forward`` never reads the config.
+  (LayerNorm or RMSNorm, GELU, SwiGLU, ReLU² or mixture-of-experts MLP (moe.py), learned or
+  rotary positions, RMSNorm or Identity for qk_norm, SoftCap or Identity for the logits) or by
+  storing the right function (``Attention.rotate``, ``Attention.attend``). ``forward`` never reads
+  the config.
 - Built on meta, materialised by ``to_empty()`` and ``init_weights()`` (DESIGN rule 1). The
   RoPE tables are non-persistent buffers, recomputed by ``init_buffers()`` (which
   ``init_weights()`` calls): after ``to_empty()`` + ``load_state_dict()``, call it.
@@ -49,6 +50,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError
+from ember.model.moe import MoE
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
@@ -353,19 +355,39 @@ class SwiGLU(nn.Module):
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))  # (B, T, hidden) inside
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+MIXERS: dict[str, type[nn.Module]] = {"attention": Attention}  # model.mixer / model.pattern
+MLPS: dict[str, type[nn.Module]] = {  # model.mlp
+    "swiglu": SwiGLU,
+    "relu2": ReluSquaredMLP,
+    "gelu": GeluMLP,
+    "moe": MoE,  # ember/model/moe.py
+}
 
-    def __init__(self, cfg: ModelConfig, layer_id: str) -> None:
+
+def layer_mixers(cfg: ModelConfig) -> list[str]:
+    """Each layer's mixer: ``model.pattern`` (A attention, M Mamba) repeated to ``n_layer``, or
+    ``model.mixer`` everywhere."""
+    if not cfg.pattern:
+        return [cfg.mixer] * cfg.n_layer
+    letters = (cfg.pattern * cfg.n_layer)[: cfg.n_layer]
+    return [{"A": "attention", "M": "mamba"}[c] for c in letters]
+
+
+class Block(nn.Module):
+    """Pre-norm block: x + mixer(norm(x)), then x + mlp(norm(x)); the mixer is attention (named
+    ``attention``, whatever it is, so that weight names stay put) and ``model.mlp=none`` has no MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: str, mixer: str = "attention") -> None:
         super().__init__()
         self.attention_norm = make_norm(cfg, cfg.d_model)
-        self.attention = Attention(cfg, layer_id)
-        self.mlp_norm = make_norm(cfg, cfg.d_model)
-        self.mlp = {"swiglu": SwiGLU, "relu2": ReluSquaredMLP, "gelu": GeluMLP}[cfg.mlp](cfg)
+        self.attention = MIXERS[mixer](cfg, layer_id)
+        has_mlp = cfg.mlp != "none"
+        self.mlp_norm = make_norm(cfg, cfg.d_model) if has_mlp else None
+        self.mlp = MLPS[cfg.mlp](cfg) if has_mlp else None
 
     def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
         x = x + self.attention(self.attention_norm(x), rope, cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
 # ------------------------------------------------------------------ the model
@@ -388,14 +410,16 @@ class GPT(nn.Module):
         self.cfg = cfg
         head_dim = cfg.d_model // cfg.n_head
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos: nn.Module = (
-            RotaryPositions(head_dim, cfg.max_seq_len, cfg.rope_theta)
-            if cfg.pos == "rope"
-            else LearnedPositions(cfg.max_seq_len, cfg.d_model)
-        )
+        positions = {
+            "rope": lambda: RotaryPositions(head_dim, cfg.max_seq_len, cfg.rope_theta),
+            "learned": lambda: LearnedPositions(cfg.max_seq_len, cfg.d_model),
+            "none": lambda: None,
+        }
+        self.pos: nn.Module | None = positions[cfg.pos]()  # fmt: skip
         self.dropout = nn.Dropout(cfg.dropout)
         # String keys, so that a pipeline stage can delete the layers it does not run.
-        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i)) for i in range(cfg.n_layer)})
+        mixers = layer_mixers(cfg)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
         self.norm = make_norm(cfg, cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size if cfg.head == "lm" else 1, bias=False)
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
@@ -518,8 +542,12 @@ class GPT(nn.Module):
         """Training FLOPs (forward + backward) per token at context ``seq_len``."""
         # PaLM (Chowdhery et al. 2022) appendix B: 6N + 12·L·H·Q·T, N the non-embedding
         # parameters (matmuls with weights), 12LHQT the attention scores and weighted sums.
+        # An MoE token meets only its top_k experts: N counts the active parameters.
         n_head, head_dim = self.cfg.n_head, self.cfg.d_model // self.cfg.n_head
-        return 6 * self.num_params(non_embedding=True) + 12 * len(self.layers) * n_head * head_dim * seq_len
+        active = self.num_params(non_embedding=True) - sum(
+            m.idle_params() for m in self.modules() if isinstance(m, MoE)
+        )
+        return 6 * active + 12 * len(self.layers) * n_head * head_dim * seq_len
 
 
 def layer_of(name: str) -> str:

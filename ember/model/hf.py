@@ -1,9 +1,10 @@
-"""Weights between ember's ``GPT`` and HF transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM``.
+"""Weights between ember's ``GPT`` and HF transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
+``MixtralForCausalLM``.
 
     hf = to_hf(model)     # an HF model with the same logits (fp32, CPU)
     back = from_hf(hf)    # and back to a GPT
 
-Two layouts map; anything else raises ``ConfigError`` naming the option:
+Three layouts map; anything else raises ``ConfigError`` naming the option:
 
 - GPT-2: learned positions, LayerNorm, GELU MLP, biases, multi-head attention,
   tied or untied head. HF's GPT-2 keeps its linear layers in ``Conv1D``, whose
@@ -14,6 +15,11 @@ Two layouts map; anything else raises ``ConfigError`` naming the option:
   rotate-half convention, so ``q_proj``/``k_proj`` are plain copies; Meta's
   original checkpoints pair dimensions (2i, 2i+1) and would need HF's row
   permutation, which is not needed here.
+- Mixtral: Llama's attention with ``model.mlp=moe`` (no bias, no shared expert). transformers 5
+  stores the experts fused: ``mlp.experts.gate_up_proj`` (E, 2*hidden, C) is ember's
+  ``cat(w1, w3)`` along the rows (dim 1 of a stacked weight), ``down_proj`` is ``w2``, the
+  router ``mlp.gate`` is ``mlp.router``. Its routing (softmax over all experts, top-k,
+  renormalised) is ember's (ember/model/moe.py).
 
 Dropout is carried over as far as HF has it (Llama has attention dropout only).
 transformers is an optional dependency (the ``dev`` extra), imported inside the functions.
@@ -21,6 +27,7 @@ transformers is an optional dependency (the ``dev`` extra), imported inside the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +35,7 @@ import torch
 from ember.config import ModelConfig
 from ember.errors import ConfigError
 from ember.model.gpt import GPT, mlp_hidden_size
+from ember.model.moe import expert_hidden_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,11 +45,12 @@ Mapping = list[tuple[str, tuple[str, ...], bool]]
 HF_CLASSES = {  # (causal LM, reward model) per layout
     "gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification"),
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
+    "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
 }
 
 
 def layout_of(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama', or a ConfigError saying what HF cannot represent."""
+    """'gpt2', 'llama' or 'mixtral', or a ConfigError saying what HF cannot represent."""
     if cfg.qk_norm:
         raise ConfigError("model.qk_norm has no counterpart in HF GPT-2 or Llama; export needs qk_norm=false")
     if cfg.logit_softcap:
@@ -65,6 +74,22 @@ def layout_of(cfg: ModelConfig) -> str:
                 "GPT-2 needs norm=layernorm, mlp=gelu, bias=true and n_kv_head=n_head"
             )
         return "gpt2"
+    if cfg.mlp == "moe":
+        wrong = [
+            f"model.{k}={v}"
+            for k, v, want in (
+                ("norm", cfg.norm, "rmsnorm"),
+                ("bias", cfg.bias, False),
+                ("shared_expert", cfg.shared_expert, False),
+            )  # fmt: skip
+            if v != want
+        ]
+        if wrong:
+            raise ConfigError(
+                f"model.mlp=moe exports as HF Mixtral, which has no {', '.join(wrong)}; "
+                "Mixtral needs norm=rmsnorm, bias=false and shared_expert=false"
+            )
+        return "mixtral"
     wrong = [
         f"model.{k}={v}"
         for k, v, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu"))
@@ -130,9 +155,28 @@ def _llama_mapping(cfg: ModelConfig) -> Mapping:
     return m
 
 
+def _mixtral_mapping(cfg: ModelConfig) -> Mapping:
+    """Llama's table with the experts in place of the MLP."""
+    m = [entry for entry in _llama_mapping(cfg) if ".mlp." not in entry[0]]
+    for i in range(cfg.n_layer):
+        hf, ours = f"model.layers.{i}.mlp", f"layers.{i}.mlp"
+        m += [
+            (f"{hf}.gate.weight", (f"{ours}.router.weight",), False),
+            (f"{hf}.experts.gate_up_proj", (f"{ours}.experts.w1", f"{ours}.experts.w3"), False),
+            (f"{hf}.experts.down_proj", (f"{ours}.experts.w2",), False),
+        ]
+    return m
+
+
+def _rows(weight: torch.Tensor) -> int:
+    """The dimension along which a mapping concatenates: the output rows of a weight (dim 0 of a
+    matrix or bias, dim 1 of experts stacked as (E, out, in))."""
+    return max(weight.dim() - 2, 0)
+
+
 def _mapping(cfg: ModelConfig, layout: str) -> Mapping:
     """The layout's table and the head: HF's ``score`` for a reward model, ``lm_head`` when untied."""
-    m = _gpt2_mapping(cfg) if layout == "gpt2" else _llama_mapping(cfg)
+    m = {"gpt2": _gpt2_mapping, "llama": _llama_mapping, "mixtral": _mixtral_mapping}[layout](cfg)
     if cfg.head == "score":
         return [*m, ("score.weight", ("output.weight",), False)]
     return m if cfg.tie_embeddings else [*m, ("lm_head.weight", ("output.weight",), False)]
@@ -161,6 +205,25 @@ def _hf_config(cfg: ModelConfig, layout: str) -> Any:
             embd_pdrop=cfg.dropout,
             attn_pdrop=cfg.dropout,
             layer_norm_epsilon=cfg.norm_eps,
+        )
+    if layout == "mixtral":
+        return transformers.MixtralConfig(
+            **common,
+            hidden_size=cfg.d_model,
+            intermediate_size=expert_hidden_size(cfg),
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+            head_dim=cfg.d_model // cfg.n_head,
+            hidden_act="silu",
+            max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+            attention_dropout=cfg.dropout,
+            num_local_experts=cfg.n_experts,
+            num_experts_per_tok=cfg.top_k,
+            router_aux_loss_coef=cfg.moe_aux,
+            sliding_window=None,
         )
     return transformers.LlamaConfig(
         **common,
@@ -211,7 +274,8 @@ def to_hf(model: GPT) -> PreTrainedModel:
     ours, theirs = model.state_dict(), hf.state_dict()
     with torch.no_grad():
         for hf_key, keys, transpose in mapping:
-            weight = torch.cat([ours[k] for k in keys]) if len(keys) > 1 else ours[keys[0]]
+            parts = [ours[k] for k in keys]
+            weight = torch.cat(parts, dim=_rows(parts[0])) if len(keys) > 1 else parts[0]
             theirs[hf_key].copy_(weight.t() if transpose else weight)
     return hf.train(model.training)
 
@@ -253,7 +317,7 @@ def _config_from_llama(config: Any) -> ModelConfig:
         "hidden_act": (config.hidden_act, "silu"),
         "rope_type": (rope_type, "default"),
         "head_dim": (head_dim, config.hidden_size // config.num_attention_heads),
-        "mlp_bias": (getattr(config, "mlp_bias", False), config.attention_bias),
+        "mlp_bias": (getattr(config, "mlp_bias", False), getattr(config, "attention_bias", False)),
     }
     for key, (value, want) in problems.items():
         if value != want:
@@ -272,19 +336,37 @@ def _config_from_llama(config: Any) -> ModelConfig:
         pos="rope",
         rope_theta=theta,
         tie_embeddings=config.tie_word_embeddings,
-        bias=config.attention_bias,
+        bias=getattr(config, "attention_bias", False),  # Mixtral has none
         dropout=float(config.attention_dropout),
         init_std=config.initializer_range,
     )
 
 
+def _config_from_mixtral(config: Any) -> ModelConfig:
+    for key, want in (("sliding_window", None), ("router_jitter_noise", 0.0)):
+        if getattr(config, key, want) not in (want, 0):
+            value = getattr(config, key)
+            raise ConfigError(f"Mixtral config {key}={value!r} has no ember equivalent (ember needs {want})")
+    return replace(
+        _config_from_llama(config),
+        mlp="moe",
+        n_experts=config.num_local_experts,
+        top_k=config.num_experts_per_tok,
+        moe_aux=config.router_aux_loss_coef,
+    )
+
+
+IMPORTS = {"gpt2": _config_from_gpt2, "llama": _config_from_llama, "mixtral": _config_from_mixtral}
+
+
 def from_hf(hf_model: PreTrainedModel) -> GPT:
     """A ``GPT`` (CPU, the HF model's dtype cast to fp32) with the weights of an HF
-    GPT-2 or Llama causal LM."""
+    GPT-2, Llama or Mixtral causal LM."""
     config = hf_model.config
-    if config.model_type not in ("gpt2", "llama"):
-        raise ConfigError(f"cannot import an HF {config.model_type!r} model; ember reads 'gpt2' and 'llama'")
-    cfg = _config_from_gpt2(config) if config.model_type == "gpt2" else _config_from_llama(config)
+    if config.model_type not in IMPORTS:
+        known = ", ".join(IMPORTS)
+        raise ConfigError(f"cannot import an HF {config.model_type!r} model; ember reads {known}")
+    cfg = IMPORTS[config.model_type](config)
     mapping = _mapping(cfg, config.model_type)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -295,6 +377,7 @@ def from_hf(hf_model: PreTrainedModel) -> GPT:
     with torch.no_grad():
         for hf_key, keys, transpose in mapping:
             weight = theirs[hf_key].t() if transpose else theirs[hf_key]
-            for key, part in zip(keys, weight.split([ours[k].size(0) for k in keys]), strict=True):
+            rows = _rows(weight)
+            for key, part in zip(keys, weight.split([ours[k].size(rows) for k in keys], rows), strict=True):
                 ours[key].copy_(part)
     return model.train(hf_model.training)

@@ -7,7 +7,9 @@ Order (each step needs the one before it):
 0. pipeline parallel         — ``parallel.pp`` > 1: the blocks cut into stages, this rank's kept
                                (ember/parallel/pipeline.py), and steps 1-4 applied to each stage;
 1. tensor parallel           — ``parallel.tp`` ranks split every block's matrices by a plan
-                               (``apply_tp``), on the mesh's "tp" dimension;
+                               (``apply_tp``), on the mesh's "tp" dimension; or expert parallel,
+                               ``parallel.ep`` ranks split each MoE layer's experts
+                               (ember/parallel/expert.py), which step 4 then leaves alone;
 2. activation checkpointing  — wrap each block, so backward recomputes its activations;
 3. compile                   — ``torch.compile`` per block (the blocks are identical, so one
                                graph is reused; a whole-model compile would retrace more);
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from ember.parallel.expert import apply_ep, expert_params
 from ember.parallel.pipeline import pipeline_parallelize
 
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,7 +121,7 @@ def apply_compile(model: torch.nn.Module) -> None:
 def apply_fsdp(model: torch.nn.Module, mesh, precision: str) -> torch.nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    kwargs = {"mesh": mesh}
+    kwargs = {"mesh": mesh, "ignored_params": expert_params(model) or None}  # parallel.ep's own
     if precision in PARAM_DTYPES:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=PARAM_DTYPES[precision], reduce_dtype=torch.float32
@@ -133,6 +136,9 @@ def apply_ddp(model: torch.nn.Module, device: torch.device, mesh) -> torch.nn.Mo
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
+    ignored = {id(p) for p in expert_params(model)}  # parallel.ep's own
+    names = [name for name, p in model.named_parameters() if id(p) in ignored]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     return DistributedDataParallel(model, device_ids=ids, process_group=mesh.get_group())
 
 
@@ -146,6 +152,8 @@ def apply_layout(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
     """Steps 1-4 of the order above on a whole model or on one pipeline stage."""
     if env.tp > 1:
         apply_tp(model, env.mesh["tp"], cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel)
+    if cfg.parallel.ep > 1:  # ep is the whole (1-D) data-parallel group: ember/train/layout.py
+        apply_ep(model, env.dp_mesh)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if cfg.train.compile:

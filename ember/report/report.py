@@ -258,7 +258,41 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
         if plot_series(plots_dir / f"{stem}.png", series, title, "step", ylabel):
             drawn.append((title, f"{stem}.png"))
     if not many:
-        drawn += _dynamics_plots(runs[0], plots_dir)
+        drawn += _dynamics_plots(runs[0], plots_dir) + _moe_plots(runs[0], plots_dir)
+    return drawn
+
+
+def _moe_plots(run: Run, plots_dir: Path) -> list[tuple[str, str]]:
+    """model.mlp=moe: each layer's expert load (the share of the routed (token, expert) pairs each
+    expert got, ``moe_load.L.e``, averaged over the last quarter of the logged steps) as bars
+    beside the even share, and the routers' balance and z losses per layer over the steps."""
+    loads: dict[int, dict[int, str]] = {}
+    for key in {k for r in run.train for k in r if k.startswith("moe_load.")}:
+        _, layer, expert = key.split(".")
+        loads.setdefault(int(layer), {})[int(expert)] = key
+    if not loads:
+        return []
+    tail = run.train[-max(1, len(run.train) // 4) :]
+    Figure, Canvas = _matplotlib()
+    fig = Figure(figsize=(7, 1.2 + 1.6 * len(loads)), dpi=100, layout="tight")
+    Canvas(fig)
+    for i, (layer, keys) in enumerate(sorted(loads.items())):
+        ax = fig.add_subplot(len(loads), 1, i + 1)
+        experts = sorted(keys)
+        ax.bar(experts, [sum(_num(r.get(keys[e])) or 0.0 for r in tail) / len(tail) for e in experts])
+        ax.axhline(1 / len(experts), color="gray", linestyle="--", linewidth=1)  # an even load
+        ax.set(ylabel=f"layer {layer}", xticks=experts)
+    ax.set(xlabel="expert")
+    fig.suptitle(f"Expert load: share of routed tokens, last {len(tail)} logged steps (dashed: even)")
+    tmp = plots_dir / f".moe_load.png.tmp-{os.getpid()}"
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, plots_dir / "moe_load.png")
+    drawn = [("Expert load per MoE layer", "moe_load.png")]
+    for family, title in (("moe_balance", "Router load-balancing loss per layer (k at an even load)"),
+                          ("moe_z", "Router z-loss per layer")):  # fmt: skip
+        series = [(f"layer {i}", *_xy(run.train, "step", f"{family}.{i}"), {}) for i in sorted(loads)]
+        if plot_series(plots_dir / f"{family}.png", series, title, "step", family):
+            drawn.append((title, f"{family}.png"))
     return drawn
 
 

@@ -53,6 +53,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)
     m = model_cfg or cfg.model
+    if m.mlp == "moe" or cfg.parallel.ep > 1:
+        _check_experts(cfg, world_size, m)
     if pp > 1:
         _check_pipeline(cfg, world_size, m, task)
     if tp > 1:
@@ -76,6 +78,24 @@ def _check_batch(train_cfg, dp: int) -> tuple[int, int]:
             f"seq_len*micro_batch*ranks = {T * mb * dp}"
         )
     return rows, rows // (mb * dp)
+
+
+def _check_experts(cfg, world_size: int, m) -> None:
+    """model.mlp=moe trains on one device, under DDP or FSDP2, and with its experts split over
+    parallel.ep ranks; not under tensor or pipeline parallel, nor compiled (its expert loop reads
+    the token counts on the host, a break in the graph)."""
+    p, ep = cfg.parallel, cfg.parallel.ep
+    if m.mlp != "moe":
+        raise ConfigError(f"parallel.ep={ep} splits the experts of an MoE over ranks: set model.mlp=moe or parallel.ep=1")  # fmt: skip # noqa: E501
+    for on, what in ((p.tp > 1, f"parallel.tp={p.tp}"), (p.pp > 1, f"parallel.pp={p.pp}"),
+                     (cfg.train.compile, "train.compile=true"),  # the router losses are lm's and sft's:
+                     (cfg.train.task not in ("lm", "sft"), f"train.task={cfg.train.task}")):  # fmt: skip
+        if on:
+            raise ConfigError(f"model.mlp=moe does not run with {what} yet; it runs on one device, under parallel.data=ddp or fsdp, and with parallel.ep")  # fmt: skip # noqa: E501
+    if ep > 1 and (ep != world_size or p.dp_replicate > 1):
+        raise ConfigError(f"parallel.ep={ep} splits the experts over all the data-parallel ranks: set parallel.ep to the number of ranks ({world_size}), with parallel.dp_replicate=1")  # fmt: skip # noqa: E501
+    if m.n_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide model.n_experts ({m.n_experts}): each rank holds n_experts / ep experts")  # fmt: skip # noqa: E501
 
 
 def _check_tensor_parallel(cfg, world_size: int, m, task) -> None:

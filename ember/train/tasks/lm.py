@@ -18,6 +18,7 @@ from ember.data.loader import TokenDataset, TrainLoader, ValLoader
 from ember.data.manifest import read_manifest
 from ember.errors import DataError
 from ember.infer.evaluate import language_metrics
+from ember.model.moe import moe_loss
 from ember.parallel.dist import all_reduce, print0
 from ember.parallel.parallelize import unwrap
 from ember.train.task import Task
@@ -61,12 +62,14 @@ class LMTask(Task):
 
             h = model(x, hidden=True)  # (B, T, C)
             head = unwrap(model).output.weight  # (V, C)
-            return linear_cross_entropy(h, head, y, z_loss=self.z_loss, softcap=self.softcap), {}
+            aux, info = moe_loss(model)  # model.mlp=moe: the routers' weighted losses, per-layer metrics
+            return linear_cross_entropy(h, head, y, z_loss=self.z_loss, softcap=self.softcap) + aux, info
         logits = model(x).float()  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         if self.z_loss:
             loss = loss + self.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return loss, {}
+        aux, info = moe_loss(model)
+        return loss + aux, info
 
     def validate(self, trainer) -> dict:
         if trainer.val_loader is None:

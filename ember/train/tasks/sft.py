@@ -34,6 +34,7 @@ from ember.errors import EmberError
 from ember.infer.engine import Engine
 from ember.infer.evaluate import answer_problems
 from ember.model.gpt import sdpa_attention
+from ember.model.moe import moe_loss
 from ember.parallel.dist import print0
 from ember.parallel.parallelize import unwrap
 from ember.train.task import Task
@@ -238,7 +239,8 @@ class SFTTask(Task):
         trained = y != IGNORE  # the head runs on these positions only
         cache = PackedDocuments(doc) if self.packing else None
         loss = F.cross_entropy(model(x, cache=cache, keep=trained).float(), y[trained])
-        return loss, {"trained_tokens": int(trained.sum())}
+        aux, info = moe_loss(model)  # model.mlp=moe: the routers' weighted losses, per-layer metrics
+        return loss + aux, {"trained_tokens": int(trained.sum()), **info}
 
 
 def train_rows(model, ids: list[int]) -> set[str]:
