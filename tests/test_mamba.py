@@ -149,3 +149,114 @@ def test_engine_refuses_compile_and_graphs_for_mamba(tok):
 
 def test_dt_rank_is_ceil_d_model_over_16():
     assert [dt_rank(d) for d in (16, 17, 768)] == [1, 2, 48] and math.ceil(768 / 16) == 48
+
+
+# ------------------------------------------------------------------ HF MambaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("extra", [{}, {"tie_embeddings": False, "bias": True, "d_conv": 3, "d_state": 8}],
+                         ids=["tied", "untied-bias"])  # fmt: skip
+def test_hf_mamba_parity_both_ways(extra):
+    from ember.model.hf import from_hf, to_hf
+
+    model = GPT.build(tiny(**{**MAMBA, **extra}), seed=0).eval()
+    hf = to_hf(model).eval()
+    assert type(hf).__name__ == "MambaForCausalLM" and hf.config.time_step_rank == dt_rank(32)
+    idx = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(idx), hf(idx).logits
+    assert ours.abs().max() > 1 and (ours - theirs).abs().max() <= 1e-4
+    # a checkpoint made by transformers, with its own init, read back into ember
+    config = transformers.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                      conv_kernel=3, expand=2, initializer_range=0.2)  # fmt: skip
+    stock = transformers.MambaForCausalLM(config).eval()
+    back = from_hf(stock).eval()
+    assert back.cfg.mixer == "mamba" and back.cfg.d_state == 8 and back.cfg.d_conv == 3
+    with torch.no_grad():
+        assert (back(idx) - stock(idx).logits).abs().max() <= 1e-4
+
+
+def test_hf_refuses_a_hybrid_and_a_mamba_with_an_mlp():
+    from ember.errors import ConfigError
+    from ember.model.hf import to_hf
+
+    with pytest.raises(ConfigError, match="mixes attention and Mamba"):
+        to_hf(GPT.build(tiny(**HYBRID), seed=0))
+    with pytest.raises(ConfigError, match="mlp=swiglu"):
+        to_hf(GPT.build(tiny(**{**MAMBA, "mlp": "swiglu"}), seed=0))
+
+
+# ------------------------------------------------------------------ runs: export, resume, refusals
+
+MAMBA_RUN = ["model.mixer=mamba", "model.pos=none", "model.mlp=none"]
+HYBRID_RUN = ["model.pattern=MA"]
+DET = ["train.deterministic=true", "train.precision=fp32"]
+
+
+def test_export_and_import_a_mamba_run(tiny_cfg, tmp_path, capsys):
+    from ember.cli import main
+    from ember.run import load_run
+    from ember.train.trainer import train
+
+    train(tiny_cfg(*MAMBA_RUN, "train.max_steps=3", "train.eval_every=0"))
+    run, hf_dir, back = tmp_path / "runs" / "tiny", tmp_path / "hf", tmp_path / "runs" / "back"
+    assert main(["export", str(run), "--to", "hf", str(hf_dir)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    model, tokenizer = load_run(run)
+    ids = torch.tensor([tokenizer.encode("def f(x):\n    return x + 1\n")])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max() <= 1e-4
+    assert main(["import", "hf", str(hf_dir), "--out", str(back)]) == 0
+    model2, _ = load_run(back)
+    for name, value in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[name], value), name
+    capsys.readouterr()
+    assert (
+        main(["generate", str(back), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    )
+    for target in ("onnx-decode", "pt2"):  # refused after reading the run, before anything is written
+        assert main(["export", str(run), "--to", target, str(tmp_path / f"g.{target}")]) == 2
+        assert "Mamba" in capsys.readouterr().err and not (tmp_path / f"g.{target}").exists()
+
+
+def test_hybrid_training_resumes_bitwise(tiny_cfg):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from ember.run import read_metrics
+    from ember.train.trainer import train
+
+    args = [*DET, *HYBRID_RUN, "model.dropout=0.1", "train.max_steps=6", "train.ckpt_every=3",
+            "train.keep_last=3", "train.eval_every=0"]  # fmt: skip
+    cfg = tiny_cfg(*args)
+    train(cfg)
+    rd = Path(cfg.run.out_dir) / cfg.run.name
+    full = {r["step"]: r["loss"] for r in read_metrics(rd) if "loss" in r}
+    assert sorted(full) == list(range(1, 7))
+    shutil.rmtree(rd / "checkpoints" / "step-000006")
+    lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines if r["step"] <= 3))
+    train(tiny_cfg(*args, "train.resume=auto"))
+    assert {r["step"]: r["loss"] for r in read_metrics(rd) if "loss" in r} == full  # bitwise
+
+
+@pytest.mark.parametrize("parallel", ["parallel.tp=2", "parallel.pp=2"])
+def test_tensor_and_pipeline_parallel_refuse_mamba_before_launch(tiny_cfg, parallel):
+    from ember.errors import ConfigError
+    from ember.train.layout import check_layout
+
+    extra = ["model.tie_embeddings=false"] if parallel.endswith("pp=2") else []
+    with pytest.raises(ConfigError, match="Mamba layers") as e:
+        check_layout(tiny_cfg(*HYBRID_RUN, parallel, *extra), world_size=2)
+    assert "\n" not in str(e.value)
+
+
+def test_paged_server_refuses_mamba(tok):
+    from ember.infer.scheduler import Scheduler
+
+    engine = Engine(GPT.build(tiny(**MAMBA, vocab_size=320), seed=0), tok)
+    with pytest.raises(EmberError, match="paged server"):
+        Scheduler(engine, num_blocks=8)

@@ -3,8 +3,9 @@
     export_hf("runs/tiny", "out/tiny-hf")           # ember export runs/tiny --to hf out/tiny-hf
     import_hf("out/tiny-hf", "runs/tiny-back")       # ember import hf out/tiny-hf --out runs/tiny-back
 
-The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions, else
-``LlamaForCausalLM``), ``model.safetensors``, ``generation_config.json`` (bos/eos/pad ids)
+The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions,
+``MambaForCausalLM`` for a pure Mamba model, else ``LlamaForCausalLM``),
+``model.safetensors``, ``generation_config.json`` (bos/eos/pad ids)
 and a fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it with no ember installed. The weight
 renaming lives in ember/model/hf.py; this module only reads and writes folders.
@@ -54,7 +55,7 @@ from ember.config import Config, config_to_yaml
 from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
-from ember.model.hf import from_hf, to_hf
+from ember.model.hf import IMPORTS, from_hf, to_hf
 from ember.run import export_weights, load_run
 
 TARGETS = ("hf",)
@@ -113,7 +114,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Build a run directory at ``out`` from a GPT-2 or Llama HF folder on disk."""
+    """Build a run directory at ``out`` from a GPT-2, Llama or Mamba HF folder on disk."""
     transformers = _transformers()
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():
@@ -129,9 +130,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError) as e:  # ValueError: bad JSON or UTF-8
         raise EmberError(f"{hf_dir / 'config.json'} cannot be read ({e})") from None
-    if model_type not in ("gpt2", "llama"):
+    if model_type not in IMPORTS:
         raise EmberError(
-            f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; ember reads gpt2, llama"
+            f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; "
+            f"ember reads {', '.join(IMPORTS)}"
         )
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

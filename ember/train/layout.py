@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ember.errors import ConfigError
-from ember.model.gpt import mlp_hidden_size
+from ember.model.gpt import layer_mixers, mlp_hidden_size
 from ember.parallel.pipeline import microbatches, virtual_stages
 from ember.train.tasks import task_class
 
@@ -53,6 +53,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)
     m = model_cfg or cfg.model
+    if (pp > 1 or tp > 1) and "mamba" in layer_mixers(m):
+        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp}: Mamba layers (model.mixer=mamba or an M in model.pattern) train on one device or data parallel (DDP/FSDP) only for now; set parallel.tp=1 and parallel.pp=1")  # fmt: skip # noqa: E501
     if pp > 1:
         _check_pipeline(cfg, world_size, m, task)
     if tp > 1:
