@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from ember.config import ModelConfig
 from ember.errors import ConfigError
 
-CHUNK = 32  # steps per chunk of chunked_scan (docs/mamba.md: the measured choice)
+CHUNK = 16  # steps per chunk of chunked_scan (docs/mamba.md: the measured choice)
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Δ at init: log-uniform in [DT_MIN, DT_MAX] (Mamba-130m)
 
 State = tuple[Tensor, Tensor]  # (conv (B, d_inner, d_conv - 1), ssm (B, d_inner, d_state))
