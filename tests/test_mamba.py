@@ -260,3 +260,26 @@ def test_paged_server_refuses_mamba(tok):
     engine = Engine(GPT.build(tiny(**MAMBA, vocab_size=320), seed=0), tok)
     with pytest.raises(EmberError, match="paged server"):
         Scheduler(engine, num_blocks=8)
+
+
+@pytest.mark.parametrize("overrides", [MAMBA_RUN, HYBRID_RUN])
+def test_the_size_estimate_counts_mamba_parameters(overrides):
+    from ember.analysis.plan import estimated_params
+    from ember.config import load_config
+
+    cfg = load_config("tiny", ["model.vocab_size=512", *overrides]).model
+    n = sum(p.numel() for p in GPT(cfg).parameters())
+    assert 0.97 * n <= estimated_params(cfg) <= n  # norms and biases left out
+
+
+def test_dynamics_observe_only_the_attention_layers_of_a_hybrid(tiny_cfg):
+    from pathlib import Path
+
+    from ember.run import read_metrics
+    from ember.train.trainer import train
+
+    cfg = tiny_cfg(*HYBRID_RUN, "train.max_steps=2", "train.log_dynamics=2", "train.eval_every=0")
+    train(cfg)
+    [row] = [r for r in read_metrics(Path(cfg.run.out_dir) / cfg.run.name) if "dyn/logit_max" in r]
+    entropy = {k.split("/")[2] for k in row if k.startswith("dyn/attn_entropy/")}
+    assert entropy == {"layers.1"} and "dyn/act_rms/layers.0" in row  # layer 0 is Mamba

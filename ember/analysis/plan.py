@@ -400,8 +400,8 @@ def estimated_params(model_cfg) -> int:
     embeddings = model_cfg.vocab_size * d * (1 if model_cfg.tie_embeddings else 2)
     positions = model_cfg.max_seq_len * d if model_cfg.pos == "learned" else 0
     n_mamba = layer_mixers(model_cfg).count("mamba")
-    d_in = model_cfg.expand * d  # a Mamba layer: in_proj, out_proj, x_proj, dt_proj, A_log
-    mamba = 3 * d * d_in + d_in * (2 * dt_rank(d) + 3 * model_cfg.d_state)
+    d_in = model_cfg.expand * d  # a Mamba layer: in_proj, out_proj, x_proj, dt_proj, A_log, conv1d
+    mamba = 3 * d * d_in + d_in * (2 * dt_rank(d) + 3 * model_cfg.d_state + model_cfg.d_conv)
     attention = (model_cfg.n_layer - n_mamba) * (2 * d * d + 2 * d * kv)
     return embeddings + positions + model_cfg.n_layer * mlp + n_mamba * mamba + attention
 
