@@ -26,7 +26,7 @@ Design choices:
   ``dt_proj``, ``A_log``, ``D``, ``out_proj``), so that export to ``MambaForCausalLM`` is a
   renaming; dt_rank = ceil(d_model / 16), as Mamba-130m (no config key of its own).
 - **The recurrence runs in fp32** whatever the autocast dtype (the paper's reference does the
-  same: exp of long sums of log-decays in bf16 loses the state).
+  same: a state carried over thousands of steps in bf16, 8 bits of mantissa, drifts).
 - **Inference state lives in the cache**, under the layer's id: the depthwise convolution's
   last d_conv - 1 inputs (B, d_inner, d_conv - 1) and the SSM state (B, d_inner, d_state). A
   prefill runs the chunked scan from zeros and stores the final states; each decode step is one
