@@ -283,3 +283,28 @@ def test_dynamics_observe_only_the_attention_layers_of_a_hybrid(tiny_cfg):
     [row] = [r for r in read_metrics(Path(cfg.run.out_dir) / cfg.run.name) if "dyn/logit_max" in r]
     entropy = {k.split("/")[2] for k in row if k.startswith("dyn/attn_entropy/")}
     assert entropy == {"layers.1"} and "dyn/act_rms/layers.0" in row  # layer 0 is Mamba
+
+
+@pytest.mark.slow
+def test_a_hybrid_on_two_fsdp_ranks_matches_one_process(tiny_cfg, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ember.run import read_metrics
+    from ember.train.trainer import train
+
+    args = [*DET, *HYBRID_RUN, "train.max_steps=4", "train.eval_every=0"]
+    single = tiny_cfg(*args, "run.name=single")
+    train(single)
+    want = {r["step"]: r["loss"] for r in read_metrics(Path(single.run.out_dir) / "single") if "loss" in r}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    cmd = [sys.executable, "-m", "ember", "train", "tiny", "--nproc", "2", f"data.dir={single.data.dir}",
+           "data.val_fraction=0.1", f"run.out_dir={tmp_path}", "run.name=fsdp", "train.device=cpu",
+           "parallel.data=fsdp", *args]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "fsdp") if "loss" in r}
+    assert sorted(got) == [1, 2, 3, 4] and all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
