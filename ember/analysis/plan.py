@@ -61,7 +61,8 @@ from ember.config import load_config
 from ember.data.manifest import load_tokenizer
 from ember.data.prepare import prepare
 from ember.errors import EmberError
-from ember.model.gpt import GPT, mlp_hidden_size
+from ember.model.gpt import GPT, layer_mixers, mlp_hidden_size
+from ember.model.mamba import dt_rank
 from ember.parallel.dist import run_ranks
 from ember.parallel.pipeline import microbatches, stage_layers, stage_model, virtual_stages
 from ember.train.layout import check_layout
@@ -401,9 +402,14 @@ def estimated_params(model_cfg) -> int:
     mlp = (3 if model_cfg.mlp in ("swiglu", "moe") else 2) * d * mlp_hidden_size(model_cfg)
     if model_cfg.mlp == "moe":  # each expert (and the shared one) a SwiGLU, and the router
         mlp = mlp * (model_cfg.n_experts + model_cfg.shared_expert) + d * model_cfg.n_experts
+    mlp = 0 if model_cfg.mlp == "none" else mlp
     embeddings = model_cfg.vocab_size * d * (1 if model_cfg.tie_embeddings else 2)
     positions = model_cfg.max_seq_len * d if model_cfg.pos == "learned" else 0
-    return embeddings + positions + model_cfg.n_layer * (2 * d * d + 2 * d * kv + mlp)
+    n_mamba = layer_mixers(model_cfg).count("mamba")
+    d_in = model_cfg.expand * d  # a Mamba layer: in_proj, out_proj, x_proj, dt_proj, A_log, conv1d
+    mamba = 3 * d * d_in + d_in * (2 * dt_rank(d) + 3 * model_cfg.d_state + model_cfg.d_conv)
+    attention = (model_cfg.n_layer - n_mamba) * (2 * d * d + 2 * d * kv)
+    return embeddings + positions + model_cfg.n_layer * mlp + n_mamba * mamba + attention
 
 
 def machine_bytes() -> int:

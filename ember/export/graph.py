@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ember.atomic import check_target, staging_dir
 from ember.errors import EmberError
-from ember.model.gpt import causal_mask
+from ember.model.gpt import causal_mask, layer_mixers
 from ember.run import load_run
 
 TARGETS = ("pt2", "aoti", "onnx", "onnx-decode")
@@ -205,6 +205,11 @@ def export_graph(
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
     if model.cfg.mlp == "moe":  # its expert loop splits rows by counts read on the host: no static graph
         raise EmberError(f"--to {target}: a model.mlp=moe run does not export as a graph yet; use --to hf")
+    if "mamba" in layer_mixers(model.cfg):
+        raise EmberError(
+            f"--to {target}: the model has Mamba layers, whose scan loops over the sequence length (a "
+            "graph would fix T) and whose decode state is no past key/value; export it --to hf instead"
+        )
     model = model.float().eval()
     stage = staging_dir(out)  # ember/atomic.py: a killed process's stage is swept by the next writer
     tmp = stage / ("graph.onnx" if target.startswith("onnx") else "graph.pt2")  # aoti wants .pt2

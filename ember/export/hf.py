@@ -4,9 +4,9 @@
     import_hf("out/tiny-hf", "runs/tiny-back")       # ember import hf out/tiny-hf --out runs/tiny-back
 
 The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions,
-``MixtralForCausalLM`` for ``model.mlp=moe``, else ``LlamaForCausalLM``), ``model.safetensors``,
-``generation_config.json`` (bos/eos/pad ids) and a fast tokenizer (``tokenizer.json`` +
-``tokenizer_config.json``), so
+``MixtralForCausalLM`` for ``model.mlp=moe``, ``MambaForCausalLM`` for a pure Mamba model, else
+``LlamaForCausalLM``), ``model.safetensors``, ``generation_config.json`` (bos/eos/pad ids) and a
+fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it with no ember installed. The weight
 renaming lives in ember/model/hf.py; this module only reads and writes folders.
 
@@ -117,7 +117,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Build a run directory at ``out`` from a GPT-2, Llama or Mixtral HF folder on disk."""
+    """Build a run directory at ``out`` from a GPT-2, Llama, Mixtral or Mamba HF folder on disk."""
     transformers = _transformers()
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():

@@ -46,7 +46,7 @@ from ember.data.chat import END_TURN
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
-from ember.model.gpt import sdpa_attention
+from ember.model.gpt import layer_mixers, sdpa_attention
 from ember.run import load_run
 
 
@@ -86,6 +86,7 @@ class KVCache:
         self.max_len, self.device = max_len, device
         self.k: dict[str, Tensor] = {}  # layer -> (B, n_kv_head, max_len, head_dim)
         self.v: dict[str, Tensor] = {}
+        self.states: dict[str, tuple[Tensor, ...]] = {}  # Mamba layer -> its recurrent state, (B, ...) each
         self.pos = 0  # slots held in every row
         self.held = 0  # slots attention reads
         self.pad: Tensor | None = None  # (B,) left-pad slots per row, None when there are none
@@ -111,8 +112,20 @@ class KVCache:
         for buffers in (self.k, self.v):
             for layer, buffer in buffers.items():
                 buffers[layer] = buffer.index_select(0, rows)
+        for layer, state in self.states.items():
+            self.states[layer] = tuple(t.index_select(0, rows) for t in state)
         if self.pad is not None and self.pad.size(0) > 1:  # StaticKVCache's (1,) zeros broadcast
             self.pad = self.pad[rows]
+
+    def recall(self, layer: str) -> tuple[tuple[Tensor, ...] | None, Tensor | None]:
+        """A Mamba layer's state (None before its first call) and the new tokens' left pads, (B, T)
+        bool (None when there are none): the layer zeroes its pads' inputs, so a row's state is
+        the state of its real tokens alone (ember/model/mamba.py)."""
+        pads = None if self.pad is None else self.slots[None, :] < self.pad[:, None]  # (B, T)
+        return self.states.get(layer), pads
+
+    def hold(self, layer: str, state: tuple[Tensor, ...]) -> None:
+        self.states[layer] = state
 
     def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if layer not in self.k:
@@ -273,7 +286,7 @@ class _Stream:
         if was_training:
             model.eval()
         try:
-            forward = self.engine.decode if self.cache.k else model  # the prefill (no buffers yet) is eager
+            forward = self.engine.decode if self.cache.k or self.cache.states else model  # prefill: eager
             logits = forward(self.next_input, cache=self.cache)[:, -1]  # (B, V)
         finally:
             if was_training:
@@ -424,6 +437,11 @@ class Engine:
             raise EmberError(
                 "this model is a reward model (model.head=score): it scores replies and has no next-token "
                 "logits to generate with; use it as grpo.reward_model, or generate with its SFT run"
+            )
+        if (compile or graphs) and "mamba" in layer_mixers(model.cfg):
+            raise EmberError(
+                "compile and CUDA graphs decode with a static KV cache, which has no place for a Mamba "
+                "layer's recurrent state; generate from this model without --compile/--graphs"
             )
         if device is not None:
             model = model.to(device)

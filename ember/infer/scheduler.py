@@ -41,6 +41,7 @@ from ember.errors import EmberError
 from ember.infer.engine import Completion, Engine, Row, sample_next
 from ember.infer.paged import PAGED_ATTENTION, BlockManager, FlexPagedKVCache, PagedSequence, blocks_for
 from ember.infer.sampling import Sampling
+from ember.model.gpt import layer_mixers
 
 
 def top_logprobs(logp: torch.Tensor, k: int) -> dict[int, float]:
@@ -144,6 +145,11 @@ class Scheduler:
         paged_attention: str = "gather",
         decode_buckets: tuple[int, ...] | None = None,
     ):
+        if "mamba" in layer_mixers(engine.model.cfg):
+            raise EmberError(
+                "the paged server holds attention keys and values in blocks and has no slot for a Mamba "
+                "layer's recurrent state: serve an attention-only model, or generate with `ember generate`"
+            )
         if max_batch_tokens < 1 or max_seqs < 1:
             raise EmberError(
                 f"serve.max_batch_tokens and serve.max_seqs must be >= 1; got {max_batch_tokens}, {max_seqs}"

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError
+from ember.model.mamba import Mamba, scan_flops
 from ember.model.moe import MoE
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
@@ -57,7 +58,8 @@ Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
 class KVCache(Protocol):
     """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds them):
-    a forward of T new tokens calls ``extend(T)`` once, then every layer calls ``attend`` once."""
+    a forward of T new tokens calls ``extend(T)`` once, then every attention layer calls ``attend``
+    once; a model with Mamba layers needs ``recall`` and ``hold`` too (``RecurrentCache``, mamba.py)."""
 
     def extend(self, T: int) -> Tensor:
         """Take T more tokens in every row; their position ids, (T,) or (B, T)."""
@@ -355,7 +357,7 @@ class SwiGLU(nn.Module):
         return self.dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))  # (B, T, hidden) inside
 
 
-MIXERS: dict[str, type[nn.Module]] = {"attention": Attention}  # model.mixer / model.pattern
+MIXERS: dict[str, type[nn.Module]] = {"attention": Attention, "mamba": Mamba}  # model.mixer / model.pattern
 MLPS: dict[str, type[nn.Module]] = {  # model.mlp
     "swiglu": SwiGLU,
     "relu2": ReluSquaredMLP,
@@ -541,13 +543,17 @@ class GPT(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token at context ``seq_len``."""
         # PaLM (Chowdhery et al. 2022) appendix B: 6N + 12·L·H·Q·T, N the non-embedding
-        # parameters (matmuls with weights), 12LHQT the attention scores and weighted sums.
+        # parameters (matmuls with weights), 12LHQT the attention scores and weighted sums; a
+        # Mamba layer's scan instead costs 3x (forward + backward) its forward (ember/model/mamba.py).
         # An MoE token meets only its top_k experts: N counts the active parameters.
         n_head, head_dim = self.cfg.n_head, self.cfg.d_model // self.cfg.n_head
+        kinds = [type(layer.attention) for layer in self.layers.values()]
+        n_attn, n_mamba = len(kinds) - kinds.count(Mamba), kinds.count(Mamba)
+        mixing = 12 * n_attn * n_head * head_dim * seq_len + 3 * n_mamba * scan_flops(self.cfg)
         active = self.num_params(non_embedding=True) - sum(
             m.idle_params() for m in self.modules() if isinstance(m, MoE)
         )
-        return 6 * active + 12 * len(self.layers) * n_head * head_dim * seq_len
+        return 6 * active + mixing
 
 
 def layer_of(name: str) -> str:

@@ -1,10 +1,10 @@
 """Weights between ember's ``GPT`` and HF transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-``MixtralForCausalLM``.
+``MixtralForCausalLM`` / ``MambaForCausalLM``.
 
     hf = to_hf(model)     # an HF model with the same logits (fp32, CPU)
     back = from_hf(hf)    # and back to a GPT
 
-Three layouts map; anything else raises ``ConfigError`` naming the option:
+Four layouts map; anything else raises ``ConfigError`` naming the option:
 
 - GPT-2: learned positions, LayerNorm, GELU MLP, biases, multi-head attention,
   tied or untied head. HF's GPT-2 keeps its linear layers in ``Conv1D``, whose
@@ -20,6 +20,9 @@ Three layouts map; anything else raises ``ConfigError`` naming the option:
   ``cat(w1, w3)`` along the rows (dim 1 of a stacked weight), ``down_proj`` is ``w2``, the
   router ``mlp.gate`` is ``mlp.router``. Its routing (softmax over all experts, top-k,
   renormalised) is ember's (ember/model/moe.py).
+- Mamba (``model.mixer=mamba``, no MLP, no positions, RMSNorm): ember's ``Mamba`` names its
+  parameters as HF's ``MambaMixer``, so each is a plain copy; dt_rank = ceil(d_model / 16) on both
+  sides. A hybrid of attention and Mamba layers has no HF class here and is refused.
 
 Dropout is carried over as far as HF has it (Llama has attention dropout only).
 transformers is an optional dependency (the ``dev`` extra), imported inside the functions.
@@ -34,7 +37,8 @@ import torch
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError
-from ember.model.gpt import GPT, mlp_hidden_size
+from ember.model.gpt import GPT, layer_mixers, mlp_hidden_size
+from ember.model.mamba import dt_rank
 from ember.model.moe import expert_hidden_size
 
 if TYPE_CHECKING:
@@ -46,11 +50,17 @@ HF_CLASSES = {  # (causal LM, reward model) per layout
     "gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification"),
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
     "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
+    "mamba": ("MambaForCausalLM", None),
 }
+MAMBA_MIXER = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")  # linears (and the conv), same names
+MAMBA_MAX_SEQ_LEN = 2048  # an imported Mamba's max_seq_len: HF has none; Mamba-130m trained at 2048
 
 
 def layout_of(cfg: ModelConfig) -> str:
-    """'gpt2', 'llama' or 'mixtral', or a ConfigError saying what HF cannot represent."""
+    """'gpt2', 'llama', 'mixtral' or 'mamba', or a ConfigError saying what HF cannot represent."""
+    mixers = set(layer_mixers(cfg))
+    if "mamba" in mixers:
+        return _mamba_layout(cfg, mixers)
     if cfg.qk_norm:
         raise ConfigError("model.qk_norm has no counterpart in HF GPT-2 or Llama; export needs qk_norm=false")
     if cfg.logit_softcap:
@@ -101,6 +111,37 @@ def layout_of(cfg: ModelConfig) -> str:
             "Llama needs norm=rmsnorm and mlp=swiglu"
         )
     return "llama"
+
+
+def _mamba_layout(cfg: ModelConfig, mixers: set[str]) -> str:
+    if mixers != {"mamba"}:
+        raise ConfigError(
+            f"model.pattern={cfg.pattern!r} mixes attention and Mamba layers, which no HF class ember "
+            "exports to holds; export a pure Mamba model (model.mixer=mamba, no pattern)"
+        )
+    wants = (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "none"), ("pos", cfg.pos, "none"),
+             ("head", cfg.head, "lm"), ("logit_softcap", cfg.logit_softcap, 0.0))  # fmt: skip
+    wrong = [f"model.{key}={value}" for key, value, want in wants if value != want]
+    if wrong:
+        raise ConfigError(
+            f"Mamba exports as HF MambaForCausalLM, which has no {', '.join(wrong)}; "
+            "it needs norm=rmsnorm, mlp=none, pos=none, head=lm and no logit_softcap"
+        )
+    return "mamba"
+
+
+def _mamba_mapping(cfg: ModelConfig) -> Mapping:
+    m: Mapping = [
+        ("backbone.embeddings.weight", ("tok_embeddings.weight",), False),
+        ("backbone.norm_f.weight", ("norm.weight",), False),
+    ]
+    for i in range(cfg.n_layer):
+        hf, ours = f"backbone.layers.{i}", f"layers.{i}"
+        names = [f"{lin}.weight" for lin in MAMBA_MIXER] + ["conv1d.bias", "dt_proj.bias", "A_log", "D"]
+        names += ["in_proj.bias", "out_proj.bias"] if cfg.bias else []
+        m += [(f"{hf}.norm.weight", (f"{ours}.attention_norm.weight",), False)]
+        m += [(f"{hf}.mixer.{n}", (f"{ours}.attention.{n}",), False) for n in names]
+    return m
 
 
 def _gpt2_mapping(cfg: ModelConfig) -> Mapping:
@@ -176,7 +217,13 @@ def _rows(weight: torch.Tensor) -> int:
 
 def _mapping(cfg: ModelConfig, layout: str) -> Mapping:
     """The layout's table and the head: HF's ``score`` for a reward model, ``lm_head`` when untied."""
-    m = {"gpt2": _gpt2_mapping, "llama": _llama_mapping, "mixtral": _mixtral_mapping}[layout](cfg)
+    mappings = {
+        "gpt2": _gpt2_mapping,
+        "llama": _llama_mapping,
+        "mixtral": _mixtral_mapping,
+        "mamba": _mamba_mapping,
+    }
+    m = mappings[layout](cfg)
     if cfg.head == "score":
         return [*m, ("score.weight", ("output.weight",), False)]
     return m if cfg.tie_embeddings else [*m, ("lm_head.weight", ("output.weight",), False)]
@@ -192,6 +239,21 @@ def _hf_config(cfg: ModelConfig, layout: str) -> Any:
         bos_token_id=None,
         eos_token_id=None,
     )
+    if layout == "mamba":
+        return transformers.MambaConfig(
+            **common,
+            hidden_size=cfg.d_model,
+            state_size=cfg.d_state,
+            num_hidden_layers=cfg.n_layer,
+            layer_norm_epsilon=cfg.norm_eps,
+            conv_kernel=cfg.d_conv,
+            expand=cfg.expand,
+            time_step_rank=dt_rank(cfg.d_model),
+            use_bias=cfg.bias,
+            use_conv_bias=True,
+            hidden_act="silu",
+            pad_token_id=None,
+        )
     if layout == "gpt2":
         return transformers.GPT2Config(
             **common,
@@ -356,16 +418,52 @@ def _config_from_mixtral(config: Any) -> ModelConfig:
     )
 
 
-IMPORTS = {"gpt2": _config_from_gpt2, "llama": _config_from_llama, "mixtral": _config_from_mixtral}
+def _config_from_mamba(config: Any) -> ModelConfig:
+    problems = {
+        "hidden_act": (config.hidden_act, "silu"),
+        "intermediate_size": (config.intermediate_size, int(config.expand) * config.hidden_size),
+        "time_step_rank": (config.time_step_rank, dt_rank(config.hidden_size)),
+        "use_conv_bias": (config.use_conv_bias, True),
+    }
+    for key, (value, want) in problems.items():
+        if value != want:
+            raise ConfigError(f"Mamba config {key}={value!r} has no ember equivalent (ember needs {want!r})")
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        n_layer=config.num_hidden_layers,
+        n_head=1,  # no attention layers
+        d_model=config.hidden_size,
+        max_seq_len=MAMBA_MAX_SEQ_LEN,
+        mixer="mamba",
+        d_state=config.state_size,
+        d_conv=config.conv_kernel,
+        expand=int(config.expand),
+        mlp="none",
+        norm="rmsnorm",
+        norm_eps=config.layer_norm_epsilon,
+        pos="none",
+        tie_embeddings=config.tie_word_embeddings,
+        bias=config.use_bias,
+        init_std=config.initializer_range,
+    )
+
+
+IMPORTS = {
+    "gpt2": _config_from_gpt2,
+    "llama": _config_from_llama,
+    "mixtral": _config_from_mixtral,
+    "mamba": _config_from_mamba,
+}
 
 
 def from_hf(hf_model: PreTrainedModel) -> GPT:
     """A ``GPT`` (CPU, the HF model's dtype cast to fp32) with the weights of an HF
-    GPT-2, Llama or Mixtral causal LM."""
+    GPT-2, Llama, Mixtral or Mamba causal LM."""
     config = hf_model.config
     if config.model_type not in IMPORTS:
-        known = ", ".join(IMPORTS)
-        raise ConfigError(f"cannot import an HF {config.model_type!r} model; ember reads {known}")
+        raise ConfigError(
+            f"cannot import an HF {config.model_type!r} model; ember reads {', '.join(map(repr, IMPORTS))}"
+        )
     cfg = IMPORTS[config.model_type](config)
     mapping = _mapping(cfg, config.model_type)
     with torch.device("meta"):

@@ -67,8 +67,10 @@ class Dynamics:
         for name, block in model.layers.items():
             self.hooks.append(block.register_forward_hook(self._block(f"layers.{name}")))
             attention = block.attention
-            self.entropy[name], self.attends[name] = [], attention.attend
-            attention.attend = _observing(attention.attend, self.entropy[name])
+            self.entropy[name] = []
+            if hasattr(attention, "attend"):  # a Mamba layer has no attention weights to observe
+                self.attends[name] = attention.attend
+                attention.attend = _observing(attention.attend, self.entropy[name])
         self.hooks.append(model.output.register_forward_hook(self._logits))
 
     def _block(self, name: str):
@@ -88,7 +90,8 @@ class Dynamics:
             h.remove()
         self.hooks = []
         for name, block in self.model.layers.items():
-            block.attention.attend = self.attends.pop(name)
+            if name in self.attends:
+                block.attention.attend = self.attends.pop(name)
             for h, e in enumerate(self.entropy[name][0].tolist() if self.entropy[name] else []):
                 self.values[f"dyn/attn_entropy/layers.{name}/h{h}"] = e
         weight, update = {}, {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ember.errors import ConfigError
-from ember.model.gpt import mlp_hidden_size
+from ember.model.gpt import layer_mixers, mlp_hidden_size
 from ember.parallel.pipeline import microbatches, virtual_stages
 from ember.train.tasks import task_class
 
@@ -55,6 +55,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     m = model_cfg or cfg.model
     if m.mlp == "moe" or cfg.parallel.ep > 1:
         _check_experts(cfg, world_size, m)
+    if (pp > 1 or tp > 1) and "mamba" in layer_mixers(m):
+        raise ConfigError(f"parallel.tp={tp} and parallel.pp={pp}: Mamba layers (model.mixer=mamba or an M in model.pattern) train on one device or data parallel (DDP/FSDP) only for now; set parallel.tp=1 and parallel.pp=1")  # fmt: skip # noqa: E501
     if pp > 1:
         _check_pipeline(cfg, world_size, m, task)
     if tp > 1:
