@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError
+from ember.model.encoder import MLMTransform
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 
@@ -210,6 +211,12 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tens
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
+def full_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None) -> Tensor:
+    """Bidirectional (``model.causal=false``, BERT): every query sees every key, unless ``mask``."""
+    gqa = q.size(1) != k.size(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None
 ) -> Tensor:
@@ -223,6 +230,14 @@ def reference_attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = F.dropout(scores.softmax(dim=-1), p=dropout_p)
     return weights @ v  # (B, n_head, T, hd)
+
+
+def full_reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None
+) -> Tensor:
+    """The formula with no mask: a bidirectional model's ``set_attention("reference")``."""
+    everything = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)
+    return reference_attention(q, k, v, dropout_p, everything if mask is None else mask)
 
 
 def kernel_attention(flash: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
@@ -244,10 +259,13 @@ ATTENTION: dict[str, Callable[..., Tensor]] = {
     "sdpa": sdpa_attention,
     "reference": reference_attention,
 }
+FULL_ATTENTION: dict[str, Callable[..., Tensor]] = {"sdpa": full_attention, "reference": full_reference_attention}
 
 
 class Attention(nn.Module):
-    """Causal self-attention with optional GQA, RoPE and qk_norm."""
+    """Self-attention, causal or (``model.causal=false``) bidirectional, with optional GQA, RoPE and
+    qk_norm. A bidirectional layer attends with ``full_attention`` and never takes a KV cache
+    (the engine refuses such a model: each new token would change every earlier key's context)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: str) -> None:
         super().__init__()
@@ -263,7 +281,8 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.rotate = rotate_qk if cfg.pos == "rope" else keep_qk
-        self.attend = sdpa_attention
+        self.causal = cfg.causal  # picks the attention function here and in set_attention/set_kernels
+        self.attend = sdpa_attention if cfg.causal else full_attention
         self.attn_dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.n_layer = cfg.n_layer  # for the init of wo
@@ -292,7 +311,7 @@ class Attention(nn.Module):
 
 class GeluMLP(nn.Module):
     """GPT-2: w2(gelu(w1 x)), GELU's tanh approximation (``gelu_new`` in GPT-2 and HF), so that
-    GPT-2 checkpoints match exactly."""
+    GPT-2 checkpoints match exactly; ``model.gelu=erf`` the exact GELU of BERT (HF ``gelu``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -301,13 +320,14 @@ class GeluMLP(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.n_layer = cfg.n_layer  # for the init of w2
+        self.approximate = {"tanh": "tanh", "erf": "none"}[cfg.gelu]  # model.gelu=erf: BERT's exact GELU
 
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         init_module(self.w1, std, generator)
         init_module(self.w2, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))  # (B, T, hidden) inside
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate=self.approximate)))  # (B, T, hidden) inside
 
 
 class ReluSquaredMLP(GeluMLP):
@@ -383,6 +403,15 @@ class Block(nn.Module):
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
+class PostNormBlock(Block):
+    """Post-norm block (the Transformer of Vaswani et al. 2017, BERT): norm(x + mixer(x)), then
+    norm(x + mlp(x)); ``model.norm_position=post``. Same weights and names as ``Block``."""
+
+    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
+        x = self.attention_norm(x + self.attention(x, rope, cache))
+        return x if self.mlp is None else self.mlp_norm(x + self.mlp(x))
+
+
 # ------------------------------------------------------------------ the model
 
 
@@ -410,11 +439,16 @@ class GPT(nn.Module):
         }
         self.pos: nn.Module | None = positions[cfg.pos]()  # fmt: skip
         self.dropout = nn.Dropout(cfg.dropout)
+        post = cfg.norm_position == "post"  # BERT: the embeddings normed, each block's sum normed, no final norm
+        self.embed_norm = make_norm(cfg, cfg.d_model) if post else nn.Identity()
         # String keys, so that a pipeline stage can delete the layers it does not run.
         mixers = layer_mixers(cfg)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
-        self.norm = make_norm(cfg, cfg.d_model)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size if cfg.head == "lm" else 1, bias=False)
+        block = PostNormBlock if post else Block
+        self.layers = nn.ModuleDict({str(i): block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
+        self.norm = nn.Identity() if post else make_norm(cfg, cfg.d_model)
+        self.transform = MLMTransform(cfg) if cfg.head == "mlm" else nn.Identity()  # BERT's head, before output
+        vocab = cfg.vocab_size if cfg.head != "score" else 1
+        self.output = nn.Linear(cfg.d_model, vocab, bias=cfg.head == "mlm")
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
         self.tie_weights()
 
@@ -437,7 +471,7 @@ class GPT(nn.Module):
         # stream (B, T, C) the stage before sent; it has positions only as RoPE tables, if any
         x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)
         x, rope = self.pos(x, positions) if self.pos is not None else (x, None)  # (B, T, C)
-        x = self.dropout(x) if self.tok_embeddings is not None else x
+        x = self.dropout(self.embed_norm(x)) if self.tok_embeddings is not None else x
         eager = cache is not None and getattr(self, "compiled_blocks", False)  # see apply_compile
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             for layer in self.layers.values():
@@ -446,7 +480,7 @@ class GPT(nn.Module):
             return x
         if keep is not None:
             x = x[keep]  # (N, C)
-        x = self.norm(x)
+        x = self.transform(self.norm(x))
         if hidden:  # the head is the caller's: a fused linear + loss (train.kernels=triton)
             return x  # (B, T, C) or (N, C)
         return self.softcap(self.output(x).float())  # (B, T, vocab_size) or (N, vocab_size)
@@ -464,7 +498,7 @@ class GPT(nn.Module):
 
     def tie_weights(self) -> None:
         # not a reward model's score head, not a quantized head
-        lm_head = self.cfg.head == "lm" and isinstance(self.output, nn.Linear)
+        lm_head = self.cfg.head != "score" and isinstance(self.output, nn.Linear)
         if self.cfg.tie_embeddings and lm_head:
             self.output.weight = self.tok_embeddings.weight
 
@@ -489,6 +523,8 @@ class GPT(nn.Module):
         for module in self.children():
             if module is not self.output or getattr(module, "weight", None) is not self.tok_embeddings.weight:
                 init_module(module, self.cfg.init_std, generator)
+            elif module.bias is not None:  # model.head=mlm: the tied decoder's own bias
+                nn.init.zeros_(module.bias)
 
     def set_attention(self, kind: str) -> GPT:
         """Use ``"sdpa"`` (default) or ``"reference"`` attention in every layer."""
@@ -496,7 +532,7 @@ class GPT(nn.Module):
             raise ConfigError(f"unknown attention {kind!r}; choose one of {', '.join(ATTENTION)}")
         for module in self.modules():
             if isinstance(module, Attention):
-                module.attend = ATTENTION[kind]
+                module.attend = (ATTENTION if module.causal else FULL_ATTENTION)[kind]
         return self
 
     def set_kernels(self, kind: str) -> GPT:
@@ -514,7 +550,7 @@ class GPT(nn.Module):
                 module.__class__ = norm.LayerNorm if triton else nn.LayerNorm
             elif isinstance(module, Attention):
                 flash = functools.partial(kernel_attention, attention.flash_attention) if triton else None
-                module.attend = flash or sdpa_attention
+                module.attend = (flash or sdpa_attention) if module.causal else full_attention
                 if module.rotate is not keep_qk:
                     module.rotate = functools.partial(kernel_rotate, rope.rope_qk) if triton else rotate_qk
         return self
