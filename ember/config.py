@@ -401,7 +401,7 @@ class Config:
                    "lower train.seq_len or raise model.max_seq_len")  # fmt: skip
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", message)
         mlm, m = self.train.task == "mlm", self.model
-        message = (f"train.task={self.train.task} with model.causal={m.causal}, model.head={m.head}: train.task=mlm needs causal=false (it reads both sides "
+        message = (f"train.task={self.train.task} with model.causal={m.causal}, model.head={m.head}: train.task=mlm needs causal=false (it reads both sides "  # fmt: skip # noqa: E501
                    "of a mask); other tasks need causal=true (bidirectional attention sees the token it predicts) and no mlm head")  # fmt: skip # noqa: E501
         _require(mlm != m.causal and (mlm or m.head != "mlm"), "model.causal", message)
 

@@ -259,7 +259,10 @@ ATTENTION: dict[str, Callable[..., Tensor]] = {
     "sdpa": sdpa_attention,
     "reference": reference_attention,
 }
-FULL_ATTENTION: dict[str, Callable[..., Tensor]] = {"sdpa": full_attention, "reference": full_reference_attention}
+FULL_ATTENTION: dict[str, Callable[..., Tensor]] = {  # model.causal=false
+    "sdpa": full_attention,
+    "reference": full_reference_attention,
+}
 
 
 class Attention(nn.Module):
@@ -327,7 +330,7 @@ class GeluMLP(nn.Module):
         init_module(self.w2, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.w2(F.gelu(self.w1(x), approximate=self.approximate)))  # (B, T, hidden) inside
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate=self.approximate)))  # (B, T, hidden) in
 
 
 class ReluSquaredMLP(GeluMLP):
@@ -439,14 +442,14 @@ class GPT(nn.Module):
         }
         self.pos: nn.Module | None = positions[cfg.pos]()  # fmt: skip
         self.dropout = nn.Dropout(cfg.dropout)
-        post = cfg.norm_position == "post"  # BERT: the embeddings normed, each block's sum normed, no final norm
+        post = cfg.norm_position == "post"  # BERT: embeddings normed, each block's sums normed, no final norm
         self.embed_norm = make_norm(cfg, cfg.d_model) if post else nn.Identity()
         # String keys, so that a pipeline stage can delete the layers it does not run.
         mixers = layer_mixers(cfg)
         block = PostNormBlock if post else Block
         self.layers = nn.ModuleDict({str(i): block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
         self.norm = nn.Identity() if post else make_norm(cfg, cfg.d_model)
-        self.transform = MLMTransform(cfg) if cfg.head == "mlm" else nn.Identity()  # BERT's head, before output
+        self.transform = MLMTransform(cfg) if cfg.head == "mlm" else nn.Identity()  # BERT's, before output
         vocab = cfg.vocab_size if cfg.head != "score" else 1
         self.output = nn.Linear(cfg.d_model, vocab, bias=cfg.head == "mlm")
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()

@@ -98,7 +98,7 @@ def _bert_layout(cfg: ModelConfig) -> str:
     have = {**vars(cfg), "n_kv_head": cfg.n_kv_head or cfg.n_head}
     if wrong := [f"model.{key}={have[key]}" for key, value in want if have[key] != value]:
         raise ConfigError(
-            f"a bidirectional model (model.causal=false) exports as HF BERT, which has no {', '.join(wrong)}; "
+            f"a bidirectional model (model.causal=false) exports as HF BERT, which has no {', '.join(wrong)}; "  # noqa: E501
             "BERT needs " + ", ".join(f"{key}={value}" for key, value in want)
         )
     return "bert"
@@ -110,8 +110,11 @@ def _bert_mapping(cfg: ModelConfig) -> Mapping:
         ("bert.embeddings.position_embeddings.weight", ("pos.wpe.weight",), False),
         ("cls.predictions.bias", ("output.bias",), False),
     ]
-    pairs = [("bert.embeddings.LayerNorm", "embed_norm"), ("cls.predictions.transform.dense", "transform.dense"),
-             ("cls.predictions.transform.LayerNorm", "transform.norm")]  # fmt: skip
+    pairs = [
+        ("bert.embeddings.LayerNorm", "embed_norm"),
+        ("cls.predictions.transform.dense", "transform.dense"),
+        ("cls.predictions.transform.LayerNorm", "transform.norm"),
+    ]
     for i in range(cfg.n_layer):
         hf, ours = f"bert.encoder.layer.{i}", f"layers.{i}"
         pairs += [
