@@ -4,8 +4,8 @@
     import_hf("out/tiny-hf", "runs/tiny-back")       # ember import hf out/tiny-hf --out runs/tiny-back
 
 The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions, else
-``LlamaForCausalLM``), ``model.safetensors``, ``generation_config.json`` (bos/eos/pad ids)
-and a fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
+``LlamaForCausalLM``; ``BertForMaskedLM`` for a masked LM), ``model.safetensors``,
+``generation_config.json`` (bos/eos/pad ids) and a fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it with no ember installed. The weight
 renaming lives in ember/model/hf.py; this module only reads and writes folders.
 
@@ -52,6 +52,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ember.atomic import build_dir, check_target
 from ember.config import Config, config_to_yaml
 from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
+from ember.data.masking import mask_id
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
 from ember.model.hf import from_hf, to_hf
@@ -93,6 +94,8 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
     hf.config.update(special)
     hf.generation_config = transformers.GenerationConfig(**special)
     tokens = {f"{role}_token": tok for role, tok in tokenizer.special_tokens().items() if tok is not None}
+    if not model.cfg.causal:  # BertForMaskedLM: the fill-mask pipeline reads the tokenizer's mask token
+        tokens["mask_token"] = tokenizer.id_to_token(mask_id(tokenizer))
     if tokenizer.hf.token_to_id(END_TURN) is not None:  # an ember tokenizer: the chat format's tokens
         tokens["chat_template"] = HF_CHAT_TEMPLATE
     hf_tokenizer = transformers.PreTrainedTokenizerFast(
@@ -113,7 +116,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Build a run directory at ``out`` from a GPT-2 or Llama HF folder on disk."""
+    """Build a run directory at ``out`` from a GPT-2, Llama or BertForMaskedLM HF folder on disk."""
     transformers = _transformers()
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():
@@ -129,12 +132,14 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         model_type = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     except (OSError, ValueError, AttributeError) as e:  # ValueError: bad JSON or UTF-8
         raise EmberError(f"{hf_dir / 'config.json'} cannot be read ({e})") from None
-    if model_type not in ("gpt2", "llama"):
+    if model_type not in ("gpt2", "llama", "bert"):
         raise EmberError(
-            f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; ember reads gpt2, llama"
+            f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; "
+            "ember reads gpt2, llama, bert"
         )
+    auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        hf = auto.from_pretrained(hf_dir).eval()
     except (OSError, ValueError, SafetensorError) as e:  # no or damaged weights; transformers says which
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EmberError(f"cannot load the model in {hf_dir} ({message[:300]})") from None
@@ -160,7 +165,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             cfg.data, dir=str(out / "data"), tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size
         ),
         model=model.cfg,
-        train=replace(cfg.train, seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len)),
+        train=replace(cfg.train, seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len),
+                      task="lm" if model.cfg.causal else "mlm"),  # fmt: skip
     )
 
     def fill(tmp: Path) -> None:
