@@ -204,8 +204,10 @@ def export_graph(
         _onnxruntime()  # before loading the run: a missing package is the first thing to hear
     model, _ = load_run(run_dir, ckpt)  # EmberError for a missing or damaged run
     if target == "onnx-decode" and not model.cfg.causal:
-        raise EmberError("--to onnx-decode keeps a KV cache, which a bidirectional model (model.causal=false) "
-                         "cannot use; export it --to onnx (the whole-sequence logits)")  # fmt: skip
+        raise EmberError(
+            "--to onnx-decode keeps a KV cache, which a bidirectional model (model.causal=false) "
+            "cannot use; export it --to onnx (the whole-sequence logits)"
+        )
     model = model.float().eval()
     stage = staging_dir(out)  # ember/atomic.py: a killed process's stage is swept by the next writer
     tmp = stage / ("graph.onnx" if target.startswith("onnx") else "graph.pt2")  # aoti wants .pt2

@@ -5,8 +5,9 @@
 
 The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions, else
 ``LlamaForCausalLM``; ``BertForMaskedLM`` for a masked LM), ``model.safetensors``,
-``generation_config.json`` (bos/eos/pad ids) and a fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
-``AutoModelForCausalLM`` and ``AutoTokenizer`` load it with no ember installed. The weight
+``generation_config.json`` (bos/eos/pad ids) and a fast tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``), so ``AutoModelForCausalLM`` (``AutoModelForMaskedLM``) and
+``AutoTokenizer`` load it with no ember installed. The weight
 renaming lives in ember/model/hf.py; this module only reads and writes folders.
 
 Design choices:
@@ -165,8 +166,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             cfg.data, dir=str(out / "data"), tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size
         ),
         model=model.cfg,
-        train=replace(cfg.train, seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len),
-                      task="lm" if model.cfg.causal else "mlm"),  # fmt: skip
+        train=replace(
+            cfg.train,
+            seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len),
+            task="lm" if model.cfg.causal else "mlm",
+        ),
     )
 
     def fill(tmp: Path) -> None:

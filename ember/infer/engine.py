@@ -422,8 +422,8 @@ class Engine:
     ):
         if not getattr(model.cfg, "causal", True):
             raise EmberError(
-                "this model is bidirectional (model.causal=false, a masked LM): it fills in masked tokens and "
-                "cannot generate left to right or keep a KV cache; score it with `ember eval RUN --split test`"
+                "this model is bidirectional (model.causal=false, a masked LM): it fills in masked tokens "
+                "and cannot generate left to right or keep a KV cache; score it with `ember eval RUN`"
             )
         if getattr(model.cfg, "head", "lm") != "lm":
             raise EmberError(

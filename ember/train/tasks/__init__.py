@@ -18,7 +18,7 @@ from ember.train.tasks.mlm import MLMTask
 from ember.train.tasks.rm import RMTask
 from ember.train.tasks.sft import SFTTask
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, SFTTask, DPOTask, GRPOTask, RMTask, MLMTask)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (LMTask, SFTTask, DPOTask, GRPOTask, RMTask, MLMTask)}
 
 
 def task_class(name: str) -> type[Task]:
