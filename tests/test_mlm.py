@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ember.config import ModelConfig
 from ember.data.masking import IGNORE, mask_tokens, seeded
@@ -23,21 +22,43 @@ from ember.train.trainer import train
 
 transformers = pytest.importorskip("transformers")
 
-BERT = ["train.task=mlm", "model.causal=false", "model.head=mlm", "model.norm_position=post", "model.gelu=erf",
-        "model.pos=learned", "model.norm=layernorm", "model.mlp=gelu", "model.bias=true", "model.n_kv_head=0"]  # fmt: skip # noqa: E501
+BERT = [
+    "train.task=mlm",
+    "model.causal=false",
+    "model.head=mlm",
+    "model.norm_position=post",
+    "model.gelu=erf",
+    "model.pos=learned",
+    "model.norm=layernorm",
+    "model.mlp=gelu",
+    "model.bias=true",
+    "model.n_kv_head=0",
+]
 DET = ["train.deterministic=true", "train.precision=fp32"]
 
 
 def bert_cfg(**overrides) -> ModelConfig:
-    fields = dict(vocab_size=100, n_layer=2, n_head=2, d_model=32, max_seq_len=64, mlp_hidden=64, causal=False,
-                  head="mlm", norm_position="post", gelu="erf", norm_eps=1e-12)  # fmt: skip
+    fields = dict(
+        vocab_size=100,
+        n_layer=2,
+        n_head=2,
+        d_model=32,
+        max_seq_len=64,
+        mlp_hidden=64,
+        causal=False,
+        head="mlm",
+        norm_position="post",
+        gelu="erf",
+        norm_eps=1e-12,
+    )
     return ModelConfig(**{**fields, **overrides})
 
 
 def ember(*args):
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.run([sys.executable, "-m", "ember", *args], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "ember", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 # ------------------------------------------------------------------ the model
@@ -112,7 +133,10 @@ def test_the_loss_is_the_cross_entropy_on_masked_positions_only():
     rows, cols = (targets != IGNORE).nonzero(as_tuple=True)
     picked = [-logp[r, c, targets[r, c]] for r, c in zip(rows.tolist(), cols.tolist(), strict=True)]
     torch.testing.assert_close(loss, torch.stack(picked).mean(), atol=1e-5, rtol=0)
-    hits = [(logp[r, c].argmax() == targets[r, c]).float() for r, c in zip(rows.tolist(), cols.tolist(), strict=True)]  # noqa: E501
+    hits = [
+        (logp[r, c].argmax() == targets[r, c]).float()
+        for r, c in zip(rows.tolist(), cols.tolist(), strict=True)
+    ]  # noqa: E501
     torch.testing.assert_close(metrics["mlm_accuracy"], torch.stack(hits).mean())
     nothing = torch.full_like(targets, IGNORE)
     assert task.loss(model, (inputs, nothing))[0] == 0  # no NaN from an empty micro-batch
@@ -123,9 +147,17 @@ def test_the_loss_is_the_cross_entropy_on_masked_positions_only():
 
 def random_bert() -> "transformers.BertForMaskedLM":
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=64, max_position_embeddings=64, type_vocab_size=2,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    config = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        type_vocab_size=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     hf = transformers.BertForMaskedLM(config).eval()
     with torch.no_grad():  # nonzero biases, norms and token types, so that every mapping matters
         for p in hf.parameters():
@@ -154,8 +186,12 @@ def test_to_hf_of_an_ember_encoder_and_what_bert_cannot_hold():
     model = GPT.build(bert_cfg(norm_eps=1e-5), seed=0).eval()
     x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(6))
     torch.testing.assert_close(to_hf(model).eval()(input_ids=x).logits, model(x), atol=1e-5, rtol=0)
-    for bad, named in ((dict(pos="rope"), "model.pos=rope"), (dict(gelu="tanh"), "model.gelu=tanh"),
-                       (dict(head="lm"), "model.head=lm"), (dict(norm_position="pre"), "model.norm_position=pre")):  # fmt: skip # noqa: E501
+    for bad, named in (
+        (dict(pos="rope"), "model.pos=rope"),
+        (dict(gelu="tanh"), "model.gelu=tanh"),
+        (dict(head="lm"), "model.head=lm"),
+        (dict(norm_position="pre"), "model.norm_position=pre"),
+    ):
         with pytest.raises(ConfigError, match=named):
             to_hf(GPT.build(bert_cfg(**bad), seed=0))
     with pytest.raises(ConfigError, match="norm_position=pre"):  # a post-norm decoder has no HF layout
@@ -167,8 +203,15 @@ def test_to_hf_of_an_ember_encoder_and_what_bert_cannot_hold():
 
 @pytest.mark.slow
 def test_mlm_run_learns_resumes_bitwise_and_is_scored_by_ember_eval(tiny_cfg, tmp_path):
-    args = [*BERT, *DET, "model.dropout=0.1", "train.max_steps=16", "train.ckpt_every=8", "train.eval_every=8",
-            "train.keep_last=3"]  # fmt: skip
+    args = [
+        *BERT,
+        *DET,
+        "model.dropout=0.1",
+        "train.max_steps=16",
+        "train.ckpt_every=8",
+        "train.eval_every=8",
+        "train.keep_last=3",
+    ]
     cfg = tiny_cfg(*args)
     train(cfg)
     rd = Path(cfg.run.out_dir) / cfg.run.name
@@ -198,8 +241,10 @@ def test_mlm_run_learns_resumes_bitwise_and_is_scored_by_ember_eval(tiny_cfg, tm
     model, tokenizer = load_run(rd)
     with pytest.raises(EmberError, match="bidirectional"):
         Engine(model, tokenizer)
-    for argv in (["generate", str(rd), "--prompt", "def"],
-                 ["export", str(rd), "--to", "onnx-decode", str(tmp_path / "m.onnx")]):  # fmt: skip
+    for argv in (
+        ["generate", str(rd), "--prompt", "def"],
+        ["export", str(rd), "--to", "onnx-decode", str(tmp_path / "m.onnx")],
+    ):
         r = ember(*argv)
         assert r.returncode == 2 and "bidirectional" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "m.onnx").exists()
