@@ -254,6 +254,10 @@ def test_mlm_run_learns_resumes_bitwise_and_is_scored_by_ember_eval(tiny_cfg, tm
     x = torch.randint(16, 512, (1, 32), generator=torch.Generator().manual_seed(7))
     torch.testing.assert_close(hf(input_ids=x).logits, model.eval()(x), atol=1e-5, rtol=0)
     assert transformers.AutoTokenizer.from_pretrained(out).mask_token == "<|reserved_0|>"
+    r = ember("import", "hf", str(out), "--out", str(tmp_path / "back"))  # and back: a run ember eval reads
+    assert r.returncode == 0, r.stderr
+    back, _ = load_run(tmp_path / "back")
+    assert not back.cfg.causal and torch.equal(back.eval()(x), model(x))
 
 
 @pytest.mark.parametrize(
