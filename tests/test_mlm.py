@@ -269,3 +269,16 @@ def test_bad_combinations_are_refused_before_any_work(tmp_path, args):
     r = ember("train", "tiny", f"run.out_dir={tmp_path / 'runs'}", *args)
     assert r.returncode == 2 and "train.task=mlm needs causal=false" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("post", [False, True], ids=["gpt", "bert"])
+def test_pipeline_stages_hold_the_embedding_norm_and_the_head_transform(post):
+    """A pipeline stage is built by naming what it keeps (ember.parallel.pipeline.stage_model):
+    the first keeps ``embed_norm``, the last ``transform``; chained, they equal the whole model."""
+    from ember.parallel.pipeline import stage_model
+
+    cfg = bert_cfg() if post else ModelConfig(vocab_size=100, n_layer=2, n_head=2, d_model=32, max_seq_len=64)
+    model = GPT.build(cfg, seed=0).eval()
+    x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(8))
+    first, last = stage_model(model, [0], True, False), stage_model(model, [1], False, True)
+    torch.testing.assert_close(last(first(x)), model(x), atol=0, rtol=0)
