@@ -25,6 +25,10 @@ Design choices:
   tensor parallelism may shard the rows of ``wq, wk, wv`` and the columns of ``wo``.
 - Attention is ``F.scaled_dot_product_attention`` (GQA by ``enable_gqa``);
   ``model.set_attention("reference")`` swaps in softmax(QK^T/sqrt(d) + mask) V for tests.
+- ``model.causal=false`` (a masked LM, docs/mlm.md) attends with ``full_attention``, no mask;
+  ``model.norm_position=post`` builds ``PostNormBlock`` with a norm on the embeddings and none at
+  the end; ``model.head=mlm`` puts BERT's transform (ember/model/encoder.py) before a tied,
+  biased ``output``. Together they are HF BERT's layout.
 - The optional inference cache (the ``KVCache`` protocol below) owns everything about the
   tokens held: positions, storage sized from the keys it receives (a TP shard's heads, a
   wrapped ``wk``) and the attention kernel. Without one, positions are 0 .. T-1 and attention is
