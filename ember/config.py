@@ -171,8 +171,10 @@ class ModelConfig(_Section, key="model"):
     d_conv: int = opt(4, "mamba: width of the causal depthwise convolution", ge=1)
     expand: int = opt(2, "mamba: inner width = expand * d_model", ge=1)
     causal: bool = opt(True, "false: bidirectional attention (BERT-style, for train.task=mlm)")
+    gelu: str = opt("tanh", "GELU of the gelu MLP and mlm head: tanh approximation (GPT-2) or erf (BERT)", choices=("tanh", "erf"))  # fmt: skip # noqa: E501
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4*d_model, swiglu: 8/3*d_model rounded to 64", ge=0)
     norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
+    norm_position: str = opt("pre", "pre: x + f(norm(x)), a final norm; post (BERT): norm(x + f(x)), embeddings normed", choices=("pre", "post"))  # fmt: skip # noqa: E501
     norm_eps: float = opt(1e-5, "epsilon of the norms", ge=0)
     pos: str = opt("learned", "positions: learned, RoPE or none (Mamba)", choices=("learned", "rope", "none"))
     rope_theta: float = opt(10000.0, "RoPE base frequency", gt=0)
@@ -182,7 +184,7 @@ class ModelConfig(_Section, key="model"):
     qk_norm: bool = opt(False, "normalize queries and keys per head before attention")
     init_std: float = opt(0.02, "init std (normal); residual projections scaled by 1/sqrt(2*n_layer)", ge=0)
     logit_softcap: float = opt(0.0, "cap logits smoothly at +-this value, cap*tanh(z/cap) (0 = off)", ge=0)
-    head: str = opt("lm", "lm: next-token logits; score: untied reward per position", choices=("lm", "score"))
+    head: str = opt("lm", "lm: logits; mlm: BERT's dense-GELU-norm first, a bias; score: a reward", choices=("lm", "mlm", "score"))  # fmt: skip # noqa: E501
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -398,6 +400,10 @@ class Config:
         message = (f"train.seq_len={seq_len} is beyond model.max_seq_len={max_seq_len}; "
                    "lower train.seq_len or raise model.max_seq_len")  # fmt: skip
         _require(self.train.seq_len <= self.model.max_seq_len, "train.seq_len", message)
+        mlm, m = self.train.task == "mlm", self.model
+        message = (f"train.task={self.train.task} with model.causal={m.causal}, model.head={m.head}: train.task=mlm needs causal=false (it reads both sides "  # fmt: skip # noqa: E501
+                   "of a mask); other tasks need causal=true (bidirectional attention sees the token it predicts) and no mlm head")  # fmt: skip # noqa: E501
+        _require(mlm != m.causal and (mlm or m.head != "mlm"), "model.causal", message)
 
 
 # --- The schema, walked: keys, types, help ---

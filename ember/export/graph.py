@@ -210,6 +210,11 @@ def export_graph(
             f"--to {target}: the model has Mamba layers, whose scan loops over the sequence length (a "
             "graph would fix T) and whose decode state is no past key/value; export it --to hf instead"
         )
+    if target == "onnx-decode" and not model.cfg.causal:
+        raise EmberError(
+            "--to onnx-decode keeps a KV cache, which a bidirectional model (model.causal=false) "
+            "cannot use; export it --to onnx (the whole-sequence logits)"
+        )
     model = model.float().eval()
     stage = staging_dir(out)  # ember/atomic.py: a killed process's stage is swept by the next writer
     tmp = stage / ("graph.onnx" if target.startswith("onnx") else "graph.pt2")  # aoti wants .pt2

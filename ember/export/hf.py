@@ -5,9 +5,10 @@
 
 The HF folder holds ``config.json`` (``GPT2LMHeadModel`` for learned positions,
 ``MixtralForCausalLM`` for ``model.mlp=moe``, ``MambaForCausalLM`` for a pure Mamba model, else
-``LlamaForCausalLM``), ``model.safetensors``, ``generation_config.json`` (bos/eos/pad ids) and a
-fast tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), so
-``AutoModelForCausalLM`` and ``AutoTokenizer`` load it with no ember installed. The weight
+``LlamaForCausalLM``; ``BertForMaskedLM`` for a masked LM), ``model.safetensors``,
+``generation_config.json`` (bos/eos/pad ids) and a fast tokenizer (``tokenizer.json`` +
+``tokenizer_config.json``), so ``AutoModelForCausalLM`` (``AutoModelForMaskedLM``) and
+``AutoTokenizer`` load it with no ember installed. The weight
 renaming lives in ember/model/hf.py; this module only reads and writes folders.
 
 Design choices:
@@ -53,6 +54,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ember.atomic import build_dir, check_target
 from ember.config import Config, config_to_yaml
 from ember.data.chat import END_TURN, HF_CHAT_TEMPLATE
+from ember.data.masking import mask_id
 from ember.data.tokenizer import ROLES, SPECIAL_TOKENS, Tokenizer
 from ember.errors import EmberError
 from ember.export.card import model_card
@@ -95,6 +97,8 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
     hf.config.update(special)
     hf.generation_config = transformers.GenerationConfig(**special)
     tokens = {f"{role}_token": tok for role, tok in tokenizer.special_tokens().items() if tok is not None}
+    if not model.cfg.causal:  # BertForMaskedLM: the fill-mask pipeline reads the tokenizer's mask token
+        tokens["mask_token"] = tokenizer.id_to_token(mask_id(tokenizer))
     if tokenizer.hf.token_to_id(END_TURN) is not None:  # an ember tokenizer: the chat format's tokens
         tokens["chat_template"] = HF_CHAT_TEMPLATE
     hf_tokenizer = transformers.PreTrainedTokenizerFast(
@@ -117,7 +121,7 @@ def export_hf(run_dir: str | Path, out: str | Path, ckpt: str = "last", force: b
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
-    """Build a run directory at ``out`` from a GPT-2, Llama, Mixtral or Mamba HF folder on disk."""
+    """Build a run directory at ``out`` from a GPT-2, Llama, Mixtral, Mamba or BertForMaskedLM HF folder."""
     transformers = _transformers()
     hf_dir, out = Path(hf_dir), Path(out)
     if not (hf_dir / "config.json").is_file():
@@ -138,8 +142,9 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             f"{hf_dir / 'config.json'}: model_type={model_type!r} cannot be imported; "
             f"ember reads {', '.join(IMPORTS)}"
         )
+    auto = transformers.AutoModelForMaskedLM if model_type == "bert" else transformers.AutoModelForCausalLM
     try:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+        hf = auto.from_pretrained(hf_dir).eval()
     except (OSError, ValueError, SafetensorError) as e:  # no or damaged weights; transformers says which
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise EmberError(f"cannot load the model in {hf_dir} ({message[:300]})") from None
@@ -165,7 +170,11 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             cfg.data, dir=str(out / "data"), tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size
         ),
         model=model.cfg,
-        train=replace(cfg.train, seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len)),
+        train=replace(
+            cfg.train,
+            seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len),
+            task="lm" if model.cfg.causal else "mlm",
+        ),
     )
 
     def fill(tmp: Path) -> None:

@@ -433,6 +433,11 @@ class Engine:
         compile: bool = False,
         graphs: bool = False,
     ):
+        if not getattr(model.cfg, "causal", True):
+            raise EmberError(
+                "this model is bidirectional (model.causal=false, a masked LM): it fills in masked tokens "
+                "and cannot generate left to right or keep a KV cache; score it with `ember eval RUN`"
+            )
         if getattr(model.cfg, "head", "lm") != "lm":
             raise EmberError(
                 "this model is a reward model (model.head=score): it scores replies and has no next-token "

@@ -15,6 +15,9 @@ Design choices:
   perplexity of the transformers guide: ``seq_len / stride`` times the compute). ``max_windows``
   subsamples only when asked, and the result says how many of how many.
 - Bits per byte divide the loss on text tokens by their UTF-8 bytes, so tokenizers compare.
+- A masked LM (``model.causal=false``) is scored by ``score_masked``: the training corruption
+  (ember/data/masking.py) with fixed seeds on side-by-side windows, reporting the masked tokens'
+  accuracy, loss and bits per byte: their nats over the UTF-8 bytes of the original tokens.
 - Each figure comes per stratum too, with a 95% bootstrap interval over documents: how far it
   could move on another sample of documents like these (what decides whether a val/train gap
   is noise). ``eval.json`` keeps one entry per dataset label; evaluating again replaces it only.
@@ -33,6 +36,7 @@ import yaml
 from ember.data.chat import chat_ids, render
 from ember.data.loader import TokenDataset
 from ember.data.manifest import read_manifest
+from ember.data.masking import IGNORE, mask_id, mask_tokens, seeded
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
@@ -169,6 +173,56 @@ def language_metrics(nats: float, tokens: float, text_nats: float, nbytes: float
     return {"loss": loss, "ppl": math.exp(min(loss, 50)), "bpb": text_nats / math.log(2) / max(nbytes, 1)}
 
 
+def masked_metrics(nats: float, correct: float, masked: float, nbytes: float) -> dict:
+    """A masked LM's loss (nats per masked token), perplexity, accuracy and bits per byte: the nats
+    of the masked tokens over the UTF-8 bytes those tokens stand for (every masked token is text)."""
+    loss = nats / max(masked, 1)
+    return {"loss": loss, "ppl": math.exp(min(loss, 50)), "masked_accuracy": correct / max(masked, 1),
+            "bpb": nats / math.log(2) / max(nbytes, 1)}  # fmt: skip
+
+
+@torch.no_grad()
+def masked_sums(model, x: torch.Tensor, generator: torch.Generator, rate: float, mask: int,
+                token_bytes: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """(nats, correct, masked tokens, their bytes), float64 on x's device, of ``model`` on windows
+    ``x`` (B, T) corrupted by the masked-LM rule with ``generator``: the one sum behind the MLM
+    task's validation and ``ember eval``."""
+    inputs, targets = mask_tokens(x, generator, rate, mask, token_bytes > 0)
+    keep = targets != IGNORE
+    logits = model(inputs, keep=keep).float()  # (N, V)
+    target = targets[keep]
+    nats = F.cross_entropy(logits, target, reduction="sum")
+    sums = [nats, (logits.argmax(-1) == target).sum(), keep.sum(), token_bytes[target].sum()]
+    return torch.stack([v.double() for v in sums])
+
+
+@torch.no_grad()
+def score_masked(model, tokens: np.ndarray, token_bytes: torch.Tensor, seq_len: int, rate: float, mask: int,
+                 batch_size: int = 8, max_windows: int | None = None, documents: int = 0) -> dict:  # fmt: skip # noqa: E501
+    """A masked LM on ``tokens``: side-by-side windows of ``seq_len`` (the tail shorter than one is
+    left out), window batch ``i`` corrupted with ``seeded(0, i, 0, "eval")``, so every model is
+    scored on the same masks. Accuracy comes with its 95% Wilson interval over masked tokens
+    (tokens of a document are not independent, so it is on the narrow side)."""
+    total = len(tokens) // seq_len
+    if total == 0:
+        raise EmberError(f"only {len(tokens)} token(s): not one window of {seq_len}; give more text")
+    starts = np.arange(total) * seq_len
+    if max_windows is not None and max_windows < total:
+        starts = starts[np.arange(max_windows) * total // max_windows]  # evenly spaced
+    sums = torch.zeros(4, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for i, lo in enumerate(range(0, len(starts), batch_size)):
+        x = torch.from_numpy(tokens[starts[lo : lo + batch_size, None] + np.arange(seq_len)])
+        sums += masked_sums(model, x, seeded(0, i, 0, "eval"), rate, mask, token_bytes)
+    model.train(was_training)
+    nats, correct, masked, nbytes = sums.tolist()
+    ci95 = list(wilson_interval(int(correct), int(masked)))
+    return {**masked_metrics(nats, correct, masked, nbytes), "accuracy_ci95": ci95, "tokens": int(masked),
+            "bytes": int(nbytes), "documents": documents, "windows": len(starts), "windows_total": total,
+            "seq_len": seq_len, "stride": seq_len}  # fmt: skip
+
+
 def document_ci95(per_doc: np.ndarray, resamples: int = 2000, seed: int = 0) -> dict:
     """95% bootstrap intervals of loss and bits per byte over documents: how much the figure
     would move on another sample of documents like these (rows: nats, tokens, text nats,
@@ -216,14 +270,21 @@ def evaluate_run(
             raise EmberError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     splits = splits if splits is not None else ([] if sources else ["val"])
     token_bytes = torch.tensor(tokenizer.token_byte_lengths(model.cfg.vocab_size))
+    if not model.cfg.causal and stride is not None:
+        raise EmberError("--stride is for causal models; a masked LM is scored on side-by-side windows")
     datasets = [(split, lambda s=split: split_text(config["data"]["dir"], s)) for split in splits]
     datasets += [(spec, lambda s=spec: source_text([s], tokenizer)) for spec in sources or []]
     results = {}
     for label, text in datasets:
         tokens, strata = text()
-        r = score(
-            model, tokens, token_bytes, strata, seq_len, stride, batch_size, max_windows, tokenizer.eos_id
-        )
+        if model.cfg.causal:
+            r = score(
+                model, tokens, token_bytes, strata, seq_len, stride, batch_size, max_windows, tokenizer.eos_id
+            )
+        else:  # a masked LM (module docstring)
+            rate, docs = config["train"]["mlm_mask"], sum(s["documents"] for s in strata)
+            r = score_masked(model, tokens, token_bytes, seq_len, rate, mask_id(tokenizer), batch_size,
+                             max_windows, docs)  # fmt: skip
         results[label] = {**r, "ckpt": ckpt, "data": config["data"]["dir"] if label in SPLITS else label}
     record_eval(run_dir, results)
     return results
@@ -333,6 +394,8 @@ def print_task(r: dict, run_dir: Path) -> None:
 
 def print_results(results: dict, title: str, run_dir: Path) -> None:
     """``evaluate_run``'s results as a table, a row per dataset and per stratum, with the notes."""
+    if "masked_accuracy" in next(iter(results.values())):
+        return print_masked(results, title, run_dir)
     from rich.console import Console
     from rich.table import Column, Table
     from rich.text import Text
@@ -352,3 +415,16 @@ def print_results(results: dict, title: str, run_dir: Path) -> None:
     Console(width=max(Console().width, max(map(len, results)) + 100)).print(table)
     first = next(iter(results.values()))
     print(f"windows of {first['seq_len']} tokens, stride {first['stride']}; written {run_dir / 'eval.json'}")
+
+
+def print_masked(results: dict, title: str, run_dir: Path) -> None:
+    """A masked LM's ``evaluate_run`` results: a line per dataset."""
+    print(title)
+    for name, r in results.items():
+        lo, hi = r["accuracy_ci95"]
+        print(f"{name}: masked-token accuracy {r['masked_accuracy']:.2%} (95% interval {lo:.2%} … {hi:.2%}), "
+              f"loss {r['loss']:.4f}, bits/byte {r['bpb']:.4f} over {r['tokens']:,} masked tokens "
+              f"({r['bytes']:,} bytes) in {r['windows']:,} of {r['windows_total']:,} windows")  # fmt: skip
+    first = next(iter(results.values()))
+    print(f"windows of {first['seq_len']} tokens side by side, the training masking with fixed seeds; "
+          f"bits/byte: the masked tokens' nats over their bytes; written {run_dir / 'eval.json'}")  # fmt: skip # noqa: E501

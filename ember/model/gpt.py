@@ -26,6 +26,10 @@ Design choices:
   tensor parallelism may shard the rows of ``wq, wk, wv`` and the columns of ``wo``.
 - Attention is ``F.scaled_dot_product_attention`` (GQA by ``enable_gqa``);
   ``model.set_attention("reference")`` swaps in softmax(QK^T/sqrt(d) + mask) V for tests.
+- ``model.causal=false`` (a masked LM, docs/mlm.md) attends with ``full_attention``, no mask;
+  ``model.norm_position=post`` builds ``PostNormBlock`` with a norm on the embeddings and none at
+  the end; ``model.head=mlm`` puts BERT's transform (ember/model/encoder.py) before a tied,
+  biased ``output``. Together they are HF BERT's layout.
 - The optional inference cache (the ``KVCache`` protocol below) owns everything about the
   tokens held: positions, storage sized from the keys it receives (a TP shard's heads, a
   wrapped ``wk``) and the attention kernel. Without one, positions are 0 .. T-1 and attention is
@@ -50,6 +54,7 @@ from torch import Tensor, nn
 
 from ember.config import ModelConfig
 from ember.errors import ConfigError
+from ember.model.encoder import MLMTransform
 from ember.model.mamba import Mamba, scan_flops
 from ember.model.moe import MoE
 
@@ -214,6 +219,12 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tens
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
 
 
+def full_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None) -> Tensor:
+    """Bidirectional (``model.causal=false``, BERT): every query sees every key, unless ``mask``."""
+    gqa = q.size(1) != k.size(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
 def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None
 ) -> Tensor:
@@ -227,6 +238,14 @@ def reference_attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = F.dropout(scores.softmax(dim=-1), p=dropout_p)
     return weights @ v  # (B, n_head, T, hd)
+
+
+def full_reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, mask: Tensor | None = None
+) -> Tensor:
+    """The formula with no mask: a bidirectional model's ``set_attention("reference")``."""
+    everything = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device)
+    return reference_attention(q, k, v, dropout_p, everything if mask is None else mask)
 
 
 def kernel_attention(flash: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
@@ -248,10 +267,16 @@ ATTENTION: dict[str, Callable[..., Tensor]] = {
     "sdpa": sdpa_attention,
     "reference": reference_attention,
 }
+FULL_ATTENTION: dict[str, Callable[..., Tensor]] = {  # model.causal=false
+    "sdpa": full_attention,
+    "reference": full_reference_attention,
+}
 
 
 class Attention(nn.Module):
-    """Causal self-attention with optional GQA, RoPE and qk_norm."""
+    """Self-attention, causal or (``model.causal=false``) bidirectional, with optional GQA, RoPE and
+    qk_norm. A bidirectional layer attends with ``full_attention`` and never takes a KV cache
+    (the engine refuses such a model: each new token would change every earlier key's context)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: str) -> None:
         super().__init__()
@@ -267,7 +292,8 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else nn.Identity()
         self.rotate = rotate_qk if cfg.pos == "rope" else keep_qk
-        self.attend = sdpa_attention
+        self.causal = cfg.causal  # picks the attention function here and in set_attention/set_kernels
+        self.attend = sdpa_attention if cfg.causal else full_attention
         self.attn_dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.n_layer = cfg.n_layer  # for the init of wo
@@ -296,7 +322,7 @@ class Attention(nn.Module):
 
 class GeluMLP(nn.Module):
     """GPT-2: w2(gelu(w1 x)), GELU's tanh approximation (``gelu_new`` in GPT-2 and HF), so that
-    GPT-2 checkpoints match exactly."""
+    GPT-2 checkpoints match exactly; ``model.gelu=erf`` the exact GELU of BERT (HF ``gelu``)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -305,13 +331,14 @@ class GeluMLP(nn.Module):
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.n_layer = cfg.n_layer  # for the init of w2
+        self.approximate = {"tanh": "tanh", "erf": "none"}[cfg.gelu]  # model.gelu=erf: BERT's exact GELU
 
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         init_module(self.w1, std, generator)
         init_module(self.w2, std / math.sqrt(2 * self.n_layer), generator)  # writes to the residual stream
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.w2(F.gelu(self.w1(x), approximate="tanh")))  # (B, T, hidden) inside
+        return self.dropout(self.w2(F.gelu(self.w1(x), approximate=self.approximate)))  # (B, T, hidden) in
 
 
 class ReluSquaredMLP(GeluMLP):
@@ -392,6 +419,15 @@ class Block(nn.Module):
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
+class PostNormBlock(Block):
+    """Post-norm block (the Transformer of Vaswani et al. 2017, BERT): norm(x + mixer(x)), then
+    norm(x + mlp(x)); ``model.norm_position=post``. Same weights and names as ``Block``."""
+
+    def forward(self, x: Tensor, rope: Rope | None, cache: KVCache | None = None) -> Tensor:
+        x = self.attention_norm(x + self.attention(x, rope, cache))
+        return x if self.mlp is None else self.mlp_norm(x + self.mlp(x))
+
+
 # ------------------------------------------------------------------ the model
 
 
@@ -419,11 +455,16 @@ class GPT(nn.Module):
         }
         self.pos: nn.Module | None = positions[cfg.pos]()  # fmt: skip
         self.dropout = nn.Dropout(cfg.dropout)
+        post = cfg.norm_position == "post"  # BERT: embeddings normed, each block's sums normed, no final norm
+        self.embed_norm = make_norm(cfg, cfg.d_model) if post else nn.Identity()
         # String keys, so that a pipeline stage can delete the layers it does not run.
         mixers = layer_mixers(cfg)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
-        self.norm = make_norm(cfg, cfg.d_model)
-        self.output = nn.Linear(cfg.d_model, cfg.vocab_size if cfg.head == "lm" else 1, bias=False)
+        block = PostNormBlock if post else Block
+        self.layers = nn.ModuleDict({str(i): block(cfg, str(i), mixers[i]) for i in range(cfg.n_layer)})
+        self.norm = nn.Identity() if post else make_norm(cfg, cfg.d_model)
+        self.transform = MLMTransform(cfg) if cfg.head == "mlm" else nn.Identity()  # BERT's, before output
+        vocab = cfg.vocab_size if cfg.head != "score" else 1
+        self.output = nn.Linear(cfg.d_model, vocab, bias=cfg.head == "mlm")
         self.softcap = SoftCap(cfg.logit_softcap) if cfg.logit_softcap else nn.Identity()
         self.tie_weights()
 
@@ -446,7 +487,7 @@ class GPT(nn.Module):
         # stream (B, T, C) the stage before sent; it has positions only as RoPE tables, if any
         x = idx if self.tok_embeddings is None else self.tok_embeddings(idx)
         x, rope = self.pos(x, positions) if self.pos is not None else (x, None)  # (B, T, C)
-        x = self.dropout(x) if self.tok_embeddings is not None else x
+        x = self.dropout(self.embed_norm(x)) if self.tok_embeddings is not None else x
         eager = cache is not None and getattr(self, "compiled_blocks", False)  # see apply_compile
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             for layer in self.layers.values():
@@ -455,7 +496,7 @@ class GPT(nn.Module):
             return x
         if keep is not None:
             x = x[keep]  # (N, C)
-        x = self.norm(x)
+        x = self.transform(self.norm(x))
         if hidden:  # the head is the caller's: a fused linear + loss (train.kernels=triton)
             return x  # (B, T, C) or (N, C)
         return self.softcap(self.output(x).float())  # (B, T, vocab_size) or (N, vocab_size)
@@ -473,7 +514,7 @@ class GPT(nn.Module):
 
     def tie_weights(self) -> None:
         # not a reward model's score head, not a quantized head
-        lm_head = self.cfg.head == "lm" and isinstance(self.output, nn.Linear)
+        lm_head = self.cfg.head != "score" and isinstance(self.output, nn.Linear)
         if self.cfg.tie_embeddings and lm_head:
             self.output.weight = self.tok_embeddings.weight
 
@@ -498,6 +539,8 @@ class GPT(nn.Module):
         for module in self.children():
             if module is not self.output or getattr(module, "weight", None) is not self.tok_embeddings.weight:
                 init_module(module, self.cfg.init_std, generator)
+            elif module.bias is not None:  # model.head=mlm: the tied decoder's own bias
+                nn.init.zeros_(module.bias)
 
     def set_attention(self, kind: str) -> GPT:
         """Use ``"sdpa"`` (default) or ``"reference"`` attention in every layer."""
@@ -505,7 +548,7 @@ class GPT(nn.Module):
             raise ConfigError(f"unknown attention {kind!r}; choose one of {', '.join(ATTENTION)}")
         for module in self.modules():
             if isinstance(module, Attention):
-                module.attend = ATTENTION[kind]
+                module.attend = (ATTENTION if module.causal else FULL_ATTENTION)[kind]
         return self
 
     def set_kernels(self, kind: str) -> GPT:
@@ -523,7 +566,7 @@ class GPT(nn.Module):
                 module.__class__ = norm.LayerNorm if triton else nn.LayerNorm
             elif isinstance(module, Attention):
                 flash = functools.partial(kernel_attention, attention.flash_attention) if triton else None
-                module.attend = flash or sdpa_attention
+                module.attend = (flash or sdpa_attention) if module.causal else full_attention
                 if module.rotate is not keep_qk:
                     module.rotate = functools.partial(kernel_rotate, rope.rope_qk) if triton else rotate_qk
         return self

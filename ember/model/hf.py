@@ -1,10 +1,10 @@
 """Weights between ember's ``GPT`` and HF transformers' ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` /
-``MixtralForCausalLM`` / ``MambaForCausalLM``.
+``MixtralForCausalLM`` / ``MambaForCausalLM`` / ``BertForMaskedLM``.
 
     hf = to_hf(model)     # an HF model with the same logits (fp32, CPU)
     back = from_hf(hf)    # and back to a GPT
 
-Four layouts map; anything else raises ``ConfigError`` naming the option:
+Five layouts map; anything else raises ``ConfigError`` naming the option:
 
 - GPT-2: learned positions, LayerNorm, GELU MLP, biases, multi-head attention,
   tied or untied head. HF's GPT-2 keeps its linear layers in ``Conv1D``, whose
@@ -23,6 +23,10 @@ Four layouts map; anything else raises ``ConfigError`` naming the option:
 - Mamba (``model.mixer=mamba``, no MLP, no positions, RMSNorm): ember's ``Mamba`` names its
   parameters as HF's ``MambaMixer``, so each is a plain copy; dt_rank = ceil(d_model / 16) on both
   sides. A hybrid of attention and Mamba layers has no HF class here and is refused.
+- BERT (``model.causal=false``): learned positions, post-norm LayerNorm blocks, a norm on the
+  embeddings, exact GELU, the MLM head (``model.head=mlm``), biases. HF's token-type embeddings
+  hold one vector per type; ember has none: on import, type 0's row (the one HF adds when given
+  no ``token_type_ids``) is added to every position embedding; on export the table is zeros.
 
 Dropout is carried over as far as HF has it (Llama has attention dropout only).
 transformers is an optional dependency (the ``dev`` extra), imported inside the functions.
@@ -51,13 +55,15 @@ HF_CLASSES = {  # (causal LM, reward model) per layout
     "llama": ("LlamaForCausalLM", "LlamaForSequenceClassification"),
     "mixtral": ("MixtralForCausalLM", "MixtralForSequenceClassification"),
     "mamba": ("MambaForCausalLM", None),
+    "bert": ("BertForMaskedLM", None),
 }
 MAMBA_MIXER = ("in_proj", "conv1d", "x_proj", "dt_proj", "out_proj")  # linears (and the conv), same names
 MAMBA_MAX_SEQ_LEN = 2048  # an imported Mamba's max_seq_len: HF has none; Mamba-130m trained at 2048
+TOKEN_TYPES = "bert.embeddings.token_type_embeddings.weight"  # folded into positions (module docstring)
 
 
 def layout_of(cfg: ModelConfig) -> str:
-    """'gpt2', 'llama', 'mixtral' or 'mamba', or a ConfigError saying what HF cannot represent."""
+    """'gpt2', 'llama', 'mixtral', 'mamba' or 'bert', or a ConfigError saying what HF cannot represent."""
     mixers = set(layer_mixers(cfg))
     if "mamba" in mixers:
         return _mamba_layout(cfg, mixers)
@@ -66,6 +72,13 @@ def layout_of(cfg: ModelConfig) -> str:
     if cfg.logit_softcap:
         raise ConfigError(
             "model.logit_softcap has no counterpart in HF GPT-2 or Llama; export needs logit_softcap=0"
+        )
+    if not cfg.causal:
+        return _bert_layout(cfg)
+    if cfg.norm_position != "pre" or cfg.gelu != "tanh":
+        raise ConfigError(
+            f"model.norm_position={cfg.norm_position}, model.gelu={cfg.gelu}: a causal model exports as HF "
+            "GPT-2 or Llama, which need norm_position=pre and gelu=tanh"
         )
     if cfg.pos == "learned":
         wrong = [
@@ -142,6 +155,44 @@ def _mamba_mapping(cfg: ModelConfig) -> Mapping:
         m += [(f"{hf}.norm.weight", (f"{ours}.attention_norm.weight",), False)]
         m += [(f"{hf}.mixer.{n}", (f"{ours}.attention.{n}",), False) for n in names]
     return m
+
+
+def _bert_layout(cfg: ModelConfig) -> str:
+    want = (("pos", "learned"), ("norm", "layernorm"), ("norm_position", "post"), ("mlp", "gelu"),
+            ("gelu", "erf"), ("bias", True), ("head", "mlm"), ("n_kv_head", cfg.n_head))  # fmt: skip
+    have = {**vars(cfg), "n_kv_head": cfg.n_kv_head or cfg.n_head}
+    if wrong := [f"model.{key}={have[key]}" for key, value in want if have[key] != value]:
+        raise ConfigError(
+            f"a bidirectional model (model.causal=false) exports as HF BERT, which has no {', '.join(wrong)}; "  # noqa: E501
+            "BERT needs " + ", ".join(f"{key}={value}" for key, value in want)
+        )
+    return "bert"
+
+
+def _bert_mapping(cfg: ModelConfig) -> Mapping:
+    m: Mapping = [
+        ("bert.embeddings.word_embeddings.weight", ("tok_embeddings.weight",), False),
+        ("bert.embeddings.position_embeddings.weight", ("pos.wpe.weight",), False),
+        ("cls.predictions.bias", ("output.bias",), False),
+    ]
+    pairs = [
+        ("bert.embeddings.LayerNorm", "embed_norm"),
+        ("cls.predictions.transform.dense", "transform.dense"),
+        ("cls.predictions.transform.LayerNorm", "transform.norm"),
+    ]
+    for i in range(cfg.n_layer):
+        hf, ours = f"bert.encoder.layer.{i}", f"layers.{i}"
+        pairs += [
+            (f"{hf}.attention.self.query", f"{ours}.attention.wq"),
+            (f"{hf}.attention.self.key", f"{ours}.attention.wk"),
+            (f"{hf}.attention.self.value", f"{ours}.attention.wv"),
+            (f"{hf}.attention.output.dense", f"{ours}.attention.wo"),
+            (f"{hf}.attention.output.LayerNorm", f"{ours}.attention_norm"),
+            (f"{hf}.intermediate.dense", f"{ours}.mlp.w1"),
+            (f"{hf}.output.dense", f"{ours}.mlp.w2"),
+            (f"{hf}.output.LayerNorm", f"{ours}.mlp_norm"),
+        ]
+    return m + [(f"{a}.{p}", (f"{b}.{p}",), False) for a, b in pairs for p in ("weight", "bias")]
 
 
 def _gpt2_mapping(cfg: ModelConfig) -> Mapping:
@@ -222,11 +273,13 @@ def _mapping(cfg: ModelConfig, layout: str) -> Mapping:
         "llama": _llama_mapping,
         "mixtral": _mixtral_mapping,
         "mamba": _mamba_mapping,
+        "bert": _bert_mapping,
     }
     m = mappings[layout](cfg)
     if cfg.head == "score":
         return [*m, ("score.weight", ("output.weight",), False)]
-    return m if cfg.tie_embeddings else [*m, ("lm_head.weight", ("output.weight",), False)]
+    head = "cls.predictions.decoder.weight" if layout == "bert" else "lm_head.weight"
+    return m if cfg.tie_embeddings else [*m, (head, ("output.weight",), False)]
 
 
 def _hf_config(cfg: ModelConfig, layout: str) -> Any:
@@ -253,6 +306,21 @@ def _hf_config(cfg: ModelConfig, layout: str) -> Any:
             use_conv_bias=True,
             hidden_act="silu",
             pad_token_id=None,
+        )
+    if layout == "bert":
+        return transformers.BertConfig(
+            **common,
+            pad_token_id=None,  # no padding row: every embedding row trains, as in ember
+            hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.n_layer,
+            num_attention_heads=cfg.n_head,
+            intermediate_size=mlp_hidden_size(cfg),
+            hidden_act="gelu",  # HF's "gelu" is the exact erf form
+            hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.dropout,
+            max_position_embeddings=cfg.max_seq_len,
+            type_vocab_size=1,
+            layer_norm_eps=cfg.norm_eps,
         )
     if layout == "gpt2":
         return transformers.GPT2Config(
@@ -332,9 +400,11 @@ def to_hf(model: GPT) -> PreTrainedModel:
     if cfg.head == "score":
         config.num_labels = 1
     hf = getattr(transformers, HF_CLASSES[layout][cfg.head == "score"])(config)
-    _check_mapping(mapping, {name for name, _ in hf.named_parameters()}, "HF", pick=0)
+    _check_mapping(mapping, {name for name, _ in hf.named_parameters()} - {TOKEN_TYPES}, "HF", pick=0)
     ours, theirs = model.state_dict(), hf.state_dict()
     with torch.no_grad():
+        if layout == "bert":
+            theirs[TOKEN_TYPES].zero_()
         for hf_key, keys, transpose in mapping:
             parts = [ours[k] for k in keys]
             weight = torch.cat(parts, dim=_rows(parts[0])) if len(keys) > 1 else parts[0]
@@ -448,23 +518,57 @@ def _config_from_mamba(config: Any) -> ModelConfig:
     )
 
 
+def _config_from_bert(config: Any) -> ModelConfig:
+    problems = {
+        "hidden_act": (config.hidden_act, "gelu"),
+        "position_embedding_type": (getattr(config, "position_embedding_type", "absolute"), "absolute"),
+        "is_decoder": (getattr(config, "is_decoder", False), False),
+    }
+    for key, (value, want) in problems.items():
+        if value != want:
+            raise ConfigError(f"BERT config {key}={value!r} has no ember equivalent (ember needs {want!r})")
+    return ModelConfig(
+        vocab_size=config.vocab_size,
+        n_layer=config.num_hidden_layers,
+        n_head=config.num_attention_heads,
+        d_model=config.hidden_size,
+        max_seq_len=config.max_position_embeddings,
+        causal=False,
+        mlp="gelu",
+        gelu="erf",
+        mlp_hidden=config.intermediate_size,
+        norm="layernorm",
+        norm_position="post",
+        norm_eps=config.layer_norm_eps,
+        pos="learned",
+        tie_embeddings=config.tie_word_embeddings,
+        bias=True,
+        dropout=config.hidden_dropout_prob,
+        init_std=config.initializer_range,
+        head="mlm",
+    )
+
+
 IMPORTS = {
     "gpt2": _config_from_gpt2,
     "llama": _config_from_llama,
     "mixtral": _config_from_mixtral,
     "mamba": _config_from_mamba,
+    "bert": _config_from_bert,
 }
 
 
 def from_hf(hf_model: PreTrainedModel) -> GPT:
     """A ``GPT`` (CPU, the HF model's dtype cast to fp32) with the weights of an HF
-    GPT-2, Llama, Mixtral or Mamba causal LM."""
+    GPT-2, Llama, Mixtral or Mamba causal LM, or of a ``BertForMaskedLM``."""
     config = hf_model.config
-    if config.model_type not in IMPORTS:
+    readers = IMPORTS
+    if config.model_type not in readers or (config.model_type == "bert" and not hasattr(hf_model, "cls")):
         raise ConfigError(
-            f"cannot import an HF {config.model_type!r} model; ember reads {', '.join(map(repr, IMPORTS))}"
+            f"cannot import an HF {type(hf_model).__name__} ({config.model_type!r}); ember reads GPT-2, "
+            "Llama, Mixtral and Mamba causal LMs and BertForMaskedLM"
         )
-    cfg = IMPORTS[config.model_type](config)
+    cfg = readers[config.model_type](config)
     mapping = _mapping(cfg, config.model_type)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -478,4 +582,6 @@ def from_hf(hf_model: PreTrainedModel) -> GPT:
             rows = _rows(weight)
             for key, part in zip(keys, weight.split([ours[k].size(rows) for k in keys], rows), strict=True):
                 ours[key].copy_(part)
+        if config.model_type == "bert":  # type 0 everywhere: a constant vector, added to each position's
+            ours["pos.wpe.weight"] += theirs[TOKEN_TYPES][0].to(ours["pos.wpe.weight"].dtype)
     return model.train(hf_model.training)

@@ -66,8 +66,8 @@ def stage_model(model: GPT, layers, first: bool, last: bool, cls=GPT) -> GPT:
     part.cfg = model.cfg
     part.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
     rope = model.cfg.pos == "rope"  # every stage rotates q and k; learned positions are added once
-    keep = {"tok_embeddings": first, "pos": first or rope, "dropout": first, "norm": last, "output": last,
-            "softcap": last}  # fmt: skip
+    keep = {"tok_embeddings": first, "pos": first or rope, "dropout": first, "embed_norm": first,
+            "norm": last, "transform": last, "output": last, "softcap": last}  # fmt: skip
     for name, kept in keep.items():
         setattr(part, name, getattr(model, name) if kept else None)
     return part

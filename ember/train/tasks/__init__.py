@@ -14,10 +14,11 @@ from ember.train.task import Task
 from ember.train.tasks.dpo import DPOTask
 from ember.train.tasks.grpo import GRPOTask
 from ember.train.tasks.lm import LMTask
+from ember.train.tasks.mlm import MLMTask
 from ember.train.tasks.rm import RMTask
 from ember.train.tasks.sft import SFTTask
 
-TASKS: dict[str, type[Task]] = {task.name: task for task in (LMTask, SFTTask, DPOTask, GRPOTask, RMTask)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (LMTask, SFTTask, DPOTask, GRPOTask, RMTask, MLMTask)}
 
 
 def task_class(name: str) -> type[Task]:
