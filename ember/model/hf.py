@@ -562,13 +562,12 @@ def from_hf(hf_model: PreTrainedModel) -> GPT:
     """A ``GPT`` (CPU, the HF model's dtype cast to fp32) with the weights of an HF
     GPT-2, Llama, Mixtral or Mamba causal LM, or of a ``BertForMaskedLM``."""
     config = hf_model.config
-    readers = IMPORTS
-    if config.model_type not in readers or (config.model_type == "bert" and not hasattr(hf_model, "cls")):
+    if config.model_type not in IMPORTS or (config.model_type == "bert" and not hasattr(hf_model, "cls")):
         raise ConfigError(
             f"cannot import an HF {type(hf_model).__name__} ({config.model_type!r}); ember reads GPT-2, "
             "Llama, Mixtral and Mamba causal LMs and BertForMaskedLM"
         )
-    cfg = readers[config.model_type](config)
+    cfg = IMPORTS[config.model_type](config)
     mapping = _mapping(cfg, config.model_type)
     with torch.device("meta"):
         model = GPT(cfg)
