@@ -191,6 +191,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     ),
     "test_sweep.py": (  # 1 s
         "test_failed_run_is_reported_and_left_out",
+        "test_a_config_per_setting",
     ),
     "test_tasks.py": (  # 1 s
         "test_problems_are_seeded_and_splits_are_disjoint",

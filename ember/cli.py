@@ -363,7 +363,7 @@ def cmd_report(args) -> int:
     arg("overrides", nargs="*", metavar="key=value",
         help="config overrides shared by every run (e.g. train.max_steps=200)"),
     arg("--grid", action="append", metavar="KEY=V1,V2", help="a config key and its values, split on commas "
-        "(repeatable; the settings are the product of all --grid keys)"),
+        "(repeatable; the settings are the product of all --grid keys); config=A,B: a config per setting"),
     arg("--seeds", type=bounded(int, ge=1), default=3, metavar="N",
         help="seeds 0..N-1 per setting (default 3; the "
         "permutation p shown beside Welch's needs 4+ to go below 0.05)"),

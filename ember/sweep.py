@@ -2,6 +2,7 @@
 a significance test against a baseline setting (DESIGN rule 10: "helps" is shown by a sweep).
 
     ember sweep tiny --grid train.lr=0.003,0.01 --seeds 3 --metric summary.loss train.max_steps=50
+    ember sweep cpu-quick --grid config=cpu-quick,race/moe.yaml    # a config file per setting
     → runs/sweep-tiny/  runs/<setting>-seed<k>/ (each a run directory), sweep.json, sweep.md, plots/
 
     sweep = plan_sweep("tiny", ["train.lr=0.003,0.01"], seeds=3, metric="test.bpb")
@@ -84,6 +85,15 @@ class Sweep:
 
 
 # ---------------------------------------------------------------- parsing and validation
+
+
+CONFIG_KEY = "config"  # --grid config=A,B: each setting trains its own config file or preset
+
+
+def train_args(config: str, setting: dict[str, str]) -> tuple[str, list[str]]:
+    """The config a setting trains and its overrides: ``--grid config=...`` picks the config
+    (architectures that differ in several keys: a file each), every other key overrides it."""
+    return setting.get(CONFIG_KEY, config), [f"{k}={v}" for k, v in setting.items() if k != CONFIG_KEY]
 
 
 def grid_points(grid: dict[str, list[str]]) -> list[dict[str, str]]:
@@ -199,7 +209,8 @@ def plan_sweep(
     load_config(config, overrides)  # the base alone first: its errors are not the grid's
     for setting in grid_points(parsed):
         try:
-            load_config(config, [*overrides, *(f"{k}={v}" for k, v in setting.items())])
+            setting_config, setting_overrides = train_args(config, setting)
+            load_config(setting_config, [*overrides, *setting_overrides])
         except ConfigError as e:
             raise ConfigError(f"--grid setting {setting_name(setting, parsed)}: {e}") from None
     names = [name for name, _, _ in sweep.runs()]
@@ -280,10 +291,11 @@ def _run_one(sweep: Sweep, name: str, setting: dict[str, str], seed: int, env: d
         if latest_checkpoint(run_dir / "checkpoints") is None:
             shutil.rmtree(run_dir, ignore_errors=True)  # killed before its first checkpoint: start over
         mark(run_dir, "run")  # before train.log: `ember train` then knows the folder as a run
+        config, setting_overrides = train_args(sweep.config, setting)
         cmd = [
-            *(sys.executable, "-m", "ember", "train", sweep.config),
+            *(sys.executable, "-m", "ember", "train", config),
             *sweep.overrides,
-            *(f"{k}={v}" for k, v in setting.items()),
+            *setting_overrides,
             f"run.seed={seed}",
             f"run.out_dir={sweep.out / RUNS}",
             f"run.name={name}",
@@ -487,7 +499,8 @@ def run_sweep(sweep: Sweep, command: str | None = None, log=print) -> dict:
     todo = [r for r in runs if not (sweep.out / RUNS / r[0] / "summary.json").exists()]
     prepared = set()
     for _, setting, _ in todo:  # once, here: parallel runs must not race to prepare the same data
-        cfg = load_config(sweep.config, [*sweep.overrides, *(f"{k}={v}" for k, v in setting.items())])
+        config, setting_overrides = train_args(sweep.config, setting)
+        cfg = load_config(config, [*sweep.overrides, *setting_overrides])
         data = json.dumps(vars(cfg.data), sort_keys=True, default=str)
         if data not in prepared:
             prepared.add(data)

@@ -14,6 +14,7 @@ import pytest
 from ember import sweep as sweep_mod
 from ember.atomic import mark
 from ember.cli import main
+from ember.config import load_config
 from ember.errors import ConfigError, EmberError
 from ember.run import MARKER
 from ember.stats import betainc, permutation_test, summarize, t_cdf, t_ppf, t_sf, welch
@@ -279,3 +280,21 @@ def test_tiny_sweep_end_to_end(tiny_data, tmp_path, monkeypatch, capsys):
     assert main(["report", str(out)]) == 0
     assert "| lr=0.01 | 2 |" in (out / "sweep.md").read_text()
     assert (out / "plots" / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_config_per_setting(tiny_data, tmp_path, monkeypatch, capsys):
+    """``--grid config=A,B``: each setting trains its own config (an architecture that differs
+    in several keys), checked before any run and trained as that config's own runs."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (tmp_path / "wide.yaml").write_text("base: tiny\nmodel:\n  d_model: 96\n  n_head: 4\n")
+    common = ["--seeds", "1", "--metric", "summary.loss", f"data.dir={tiny_data}", "data.val_fraction=0.1",
+              "train.device=cpu", "train.max_steps=2", "train.eval_every=0"]  # fmt: skip
+    assert main(["sweep", "tiny", "--grid", "config=tiny,nope.yaml", *common]) == 2
+    assert "nope.yaml" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+    assert sweep_mod.train_args("tiny", {"config": "wide.yaml", "train.lr": "0.01"}) == ("wide.yaml", ["train.lr=0.01"])  # fmt: skip # noqa: E501
+    out = tmp_path / "sw"
+    assert main(["sweep", "tiny", "--grid", "config=tiny,wide.yaml", "--out", str(out), *common]) == 0
+    runs = (out / "runs").iterdir()
+    widths = {run.name: load_config(str(run / "config.yaml")).model.d_model for run in runs}
+    assert widths == {"config=tiny-seed0": 64, "config=wide.yaml-seed0": 96}
