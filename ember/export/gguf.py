@@ -276,6 +276,11 @@ def _field(reader, key: str, default=None):
     return field.contents()
 
 
+def _float(value) -> float:
+    """A float32 field as the decimal it was written from (1e-05, not 9.9999997e-06)."""
+    return float(str(np.float32(value)))
+
+
 def _model_config(reader, arch: str, tensors: dict, where: str) -> ModelConfig:
     def need(key):
         value = _field(reader, f"{arch}.{key}")
@@ -294,14 +299,14 @@ def _model_config(reader, arch: str, tensors: dict, where: str) -> ModelConfig:
     )  # fmt: skip
     if arch == "gpt2":
         return ModelConfig(**common, mlp="gelu", mlp_hidden=0 if ff == 4 * d else ff, norm="layernorm",
-                           norm_eps=float(need("attention.layer_norm_epsilon")), pos="learned", bias=True)  # fmt: skip
+                           norm_eps=_float(need("attention.layer_norm_epsilon")), pos="learned", bias=True)  # fmt: skip
     rope_dim = int(_field(reader, "llama.rope.dimension_count", d // n_head))
     if rope_dim != d // n_head or any(k.endswith(".bias") for k in tensors):
         raise EmberError(f"{where}: partial RoPE or biased llama layers have no ember equivalent")
     return ModelConfig(
         **common, n_kv_head=int(_field(reader, "llama.attention.head_count_kv", n_head)), mlp="swiglu",
-        mlp_hidden=ff, norm="rmsnorm", norm_eps=float(need("attention.layer_norm_rms_epsilon")), pos="rope",
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)), bias=False,
+        mlp_hidden=ff, norm="rmsnorm", norm_eps=_float(need("attention.layer_norm_rms_epsilon")), pos="rope",
+        rope_theta=_float(_field(reader, "llama.rope.freq_base", 10000.0)), bias=False,
     )  # fmt: skip
 
 
@@ -346,7 +351,7 @@ def import_gguf(path: str | Path, out: str | Path, force: bool = False) -> Path:
     tensors = {}
     for t in reader.tensors:
         data = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        tensors[t.name] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
     cfg = _model_config(reader, arch, tensors, str(path))
     tokenizer = _read_tokenizer(reader, str(path))
     with torch.device("meta"):
