@@ -30,11 +30,14 @@ TEXT = "def f(x):\n    return x + 1  # the sum\n" * 2
 UNICODE = "naïve café — Grüße, 你好世界, привет мир, مرحبا, 😀🚀 ∑x² ≤ ∞; <|eos|> ½ \t\u00a0 é\u0301 🇫🇷 𝔘𝔫𝔦"
 GPT2 = ["model.pos=learned", "model.norm=layernorm", "model.mlp=gelu", "model.bias=true", "model.n_kv_head=0"]
 LAYOUTS = {"llama": [], "gpt2": GPT2}
+GPT2_NAMES = [("ln_1", "attn_norm"), ("ln_2", "ffn_norm"), ("attn.c_attn", "attn_qkv"),
+              ("attn.c_proj", "attn_output"), ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")]  # fmt: skip
 
 # Runs in a fresh interpreter with no ember on the path: only transformers, gguf and torch.
 HF_SIDE = """
 import json, sys, torch, transformers
-folder, files, text, unicode, extra = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+folder, text, unicode = sys.argv[1], sys.argv[3], sys.argv[4]
+files, extra = json.loads(sys.argv[2]), json.loads(sys.argv[5])
 out = {}
 for name in files:
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -94,7 +97,9 @@ def test_transformers_loads_each_type_without_ember(run, tmp_path):
         with torch.no_grad():
             ours = model(torch.tensor([got["ids"]]))[0]
         diffs[kind] = (torch.tensor(got["logits"]) - ours).abs().max().item()
-    print(f"max |logit diff| vs ember fp32 ({expected_class}, largest |logit| {ours.abs().max():.2f}): {diffs}")
+    print(
+        f"max |logit diff| vs ember fp32 ({expected_class}, largest |logit| {ours.abs().max():.2f}): {diffs}"
+    )
     for kind, diff in diffs.items():
         assert diff <= TOL[kind], (kind, diff)
     assert diffs["f16"] > 0 and diffs["q4_0"] > diffs["q8_0"]  # the types really differ
@@ -131,12 +136,14 @@ def test_round_trip_is_bit_exact_and_the_import_is_a_run(run, tmp_path, capsys):
     assert model2.state_dict().keys() == model.state_dict().keys()
     for name, value in model.state_dict().items():
         assert torch.equal(model2.state_dict()[name], value), name
-    for field in ("n_layer", "n_head", "d_model", "max_seq_len", "pos", "norm", "mlp", "norm_eps", "rope_theta",
-                  "tie_embeddings", "bias", "vocab_size"):  # fmt: skip
+    fields = ("n_layer", "n_head", "d_model", "max_seq_len", "pos", "norm", "mlp", "norm_eps", "rope_theta")
+    for field in (*fields, "tie_embeddings", "bias", "vocab_size"):
         assert getattr(model2.cfg, field) == getattr(model.cfg, field), field
     assert (model2.cfg.n_kv_head or model2.cfg.n_head) == (model.cfg.n_kv_head or model.cfg.n_head)
     capsys.readouterr()
-    assert main(["generate", str(back), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert (
+        main(["generate", str(back), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    )
     assert capsys.readouterr().out.startswith("---\ndef ")
 
 
@@ -179,10 +186,11 @@ def _convert(hf, tokenizer_json: dict, path) -> None:
                 continue
             if k.endswith(".weight") and any(s in k for s in ("c_attn", "c_proj", "c_fc")):
                 v = v.T  # Conv1D (in, out) to (out, in)
-            k = k.replace("transformer.", "").replace("lm_head", "output")  # the converter writes it even tied
+            k = k.replace("transformer.", "").replace(
+                "lm_head", "output"
+            )  # the converter writes it even tied
             k = k.replace("wte", "token_embd").replace("wpe", "position_embd").replace("ln_f", "output_norm")
-            for a, b in (("ln_1", "attn_norm"), ("ln_2", "ffn_norm"), ("attn.c_attn", "attn_qkv"),
-                         ("attn.c_proj", "attn_output"), ("mlp.c_fc", "ffn_up"), ("mlp.c_proj", "ffn_down")):  # fmt: skip
+            for a, b in GPT2_NAMES:
                 k = k.replace(a, b)
             tensors[k.replace("h.", "blk.", 1) if k.startswith("h.") else k] = v
     else:
@@ -205,7 +213,9 @@ def _convert(hf, tokenizer_json: dict, path) -> None:
             for a, b in rename.items():
                 k = k.replace(a, b)
             tensors[k] = v
-    assert set(tensors) <= {n.format(bid=i) + s for n in names.values() for i in range(4) for s in (".weight", ".bias")}
+    assert set(tensors) <= {
+        n.format(bid=i) + s for n in names.values() for i in range(4) for s in (".weight", ".bias")
+    }
     model = tokenizer_json["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
     added = {t["content"] for t in tokenizer_json["added_tokens"] if t["special"]}
@@ -270,7 +280,9 @@ def test_bad_input_is_one_line_and_writes_nothing(run, tmp_path, capsys):
     back = tmp_path / "back"
     assert "not found" in _fails(capsys, ["import", "gguf", str(tmp_path / "none.gguf"), "--out", str(back)])
     (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00\x00\x00garbage")
-    assert "not a readable GGUF" in _fails(capsys, ["import", "gguf", str(tmp_path / "junk.gguf"), "--out", str(back)])
+    assert "not a readable GGUF" in _fails(
+        capsys, ["import", "gguf", str(tmp_path / "junk.gguf"), "--out", str(back)]
+    )
     assert not back.exists()
 
 
@@ -279,5 +291,7 @@ def test_a_layout_or_tokenizer_gguf_cannot_hold_is_named(tiny_cfg, tmp_path, cap
     run, out = tmp_path / "runs" / "tiny", tmp_path / "m.gguf"
     assert "qk_norm" in _fails(capsys, ["export", str(run), "--to", "gguf", str(out)])
     train(tiny_cfg("train.max_steps=1", "model.bias=true", "run.name=biased"))
-    assert "model.bias=true" in _fails(capsys, ["export", str(tmp_path / "runs" / "biased"), "--to", "gguf", str(out)])
+    assert "model.bias=true" in _fails(
+        capsys, ["export", str(tmp_path / "runs" / "biased"), "--to", "gguf", str(out)]
+    )
     assert not out.exists()

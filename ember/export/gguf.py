@@ -1,7 +1,7 @@
 """A run directory to and from one GGUF file, the format llama.cpp, Ollama and LM Studio load.
 
-    export_gguf("runs/tiny", "out/tiny.gguf", "q8_0")   # ember export runs/tiny --to gguf out/tiny.gguf --type q8_0
-    import_gguf("out/tiny.gguf", "runs/tiny-back")      # ember import gguf out/tiny.gguf --out runs/tiny-back
+    export_gguf("runs/tiny", "out/tiny.gguf", "q8_0")  # ember export runs/tiny --to gguf FILE --type q8_0
+    import_gguf("out/tiny.gguf", "runs/tiny-back")     # ember import gguf FILE --out runs/tiny-back
 
 The file follows llama.cpp's conventions (its ``convert_hf_to_gguf.py``) so that llama.cpp and
 transformers' ``from_pretrained(..., gguf_file=...)`` both read it: the ``gpt2`` architecture for
@@ -172,9 +172,8 @@ def _metadata(w, gguf, run_dir: Path, model: GPT, kind: str) -> None:
         w.add_float32("general.test_bits_per_byte", float(test["bpb"]))
         text += f"; test split: {test['bpb']:.4f} bits/byte over {test['documents']:,} documents"
     w.add_description(text + f"; weights {kind}.")
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[kind]  # fmt: skip
-    w.add_file_type(int(file_type))
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}[kind]
+    w.add_file_type(int(gguf.LlamaFileType[file_type]))
     if kind.startswith("q"):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -298,8 +297,10 @@ def _model_config(reader, arch: str, tensors: dict, where: str) -> ModelConfig:
         d_model=d, max_seq_len=int(need("context_length")), tie_embeddings="output.weight" not in tensors,
     )  # fmt: skip
     if arch == "gpt2":
-        return ModelConfig(**common, mlp="gelu", mlp_hidden=0 if ff == 4 * d else ff, norm="layernorm",
-                           norm_eps=_float(need("attention.layer_norm_epsilon")), pos="learned", bias=True)  # fmt: skip
+        eps = _float(need("attention.layer_norm_epsilon"))
+        mlp_hidden = 0 if ff == 4 * d else ff  # 0: ember's default width, as a GPT-2 run has it
+        return ModelConfig(**common, mlp="gelu", mlp_hidden=mlp_hidden, norm="layernorm", norm_eps=eps,
+                           pos="learned", bias=True)  # fmt: skip
     rope_dim = int(_field(reader, "llama.rope.dimension_count", d // n_head))
     if rope_dim != d // n_head or any(k.endswith(".bias") for k in tensors):
         raise EmberError(f"{where}: partial RoPE or biased llama layers have no ember equivalent")
@@ -327,8 +328,8 @@ def _read_tokenizer(reader, where: str) -> Tokenizer:
     hf = _bpe_tokenizer(tokens, merges, specials)
     if tokens[: len(SPECIAL_TOKENS)] == SPECIAL_TOKENS:
         return Tokenizer(hf)  # ember's own layout
-    ids = {role: _field(reader, f"tokenizer.ggml.{key}_token_id")
-           for role, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}  # fmt: skip
+    keys = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
+    ids = {role: _field(reader, f"tokenizer.ggml.{key}_token_id") for role, key in keys.items()}
     return Tokenizer(hf, {r: None if i is None or i >= len(tokens) else tokens[i] for r, i in ids.items()})
 
 
@@ -337,8 +338,9 @@ def import_gguf(path: str | Path, out: str | Path, force: bool = False) -> Path:
     gguf = _gguf()
     path, out = Path(path), Path(out)
     if not path.is_file():
+        why = "is a folder" if path.is_dir() else "not found"
         raise EmberError(
-            f"{path} not found; give the .gguf file written by `ember export --to gguf` or llama.cpp"
+            f"{path} {why}; give the .gguf file written by `ember export --to gguf` or llama.cpp"
         )
     check_target(out, kind="run", sources=[path], force=force)
     try:
