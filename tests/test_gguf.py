@@ -145,6 +145,12 @@ def test_round_trip_is_bit_exact_and_the_import_is_a_run(run, tmp_path, capsys):
         main(["generate", str(back), "--prompt", "def ", "--max-new-tokens", "4", "--temperature", "0"]) == 0
     )
     assert capsys.readouterr().out.startswith("---\ndef ")
+    export_gguf(run, tmp_path / "q.gguf", "q8_0")  # a quantized file imports dequantized
+    import_gguf(tmp_path / "q.gguf", tmp_path / "runs" / "q")
+    idx = torch.tensor([tokenizer.encode(TEXT)])
+    with torch.no_grad():
+        diff = (load_run(tmp_path / "runs" / "q")[0](idx) - model(idx)).abs().max().item()
+    assert 0 < diff <= TOL["q8_0"]
 
 
 def test_the_card_summary_is_in_the_metadata(run, tmp_path):

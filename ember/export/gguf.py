@@ -130,7 +130,7 @@ def _bpe_parts(tokenizer: Tokenizer, where: str) -> tuple[list[str], list[str], 
             f"{where}: GGUF export writes a byte-level BPE tokenizer (GPT-2's split), and this run's is "
             f"{tokenizer.kind!r} with pre-tokenizer {pre.get('type')!r}; train with data.tokenizer=bpe"
         )
-    vocab = {tok: i for tok, i in model["vocab"].items()}
+    vocab = dict(model["vocab"])
     vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
     tokens = [None] * tokenizer.vocab_size
     for tok, i in vocab.items():
