@@ -301,3 +301,18 @@ def test_a_layout_or_tokenizer_gguf_cannot_hold_is_named(tiny_cfg, tmp_path, cap
         capsys, ["export", str(tmp_path / "runs" / "biased"), "--to", "gguf", str(out)]
     )
     assert not out.exists()
+
+
+def test_a_char_tokenizer_is_refused_by_name(run, tmp_path):
+    import shutil
+
+    from ember.data.tokenizer import Tokenizer
+
+    copy = tmp_path / "char-run"
+    shutil.copytree(run, copy)
+    char = Tokenizer.train_char(["def f(x): return x"], 512)  # no byte-level form for GGUF's "gpt2"
+    for path in (copy / "tokenizer.json", copy / "model" / "tokenizer.json"):
+        path.write_text(char.to_str())
+    with pytest.raises(EmberError, match="byte-level BPE.*'char'"):
+        export_gguf(copy, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
