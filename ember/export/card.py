@@ -154,8 +154,8 @@ def model_card(run_dir: Path, model, kind: str, name: str) -> str:
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))\n```\n\n"
         "With PEFT: a LoRA run of ember saves PEFT adapters beside its weights (RUN/adapter); "
         "`PeftModel.from_pretrained(model, ADAPTER_DIR)` puts them on this base. With llama.cpp: "
-        "convert this folder with llama.cpp's "
-        f"`convert_hf_to_gguf.py {name}`, then `llama-cli -m MODEL.gguf -p 'def main('`."
+        "`ember export RUN --to gguf MODEL.gguf [--type q8_0]` (or llama.cpp's "
+        f"`convert_hf_to_gguf.py {name}`), then `llama-cli -m MODEL.gguf -p 'def main('`."
     )
     sections = [
         f"# {cfg['run']['name']}",
