@@ -17,8 +17,9 @@ Design choices:
   do the same and undo it on import.
 - ``--type``: f32; f16 for the 2-D weights; q8_0 or q4_0 (blocks of 32 along a row, one scale
   each, ``gguf.quants``) for the 2-D weights whose rows are a whole number of blocks, f16 for the
-  others (llama.cpp's own fallback). Norms, biases and GPT-2's position table stay f32, as
-  llama.cpp writes them (they are small and the graph adds them in f32).
+  others (a fallback in the spirit of llama.cpp's). Norms and biases stay f32, as llama.cpp's
+  converter keeps 1-D tensors; GPT-2's position table too (our choice: it is small and added,
+  not multiplied, so rounding it buys nothing).
 - The tokenizer is a byte-level BPE (``tokenizer.ggml.model = "gpt2"``, the GPT-2 split regex,
   ``pre = "gpt-2"``): tokens, merges, types (ember's 16 specials are CONTROL), bos/eos/pad/unk
   ids, no added bos (ember never prepends one) and the chat template when the chat tokens exist.
