@@ -316,3 +316,48 @@ def test_a_char_tokenizer_is_refused_by_name(run, tmp_path):
     with pytest.raises(EmberError, match="byte-level BPE.*'char'"):
         export_gguf(copy, tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_run_with_a_stock_gpt2_tokenizer_goes_through_gguf(tmp_path):
+    """A foreign byte-level BPE (GPT-2's layout: <|endoftext|> last, as bos, eos and unk; no
+    pad) keeps its ids and specials through ember → GGUF → transformers and → ember."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from ember.export.hf import import_hf
+
+    eot = "<|endoftext|>"
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=399, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([topics[k] for k in sorted(topics)[:6]] + [UNICODE], trainer)
+    tok.add_special_tokens([eot])
+    hf_tok = transformers.GPT2TokenizerFast(tokenizer_object=tok, bos_token=eot, eos_token=eot, unk_token=eot)
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=400, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                     initializer_range=0.2, bos_token_id=399, eos_token_id=399)  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    hf_tok.save_pretrained(tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    export_gguf(tmp_path / "run", tmp_path / "m.gguf")
+    got = _transformers_side(tmp_path, ["m.gguf"], {"n_positions": 64})["m.gguf"]
+    assert got["split_ids"] == hf_tok(UNICODE, add_special_tokens=False).input_ids
+    assert got["eos"] == eot and got["chat_template"] is None  # no ember chat tokens in this vocabulary
+    with torch.no_grad():
+        theirs = hf(torch.tensor([got["ids"]])).logits[0]
+    assert (torch.tensor(got["logits"]) - theirs).abs().max() <= TOL["f32"]
+    import_gguf(tmp_path / "m.gguf", tmp_path / "back")
+    (model, tokenizer), (model2, tokenizer2) = load_run(tmp_path / "run"), load_run(tmp_path / "back")
+    assert tokenizer2.encode(UNICODE) == tokenizer.encode(UNICODE)
+    assert (
+        tokenizer2.special_tokens()
+        == tokenizer.special_tokens()
+        == {"bos": eot, "eos": eot, "pad": eot, "unk": eot}
+    )
+    for name, value in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[name], value), name
