@@ -419,7 +419,7 @@ def cmd_sweep(args) -> int:
     CKPT,
     arg("--force", action="store_true", help="replace DIR if it holds ember's own output of this format"),
     epilog="examples: ember export runs/tiny --to hf out/tiny-hf; "
-    "ember export runs/tiny --to onnx out/tiny.onnx",
+    "ember export runs/tiny --to onnx out/tiny.onnx; ember export runs/tiny --to gguf out/t.gguf --type q8_0",
 )
 def cmd_export(args) -> int:
     from ember.export.gguf import TARGETS as GGUFS
@@ -460,7 +460,7 @@ def cmd_export(args) -> int:
     arg("dir", metavar="DIR", help="the folder to read (hf), or the .gguf file (gpt2/llama, byte-level BPE)"),
     arg("--out", required=True, metavar="RUN", help="the run directory to write"),
     arg("--force", action="store_true", help="replace OUT if it holds a run ember wrote"),
-    epilog="example: ember import hf out/tiny-hf --out runs/tiny-back",
+    epilog="examples: ember import hf out/tiny-hf --out runs/back; ember import gguf out/t.gguf --out runs/t",
 )
 def cmd_import(args) -> int:
     from ember.export.gguf import import_gguf

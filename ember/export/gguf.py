@@ -246,7 +246,7 @@ def export_gguf(
                           ("pad", w.add_pad_token_id), ("unk", w.add_unk_token_id)):  # fmt: skip
             if getattr(tokenizer, f"{role}_id") is not None:
                 add(getattr(tokenizer, f"{role}_id"))
-        w.add_add_bos_token(False)  # ember never prepends bos; llama.cpp would for a "gpt2" vocab if unset
+        w.add_add_bos_token(False)  # ember never prepends bos: say so, not leave it to a reader's default
         w.add_add_eos_token(False)
         if tokenizer.hf.token_to_id(END_TURN) is not None:
             w.add_chat_template(HF_CHAT_TEMPLATE)
