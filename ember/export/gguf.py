@@ -84,14 +84,17 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _names(cfg: ModelConfig, layout: str) -> list[tuple[str, tuple[str, ...]]]:
-    """(GGUF name, ember keys concatenated along dim 0) for every tensor of the layout."""
+def _names(cfg: ModelConfig, layout: str, export: bool = False) -> list[tuple[str, tuple[str, ...]]]:
+    """(GGUF name, ember keys concatenated along dim 0) for every tensor of the layout (to write
+    when ``export``, to read otherwise)."""
     names = [("token_embd.weight", ("tok_embeddings.weight",)), ("output_norm.weight", ("norm.weight",))]
     gpt2 = layout == "gpt2"
     if gpt2:
         names += [("position_embd.weight", ("pos.wpe.weight",)), ("output_norm.bias", ("norm.bias",))]
     if not cfg.tie_embeddings:
         names.append(("output.weight", ("output.weight",)))
+    elif gpt2 and export:  # llama.cpp's converter writes GPT-2's head even when tied: so do we
+        names.append(("output.weight", ("tok_embeddings.weight",)))
     params = ("weight", "bias") if gpt2 else ("weight",)
     for i in range(cfg.n_layer):
         b, ours = f"blk.{i}", f"layers.{i}"
@@ -250,7 +253,7 @@ def export_gguf(
         w.add_add_eos_token(False)
         if tokenizer.hf.token_to_id(END_TURN) is not None:
             w.add_chat_template(HF_CHAT_TEMPLATE)
-        for name, keys in _names(cfg, layout):
+        for name, keys in _names(cfg, layout, export=True):
             weight = torch.cat([state[k] for k in keys])
             if layout == "llama" and (n_head := heads.get(name.split(".")[-2])):
                 weight = _permute(weight, n_head)
@@ -288,6 +291,8 @@ def _model_config(reader, arch: str, tensors: dict, where: str) -> ModelConfig:
             raise EmberError(f"{where} has no {arch}.{key}; it is not a complete {arch} GGUF")
         return value
 
+    head = tensors.get("output.weight")  # absent, or a copy of the embedding: a tied head
+    tied = head is None or torch.equal(head, tensors["token_embd.weight"])
     d, n_head, ff = (
         int(need("embedding_length")),
         int(need("attention.head_count")),
@@ -295,7 +300,7 @@ def _model_config(reader, arch: str, tensors: dict, where: str) -> ModelConfig:
     )
     common = dict(
         vocab_size=tensors["token_embd.weight"].shape[0], n_layer=int(need("block_count")), n_head=n_head,
-        d_model=d, max_seq_len=int(need("context_length")), tie_embeddings="output.weight" not in tensors,
+        d_model=d, max_seq_len=int(need("context_length")), tie_embeddings=tied,
     )  # fmt: skip
     if arch == "gpt2":
         eps = _float(need("attention.layer_norm_epsilon"))
