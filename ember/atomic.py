@@ -13,7 +13,7 @@ process is recognised by its PID and removed by the next writer in the same fold
 
 ``--force`` replaces only ember's own output of the same kind, in one rule (``check_target``):
 a folder ember writes carries a ``.ember`` file naming its kind (older ones are known by files
-only ember writes together, ``SIGNS``), a graph file by its format. A foreign file, another
+only ember writes together, ``SIGNS``), a graph or GGUF file by its format. A foreign file, another
 kind of output, or the source itself (or a folder holding it, or one inside it) is never
 replaced: losing a run to a mistyped path is the one error that cannot be undone.
 """
@@ -48,7 +48,12 @@ def _onnx(path: Path) -> bool:  # an ONNX ModelProto from torch: ir_version, the
     return head[:1] == b"\x08" and b"\x12\x07pytorch" in head
 
 
-FILES = {"pt2": _pt2, "onnx": _onnx}  # single-file outputs, known by their format
+def _gguf(path: Path) -> bool:  # llama.cpp's GGUF: the magic, then a little-endian version
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+FILES = {"pt2": _pt2, "onnx": _onnx, "gguf": _gguf}  # single-file outputs, known by their format
 LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<stage>tmp|old)-(?P<pid>\d+)")
 
 

@@ -404,33 +404,43 @@ def cmd_sweep(args) -> int:
 
 @verb(
     "export",
-    "write a run's model for another library (--to hf, pt2, aoti, onnx)",
+    "write a run's model for another library (--to hf, gguf, pt2, aoti, onnx)",
     "Write RUN's final weights (or --ckpt) and tokenizer into DIR, for another library to load without "
     "ember. hf: a save_pretrained folder (GPT-2 or Llama) giving the same logits in transformers; a "
-    "layout it cannot represent is refused, naming the option. pt2 (torch.export), aoti (AOTInductor), "
+    "layout it cannot represent is refused, naming the option. gguf: one FILE for llama.cpp/Ollama, "
+    "--type f32|f16|q8_0|q4_0. pt2 (torch.export), aoti (AOTInductor), "
     "onnx (needs onnx, onnxscript, onnxruntime) and onnx-decode (with past keys/values): one FILE holding "
     "forward(idx) -> logits with dynamic batch and sequence, checked against eager. DIR appears only when "
     "complete. Guide: docs/export.md.",
     RUN,
-    arg("--to", required=True, metavar="FORMAT", help="the target format: hf, pt2, aoti, onnx, onnx-decode"),
-    arg("dir", metavar="DIR", help="the folder (hf) or file (pt2, aoti, onnx) to write; must not exist"),
+    arg("--to", required=True, metavar="FORMAT", help="hf, gguf, pt2, aoti, onnx, onnx-decode"),
+    arg("--type", choices=["f32", "f16", "q8_0", "q4_0"], help="gguf only: the weights' type (default f32)"),
+    arg("dir", metavar="DIR", help="the folder (hf) or file (gguf, pt2, aoti, onnx) to write; must be new"),
     CKPT,
     arg("--force", action="store_true", help="replace DIR if it holds ember's own output of this format"),
     epilog="examples: ember export runs/tiny --to hf out/tiny-hf; "
-    "ember export runs/tiny --to onnx out/tiny.onnx",
+    "ember export runs/tiny --to onnx out/tiny.onnx; ember export runs/tiny --to gguf out/t.gguf --type q8_0",
 )
 def cmd_export(args) -> int:
+    from ember.export.gguf import TARGETS as GGUFS
+    from ember.export.gguf import export_gguf
     from ember.export.graph import TARGETS as GRAPHS
     from ember.export.graph import export_graph
     from ember.export.hf import TARGETS, export_hf
 
+    if args.type and args.to not in GGUFS:
+        raise EmberError(f"--type {args.type} is for --to gguf; --to {args.to} writes fp32")
+    if args.to in GGUFS:
+        out = export_gguf(args.run, args.dir, args.type or "f32", ckpt=args.ckpt, force=args.force)
+        print(f"written {out} (run it with llama.cpp: llama-cli -m {out} -p TEXT)")
+        return 0
     if args.to in GRAPHS:
         c = export_graph(args.run, args.to, args.dir, ckpt=args.ckpt, force=args.force)
         print(f"written {args.dir}: load {c.load_s * 1e3:.1f} ms, first call {c.first_call_s * 1e3:.1f} ms, "
               f"max |logit diff| vs eager {c.max_abs_diff:.1e}")  # fmt: skip
         return 0
     if args.to not in TARGETS:  # checked here, not by argparse, for a one-line error and exit 2
-        choices = ", ".join(TARGETS + GRAPHS)
+        choices = ", ".join(TARGETS + GGUFS + GRAPHS)
         raise EmberError(f"--to {args.to!r}: unknown export target; choose one of {choices}")
     out = export_hf(args.run, args.dir, ckpt=args.ckpt, force=args.force)
     print(f"written {out} (load it with transformers' AutoModelForCausalLM and AutoTokenizer)")
@@ -439,22 +449,24 @@ def cmd_export(args) -> int:
 
 @verb(
     "import",
-    "make a run directory from another library's checkpoint (hf: a GPT-2 or Llama folder)",
+    "make a run directory from another library's checkpoint (hf folder, gguf file; GPT-2 or Llama)",
     "Read DIR, a transformers save_pretrained folder of a GPT-2 or Llama-family causal LM with its fast "
     "tokenizer.json (ember's own, or a stock byte-level or SentencePiece-style BPE), and write the run "
     "directory OUT that `ember eval` and `ember generate` read. A config ember cannot represent is "
-    "refused, naming the field. OUT appears only when complete. Needs transformers. Guide: "
+    "refused, naming the field. gguf: a gpt2/llama FILE with a byte-level BPE vocabulary. OUT appears only "
+    "when complete. hf needs transformers, gguf the gguf package. Guide: "
     "docs/export.md.",
-    arg("source", choices=["hf"], metavar="FORMAT", help="the source format: hf"),
-    arg("dir", metavar="DIR", help="the folder to read (config.json, weights, tokenizer.json)"),
+    arg("source", choices=["hf", "gguf"], metavar="FORMAT", help="the source format: hf, gguf"),
+    arg("dir", metavar="DIR", help="the folder to read (hf), or the .gguf file (gpt2/llama, byte-level BPE)"),
     arg("--out", required=True, metavar="RUN", help="the run directory to write"),
     arg("--force", action="store_true", help="replace OUT if it holds a run ember wrote"),
-    epilog="example: ember import hf out/tiny-hf --out runs/tiny-back",
+    epilog="examples: ember import hf out/tiny-hf --out runs/back; ember import gguf out/t.gguf --out runs/t",
 )
 def cmd_import(args) -> int:
+    from ember.export.gguf import import_gguf
     from ember.export.hf import import_hf
 
-    out = import_hf(args.dir, args.out, force=args.force)
+    out = (import_gguf if args.source == "gguf" else import_hf)(args.dir, args.out, force=args.force)
     print(f"written {out} (try `ember generate {out} --prompt TEXT`)")
     return 0
 

@@ -119,9 +119,10 @@ def _evaluation(results: dict) -> tuple[str, list[str]]:
     return _table(["data", "result", "measured on"], rows) + f"\n\n{note}", sorted(metrics)
 
 
-def model_card(run_dir: Path, model, kind: str, name: str) -> str:
-    """The card of ``run_dir``'s ``model`` (a GPT) exported as HF class ``kind`` into a folder ``name``."""
-    n_params = model.num_params()
+def run_record(run_dir: Path) -> dict:
+    """What a card is made of, read once from ``run_dir``: ``config`` (config.yaml), ``summary``,
+    ``env``, ``results`` (eval.json's), ``manifest`` and the data ``sources`` (each empty when the
+    run has none). The GGUF writer summarises the same record in its metadata."""
     try:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
@@ -132,8 +133,17 @@ def model_card(run_dir: Path, model, kind: str, name: str) -> str:
         manifest = read_manifest(cfg["data"]["dir"]) if summary else {}
     except EmberError:
         manifest = {}
-    evaluation, metrics = _evaluation(results)
     sources = [s["spec"] for s in manifest.get("sources", []) + manifest.get("test_sources", [])]
+    return dict(config=cfg, summary=summary, env=env, results=results, manifest=manifest, sources=sources)
+
+
+def model_card(run_dir: Path, model, kind: str, name: str) -> str:
+    """The card of ``run_dir``'s ``model`` (a GPT) exported as HF class ``kind`` into a folder ``name``."""
+    n_params = model.num_params()
+    record = run_record(run_dir)
+    cfg, summary, env, manifest = record["config"], record["summary"], record["env"], record["manifest"]
+    evaluation, metrics = _evaluation(record["results"])
+    sources = record["sources"]
     front = {"library_name": "transformers", "pipeline_tag": "text-generation", "license": "other",
              "tags": ["ember", kind], "datasets": sources, "metrics": metrics}  # fmt: skip
     load = (
@@ -144,8 +154,8 @@ def model_card(run_dir: Path, model, kind: str, name: str) -> str:
         "print(tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))\n```\n\n"
         "With PEFT: a LoRA run of ember saves PEFT adapters beside its weights (RUN/adapter); "
         "`PeftModel.from_pretrained(model, ADAPTER_DIR)` puts them on this base. With llama.cpp: "
-        "convert this folder with llama.cpp's "
-        f"`convert_hf_to_gguf.py {name}`, then `llama-cli -m MODEL.gguf -p 'def main('`."
+        "`ember export RUN --to gguf MODEL.gguf [--type q8_0]` (or llama.cpp's "
+        f"`convert_hf_to_gguf.py {name}`), then `llama-cli -m MODEL.gguf -p 'def main('`."
     )
     sections = [
         f"# {cfg['run']['name']}",

@@ -161,21 +161,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
             f"{hf_dir / TOKENIZER} has {tokenizer.vocab_size} tokens but the model only "
             f"{model.cfg.vocab_size}: the tokenizer does not match the weights"
         )
-    cfg = Config()
-    cfg = replace(
-        cfg,
-        run=replace(cfg.run, name=out.name, out_dir=str(out.parent)),
-        # no prepared data: `ember eval --split` then says so instead of reading another corpus
-        data=replace(
-            cfg.data, dir=str(out / "data"), tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size
-        ),
-        model=model.cfg,
-        train=replace(
-            cfg.train,
-            seq_len=min(cfg.train.seq_len, model.cfg.max_seq_len),
-            task="lm" if model.cfg.causal else "mlm",
-        ),
-    )
+    cfg = imported_config(out, model.cfg, tokenizer)
 
     def fill(tmp: Path) -> None:
         export_weights(model, tmp / "model", asdict(model.cfg), {TOKENIZER: hf_dir / TOKENIZER})
@@ -185,6 +171,26 @@ def import_hf(hf_dir: str | Path, out: str | Path, force: bool = False) -> Path:
         (tmp / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
 
     return build_dir(out, fill, kind="run")
+
+
+def imported_config(out: Path, model_cfg, tokenizer: Tokenizer) -> Config:
+    """The ``config.yaml`` of a run imported into ``out``: the defaults, the imported model, and
+    ``data.dir = out/data``, which does not exist, so ``ember eval --split`` says there is no
+    prepared data instead of reading another corpus."""
+    cfg = Config()
+    return replace(
+        cfg,
+        run=replace(cfg.run, name=out.name, out_dir=str(out.parent)),
+        data=replace(
+            cfg.data, dir=str(out / "data"), tokenizer=tokenizer.kind, vocab_size=tokenizer.vocab_size
+        ),
+        model=model_cfg,
+        train=replace(
+            cfg.train,
+            seq_len=min(cfg.train.seq_len, model_cfg.max_seq_len),
+            task="lm" if model_cfg.causal else "mlm",  # an encoder (BertForMaskedLM) trains as MLM
+        ),
+    )
 
 
 # ------------------------------------------------------------------ a foreign tokenizer's specials
