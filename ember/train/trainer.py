@@ -244,6 +244,7 @@ class Trainer:
         self.resume_from = self._resume_folder()
         if self.resume_from is not None:
             self._check_resumed_config()
+        barrier()  # every rank has read the run directory before rank 0 writes into it (a race otherwise)
 
         torch.manual_seed(cfg.run.seed)
         model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
