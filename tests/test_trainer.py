@@ -37,11 +37,21 @@ def _child_env():
 
 
 def assert_refused_before_launch(tmp_path, args, message):
-    """``ember train tiny ARGS`` exits 2 with ``message``, before torchrun starts, writing nothing."""
-    cmd = [sys.executable, "-m", "ember", "train", "tiny", f"run.out_dir={tmp_path}", *args]
-    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
-    assert "launching" not in r.stdout and "Traceback" not in r.stderr
+    """``ember train tiny ARGS`` exits 2 with ``message``, before torchrun starts, writing nothing.
+    In-process, as tests/test_bad_inputs.py runs its table (a torch import per case was most of
+    each case's cost): ``ember.cli.main`` returns the exit code, and any launch is an error."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from ember.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    launch = mock.patch("ember.cli.subprocess.call", side_effect=AssertionError("torchrun was launched"))
+    with launch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", "tiny", f"run.out_dir={tmp_path}", *args])
+    assert code == 2 and message in err.getvalue(), err.getvalue()[-2000:]
+    assert "launching" not in out.getvalue() and "Traceback" not in err.getvalue()
     assert not list(tmp_path.iterdir())  # nothing written
 
 
