@@ -143,6 +143,29 @@ def test_muon_param_groups(layout, tied):
     assert [g["use_muon"] for g in opt.param_groups] == [g["role"] == "hidden" for g in opt.param_groups]
 
 
+def test_muon_orthogonalises_each_expert_of_a_stack_alone():
+    """A mixture of experts' (E, rows, cols) stacks take Muon, each expert as the matrix it
+    is: one step on the stack equals one step on each expert's slice; a Mamba layer's 3-D
+    convolution kernel stays with AdamW."""
+    torch.manual_seed(0)
+    stack = torch.randn(4, 12, 8, requires_grad=True)
+    slices = [torch.nn.Parameter(stack.detach()[e].clone()) for e in range(4)]
+    stack.grad = torch.randn_like(stack)
+    for e, s in enumerate(slices):
+        s.grad = stack.grad[e].clone()
+    Muon([stack], lr=0.02, ns_dtype=torch.float32).step()
+    Muon(slices, lr=0.02, ns_dtype=torch.float32).step()
+    torch.testing.assert_close(stack.detach(), torch.stack([s.detach() for s in slices]), rtol=0, atol=1e-7)
+    moe = GPT.build(ModelConfig(**dict(LLAMA, mlp="moe", n_experts=4, top_k=2)))
+    hidden = _groups_by_name(moe, TrainConfig(optimizer="muon"))["hidden"]
+    assert {"layers.0.mlp.experts.w1", "layers.1.mlp.experts.w2"} <= set(hidden)
+    mamba = GPT.build(ModelConfig(**dict(LLAMA, mixer="mamba", pos="none", mlp="none", qk_norm=False)))
+    groups = _groups_by_name(mamba, TrainConfig(optimizer="muon"))
+    assert "layers.0.attention.conv1d.weight" not in groups["hidden"]
+    [role] = [r for r, names in groups.items() if "layers.0.attention.A_log" in names]
+    assert "vector" in role.split("+")  # decay rates: AdamW, no weight decay
+
+
 def test_default_adamw_keeps_its_two_groups():
     """train.optimizer=adamw with embed_lr = head_lr = 0: decay (block matrices, untied head) and
     no decay (embeddings, norms, biases), in model order, as before per-group rates existed."""

@@ -4,9 +4,9 @@ learning-rate schedule.
     optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: 'adamw' | 'muon'
     lr = lr_at(step, progress, cfg.train, peak=group["peak_lr"])   # progress in [0, 1]
 
-Parameters fall into five roles (docs/muon.md has the table): ``hidden`` (block matrices: AdamW
-with decay, or Muon), ``head`` (untied), ``embed`` (and a tied head), ``vector`` (norms, biases,
-LoRA's A) and ``lora_b`` (LoRA's B at ``train.lr × train.lora_plus``: LoRA+, Hayou et al. 2024,
+Parameters fall into five roles (docs/muon.md has the table): ``hidden`` (block matrices, and
+a mixture of experts' stacks, each expert's matrix orthogonalised on its own: AdamW with decay, or Muon), ``head`` (untied), ``embed`` (and a tied head), ``vector`` (norms, biases,
+Mamba's A_log, LoRA's A) and ``lora_b`` (LoRA's B at ``train.lr × train.lora_plus``: LoRA+, Hayou et al. 2024,
 B starts at zero and learns faster with a larger rate). Roles whose settings coincide share one
 group, so the default AdamW run keeps its two groups, numbers and checkpoints; each group's peak
 is ``group["peak_lr"]``.
@@ -40,6 +40,7 @@ import torch
 # at 0, so 5 steps lift small singular values near 1 (to roughly 0.7..1.2, not exactly 1).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
+EXPERT_STACKS = ("w1", "w2", "w3")  # model/moe.py's (experts, rows, cols): one matrix per expert
 ROLES = ("hidden", "head", "embed", "vector", "lora_b")  # the order of the groups
 
 
@@ -80,7 +81,7 @@ def orthogonalize_all(updates: list[torch.Tensor], steps: int, dtype: torch.dtyp
     out: list = [None] * len(updates)
     groups: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
-        if batched and not hasattr(u, "device_mesh"):
+        if batched and u.ndim == 2 and not hasattr(u, "device_mesh"):
             groups.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
         else:
             out[i] = _orthogonalize_any(u, steps, dtype)
@@ -144,9 +145,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.ns_dtype, self.ns_batched = ns_dtype, ns_batched
         for group in self.param_groups:
-            bad = [tuple(p.shape) for p in group["params"] if p.ndim != 2]
+            bad = [tuple(p.shape) for p in group["params"] if p.ndim not in (2, 3)]
             if group["use_muon"] and bad:
-                raise ValueError(f"Muon orthogonalises matrices; a Muon group holds shapes {bad[:3]}")
+                raise ValueError(f"Muon orthogonalises matrices (or stacks of them); a Muon group holds shapes {bad[:3]}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -187,7 +188,7 @@ class Muon(torch.optim.Optimizer):
         batched = device == "cuda" if self.ns_batched is None else self.ns_batched
         updates = orthogonalize_all(moments, group["ns_steps"], dtype, batched)
         for p, update in zip(params, updates, strict=True):
-            rows, cols = p.shape
+            rows, cols = p.shape[-2:]  # a stack of experts: each matrix on its own
             _commit(p, p.mul(1 - lr * wd).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5), found)
 
     def _adamw(self, group: dict, found) -> None:
@@ -230,7 +231,10 @@ def param_role(name: str, p: torch.Tensor, embeddings: set[int]) -> str:
         return "embed"
     if ".lora_" in name:
         return "lora_b" if ".lora_B" in name else "vector"
-    if p.ndim == 2 and "layers" in name.split("."):
+    parts = name.split(".")
+    if parts[-1] == "A_log":  # Mamba's decay rates: a table, not a map (mamba-ssm keeps it from decay)
+        return "vector"
+    if "layers" in parts and (p.ndim == 2 or (p.ndim == 3 and parts[-1] in EXPERT_STACKS)):
         return "hidden"
     return "head" if p.ndim >= 2 else "vector"
 
