@@ -11,7 +11,9 @@
 Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as Server-Sent Events
 with ``"stream": true``, ending with ``data: [DONE]``; with ``stream_options: {"include_usage":
 true}`` every chunk has ``"usage": null`` and a last one, with ``"choices": []``, the usage, as
-OpenAI's), ``GET /v1/models``, ``/health``, and ``/metrics`` in Prometheus' text format. Errors
+OpenAI's), ``GET /v1/models``, ``/health``, ``/metrics`` in Prometheus' text format, and at ``/``
+a playground (``playground.html`` beside this file: chat or completion, each token coloured by
+its probability; not behind the key, which the page asks for). Errors
 have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad parameter
 or body, 401 without the key when one is set (checked before the body is read), 404 for another
 model's name, 413 for a body over 16 MiB, 429 when ``serve.max_waiting`` requests already wait.
@@ -53,6 +55,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -308,7 +311,7 @@ def _error(e: ApiError):
 def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | None = None):
     """The FastAPI app serving ``engine``'s model under the model name ``name``."""
     from fastapi import Depends, FastAPI, Request
-    from fastapi.responses import PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
     from starlette.exceptions import HTTPException
 
     from ember.data.chat import chat_ids, render
@@ -496,6 +499,12 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
             raise ApiError(400, f"tokens must be a list of ids in [0, {engine.n_valid})", param="tokens")
         return {"prompt": engine.tokenizer.decode(tokens)}
 
+    page = resources.files(__package__).joinpath("playground.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return HTMLResponse(page)
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -503,7 +512,7 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
     @app.get("/v1/models", dependencies=v1)
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "ember",
-                                            "max_model_len": max_len}]}  # fmt: skip
+                                            "max_model_len": max_len, "chat": has_chat}]}  # fmt: skip
 
     @app.get("/metrics")
     async def metrics():
@@ -702,5 +711,5 @@ def serve(run: str, host: str, port: int, api_key: str | None, cfg: ServeConfig)
     engine = Engine.from_run(run, device=cfg.device)
     name = Path(run).resolve().name
     app = create_app(engine, name, cfg, api_key)
-    print(f"ember serve: {name} on http://{host}:{port}/v1 ({engine.device}); Ctrl-C to stop", flush=True)
+    print(f"ember serve: {name} on http://{host}:{port}/v1 ({engine.device}), playground at http://{host}:{port}/; Ctrl-C to stop", flush=True)  # fmt: skip # noqa: E501
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).run(sockets=[sock])
