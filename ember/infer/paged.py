@@ -31,6 +31,9 @@ Design choices:
   prefixes; sharing stops one token short of the prompt, whose logits start the answer. Only a
   partly filled last block after ``fork`` can be written by two sequences: it is copied on the
   first such write (copy-on-write); full blocks are never written again.
+- **A Mamba layer's state** (a model with Mamba layers) lives in one slot per running sequence
+  of the cache's state pools, not in blocks: ``recur`` runs the layer on the sequences split out
+  of the packed row (docs/mamba.md, "Serving").
 - Hand-written because the cache is what ember studies (DESIGN rule 1); it must equal the
   contiguous cache (tests/test_paged.py: same logits to 1e-5, same greedy tokens).
 """

@@ -151,7 +151,7 @@ class Scheduler:
         decode_buckets: tuple[int, ...] | None = None,
     ):
         self.recurrent = "mamba" in layer_mixers(engine.model.cfg)  # Mamba layers: state slots (docstring)
-        if self.recurrent and paged_attention != "gather":
+        if self.recurrent and paged_attention == "flex":
             raise EmberError(
                 f"serve.paged_attention={paged_attention} is for attention-only models: its padded steps "
                 "have no place for a Mamba layer's state; serve this model with serve.paged_attention=gather"
