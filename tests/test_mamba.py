@@ -5,6 +5,7 @@ parity both ways, the refusals of what is not supported, and a hybrid's exact re
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -147,6 +148,92 @@ def test_engine_refuses_compile_and_graphs_for_mamba(tok):
             Engine(model, tok, **kwargs)
 
 
+# ------------------------------------------------------------------ serving: the paged scheduler
+
+
+def serve_greedy(scheduler, requests) -> list:
+    """Add each (arrival step, prompt ids, new tokens) at its step, greedy; step until all finish;
+    every block and state slot is free at the end."""
+    pending, handles, step = sorted(enumerate(requests), key=lambda r: r[1][0]), {}, 0
+    while pending or not scheduler.idle:
+        while pending and pending[0][1][0] <= step:
+            i, (_, prompt, new) = pending.pop(0)
+            [handles[i]] = scheduler.add(prompt, Sampling(new, temperature=0, ignore_eos=True))
+        scheduler.step()
+        step += 1
+    blocks = scheduler.blocks
+    assert blocks.num_free == blocks.num_blocks
+    assert sorted(blocks.free_states) == list(range(blocks.num_states))
+    return [handles[i].completion().token_ids for i in range(len(requests))]
+
+
+@pytest.mark.parametrize("num_blocks", [200, 12], ids=["roomy", "preempting"])
+@pytest.mark.parametrize("layout", [MAMBA, HYBRID], ids=["mamba", "hybrid"])
+def test_scheduler_greedy_equals_the_batch1_engine(tok, layout, num_blocks):
+    """Prompts of 1-50 tokens joining at steps 0-6, two sharing a 24-token prefix, fed 32 tokens a
+    step (prompt chunks carry the state across steps) to 4 sequences at most (slots are reused):
+    each greedy answer is the batch-1 engine's, which equals the full forward (above). The small
+    pool preempts, and a preempted sequence reads its tokens again from a zeroed slot."""
+    from ember.infer.scheduler import Scheduler
+
+    engine = Engine(GPT.build(tiny(**layout, vocab_size=320, max_seq_len=128), seed=0).eval(), tok)
+    rng = random.Random(0)
+    requests = [(rng.randint(0, 6), [rng.randrange(3, 300) for _ in range(rng.randint(1, 50))],
+                 rng.randint(1, 20)) for _ in range(10)]  # fmt: skip
+    prefix = [rng.randrange(3, 300) for _ in range(24)]
+    requests += [(3, prefix + [7, 8], 10), (9, prefix + [9], 10)]  # the second would hit the prefix cache
+    scheduler = Scheduler(engine, num_blocks=num_blocks, block_size=8, max_batch_tokens=32, max_seqs=4)
+    assert not scheduler.blocks.prefix_caching and scheduler.blocks.num_states == 4
+    got = serve_greedy(scheduler, requests)
+    for (_, prompt, new), answer in zip(requests, got, strict=True):
+        [alone] = engine.generate([prompt], Sampling(new, temperature=0, ignore_eos=True))
+        assert answer == alone.token_ids
+    assert (scheduler.preemptions > 0) == (num_blocks == 12) and scheduler.blocks.hits == 0
+
+
+def test_scheduler_n_answers_and_cancel_free_their_state_slots(tok):
+    from ember.infer.scheduler import Scheduler
+
+    engine = Engine(GPT.build(tiny(**HYBRID, vocab_size=320, max_seq_len=128), seed=0).eval(), tok)
+    s = Scheduler(engine, num_blocks=60, block_size=8, max_batch_tokens=16, max_seqs=4)
+    a, b = s.add(list(range(3, 40)), Sampling(30, temperature=0))[0], s.add([5, 6], Sampling(30))[0]
+    prompt = list(range(3, 30))
+    answers = s.add(prompt, Sampling(10, temperature=1.0, seed=5), n=3)  # three sequences, not forks
+    for _ in range(3):
+        s.step()
+    assert a.state == b.state == answers[0].state == "running" and s.blocks.free_states == [3]
+    slot = a.seq.state
+    s.cancel(a)
+    assert a.seq.state is None and s.blocks.free_states == [3, slot]
+    assert a.completion().finish_reason == "cancelled"
+    s.run()
+    assert b.done and len(s.blocks.free_states) == 4 and s.blocks.num_free == 60
+    seeded = [engine.generate([prompt], Sampling(10, temperature=1.0, seed=5 + i))[0] for i in range(3)]
+    assert [r.completion().token_ids for r in answers] == [c.token_ids for c in seeded]
+    with pytest.raises(EmberError, match="paged_attention=gather"):
+        Scheduler(engine, num_blocks=8, paged_attention="flex")
+
+
+def test_server_answers_completions_from_a_hybrid(tok):
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    from tests.test_server import KEY, start
+
+    engine = Engine(GPT.build(tiny(**HYBRID, vocab_size=320, max_seq_len=128), seed=0).eval(), tok)
+    url, server, thread = start(engine)
+    try:
+        auth, prompts = {"Authorization": f"Bearer {KEY}"}, ["The quick brown", "def main():\n"]
+        body = {"model": "tiny", "prompt": prompts, "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30)
+        assert r.status_code == 200
+        texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+        assert texts == [c.text for c in engine.generate(prompts, Sampling(12, temperature=0))]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_dt_rank_is_ceil_d_model_over_16():
     assert [dt_rank(d) for d in (16, 17, 768)] == [1, 2, 48] and math.ceil(768 / 16) == 48
 
@@ -252,14 +339,6 @@ def test_tensor_and_pipeline_parallel_refuse_mamba_before_launch(tiny_cfg, paral
     with pytest.raises(ConfigError, match="Mamba layers") as e:
         check_layout(tiny_cfg(*HYBRID_RUN, parallel, *extra), world_size=2)
     assert "\n" not in str(e.value)
-
-
-def test_paged_server_refuses_mamba(tok):
-    from ember.infer.scheduler import Scheduler
-
-    engine = Engine(GPT.build(tiny(**MAMBA, vocab_size=320), seed=0), tok)
-    with pytest.raises(EmberError, match="paged server"):
-        Scheduler(engine, num_blocks=8)
 
 
 @pytest.mark.parametrize("overrides", [MAMBA_RUN, HYBRID_RUN])

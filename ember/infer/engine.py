@@ -117,15 +117,13 @@ class KVCache:
         if self.pad is not None and self.pad.size(0) > 1:  # StaticKVCache's (1,) zeros broadcast
             self.pad = self.pad[rows]
 
-    def recall(self, layer: str) -> tuple[tuple[Tensor, ...] | None, Tensor | None]:
-        """A Mamba layer's state (None before its first call) and the new tokens' left pads, (B, T)
-        bool (None when there are none): the layer zeroes its pads' inputs, so a row's state is
-        the state of its real tokens alone (ember/model/mamba.py)."""
+    def recur(self, layer: str, x: Tensor, mix: Callable) -> Tensor:
+        """A Mamba layer's ``mix`` over the batch from its state (None before its first call), with
+        the new tokens' left pads, (B, T) bool (None when there are none): the layer zeroes its pads'
+        inputs, so a row's state is the state of its real tokens alone (ember/model/mamba.py)."""
         pads = None if self.pad is None else self.slots[None, :] < self.pad[:, None]  # (B, T)
-        return self.states.get(layer), pads
-
-    def hold(self, layer: str, state: tuple[Tensor, ...]) -> None:
-        self.states[layer] = state
+        y, self.states[layer] = mix(x, self.states.get(layer), pads)
+        return y
 
     def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if layer not in self.k:

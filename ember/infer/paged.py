@@ -31,6 +31,9 @@ Design choices:
   prefixes; sharing stops one token short of the prompt, whose logits start the answer. Only a
   partly filled last block after ``fork`` can be written by two sequences: it is copied on the
   first such write (copy-on-write); full blocks are never written again.
+- **A Mamba layer's state** (a model with Mamba layers) lives in one slot per running sequence
+  of the cache's state pools, not in blocks: ``recur`` runs the layer on the sequences split out
+  of the packed row (docs/mamba.md, "Serving").
 - Hand-written because the cache is what ember studies (DESIGN rule 1); it must equal the
   contiguous cache (tests/test_paged.py: same logits to 1e-5, same greedy tokens).
 """
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,14 +50,16 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from ember.errors import EmberError
-from ember.model.gpt import sdpa_attention
+from ember.model.gpt import layer_mixers, sdpa_attention
 
 
 def blocks_for(budget_bytes: int, cfg, block_size: int = 16, dtype: torch.dtype = torch.float32) -> int:
-    """How many blocks of ``block_size`` tokens fit in ``budget_bytes`` for a model config
-    (keys and values of every layer: 2 × n_layer × n_kv_head × head_dim values per token)."""
+    """How many blocks of ``block_size`` tokens fit in ``budget_bytes`` for a model config (keys
+    and values of every attention layer: 2 × layers × n_kv_head × head_dim values per token; a
+    pure Mamba model's blocks hold no keys, and are counted as one layer's)."""
     n_kv = getattr(cfg, "n_kv_head", None) or cfg.n_head
-    per_token = 2 * cfg.n_layer * n_kv * (cfg.d_model // cfg.n_head) * torch.finfo(dtype).bits // 8
+    layers = max(1, layer_mixers(cfg).count("attention"))
+    per_token = 2 * layers * n_kv * (cfg.d_model // cfg.n_head) * torch.finfo(dtype).bits // 8
     blocks = int(budget_bytes) // (per_token * block_size)
     if blocks < 1:
         raise EmberError(
@@ -82,12 +87,16 @@ class PagedSequence:
     computed: int = 0  # tokens whose keys and values are in the cache
     hashes: list[bytes] = field(default_factory=list)  # keys of the table's full blocks, in order
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    state: int | None = None  # its slot of the Mamba state pools while admitted (PagedKVCache.recur)
 
 
 class BlockManager:
-    """Blocks of one pool: free list, reference counts, prefix cache (module docstring)."""
+    """Blocks of one pool: free list, reference counts, prefix cache (module docstring); and, for a
+    model with Mamba layers, ``num_states`` state slots, one taken by each admitted sequence."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, prefix_caching: bool = True, num_states: int = 0
+    ):
         if num_blocks < 1 or block_size < 1:
             raise EmberError(f"a KV pool needs blocks; got {num_blocks} blocks of {block_size} tokens")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
@@ -98,6 +107,7 @@ class BlockManager:
         self.copies: list[tuple[int, int]] = []  # (src, dst) copy-on-writes the cache must apply
         self.hits = self.lookups = 0  # prefix-cache blocks found / looked up
         self.cow = 0  # copy-on-writes made
+        self.num_states, self.free_states = num_states, list(range(num_states))[::-1]  # slot 0 first
 
     @property
     def num_free(self) -> int:
@@ -129,6 +139,8 @@ class BlockManager:
         """Share the prefix-cached blocks of ``seq``'s prompt (all but its last token)."""
         assert not seq.table, "admit a sequence once, or after release"
         seq.computed, seq.hashes, seq.cached_tokens = 0, [], 0
+        if self.num_states:  # the scheduler admits no more sequences than slots; reaching here empty is a bug
+            seq.state = self.free_states.pop()
         if not self.prefix_caching:
             return
         bs, key = self.block_size, b""
@@ -173,6 +185,7 @@ class BlockManager:
     def fork(self, seq: PagedSequence) -> PagedSequence:
         """A second sequence with ``seq``'s tokens and blocks (for ``n`` answers to one prompt);
         the shared last block is copied on the first write of either."""
+        assert seq.state is None, "a Mamba state is not shared: scheduler.py queues such answers apart"
         for block in seq.table:
             self._share(block)
         tokens, table, hashes = list(seq.tokens), list(seq.table), list(seq.hashes)
@@ -186,6 +199,9 @@ class BlockManager:
             if self.ref[block] == 0:
                 self.free[block] = None
         seq.table, seq.computed, seq.hashes = [], 0, []
+        if seq.state is not None:
+            self.free_states.append(seq.state)
+            seq.state = None
 
     @property
     def in_use(self) -> int:
@@ -201,6 +217,7 @@ class PagedKVCache:
         self.k: dict[str, Tensor] = {}  # layer -> (num_blocks * block_size, n_kv_head, head_dim)
         self.v: dict[str, Tensor] = {}
         self.spans: list[tuple[int, int, Tensor]] = []
+        self.states: dict[str, tuple[Tensor, ...]] = {}  # Mamba layer -> its pools, (num_states, ...) each
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]]) -> None:
         """The next forward feeds, for each ``(seq, n)``, ``seq.tokens[seq.computed : +n]``, in
@@ -232,6 +249,48 @@ class PagedKVCache:
             padded = slot_of[which, :longest]  # past a sequence's length: slots it does not own, masked
             held = (torch.arange(longest) < lengths[:, None])[:, None, None, :]
             self.decode = (at.to(device), padded.reshape(-1).to(device), held.to(device), longest)
+        if self.blocks.num_states:
+            self.plan_states(work)
+
+    def plan_states(self, work: Sequence[tuple[PagedSequence, int]]) -> None:
+        """The Mamba layers' share of the plan (``recur``): the decoding sequences go as one group,
+        a batch of one token each, and each prompt chunk as a group of its own; a sequence fed from
+        its first token starts from a zero state (its slot held another's before)."""
+        groups, decoding, offset = [], [], 0
+        for seq, n in work:
+            if n == 1:
+                decoding.append((offset, seq.state))
+            else:
+                groups.append((torch.arange(offset, offset + n)[None], [seq.state]))
+            offset += n
+        if decoding:
+            at, slots = zip(*decoding, strict=True)
+            groups.append((torch.tensor(at)[:, None], list(slots)))
+        self.groups = [(at.to(self.device), torch.tensor(slots, device=self.device)) for at, slots in groups]
+        fresh = [seq.state for seq, _ in work if seq.computed == 0]
+        self.fresh = torch.tensor(fresh, dtype=torch.long, device=self.device)
+
+    def recur(self, layer: str, x: Tensor, mix: Callable) -> Tensor:
+        """A Mamba layer over the packed row x (1, N, C) (``RecurrentCache``, ember/model/mamba.py):
+        each planned group runs ``mix`` as a batch of rows, from the states gathered from its
+        sequences' slots, and scatters the states after it back. The pools, fp32, are sized on
+        the first call from the states it returns (all fresh then: nothing was fed before)."""
+        pools = self.states.get(layer)
+        if pools is not None:
+            for pool in pools:
+                pool.index_fill_(0, self.fresh, 0.0)
+        out = torch.zeros_like(x)
+        for at, slots in self.groups:  # at: (R, t) token indices into the row; slots: (R,)
+            state = None if pools is None else tuple(pool.index_select(0, slots) for pool in pools)
+            y, state = mix(x[0, at], state, None)  # (R, t, C)
+            out[0, at] = y
+            if pools is None:
+                n_slots = self.blocks.num_states
+                pools = tuple(t.new_zeros(n_slots, *t.shape[1:], dtype=torch.float32) for t in state)
+                self.states[layer] = pools
+            for pool, t in zip(pools, state, strict=True):
+                pool.index_copy_(0, slots, t.float())
+        return out
 
     def extend(self, T: int) -> Tensor:
         assert T == self.slots.numel(), f"planned {self.slots.numel()} tokens, fed {T}"

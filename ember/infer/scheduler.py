@@ -25,6 +25,11 @@ Design choices:
   (``seed`` + answer index), fp32 logits equal to its own forward (tests/test_scheduler.py:
   greedy answers equal the batch-1 engine's token for token, with and without preemptions and
   prefix-cache hits). Text and stops follow the engine's rules (``engine.Row``).
+- **A model with Mamba layers** keeps each running sequence's recurrent state in a slot of the
+  cache's state pools, taken at admission and given back with its blocks; ``max_seqs`` slots,
+  since no more sequences run at once (the memory is not taken from ``kv_memory``). Prefix
+  caching is off for it (a cached prefix's keys come without the state after them), and its
+  ``n`` answers each read the prompt, as separate sequences, instead of forking one.
 """
 
 from __future__ import annotations
@@ -145,10 +150,11 @@ class Scheduler:
         paged_attention: str = "gather",
         decode_buckets: tuple[int, ...] | None = None,
     ):
-        if "mamba" in layer_mixers(engine.model.cfg):
+        self.recurrent = "mamba" in layer_mixers(engine.model.cfg)  # Mamba layers: state slots (docstring)
+        if self.recurrent and paged_attention == "flex":
             raise EmberError(
-                "the paged server holds attention keys and values in blocks and has no slot for a Mamba "
-                "layer's recurrent state: serve an attention-only model, or generate with `ember generate`"
+                f"serve.paged_attention={paged_attention} is for attention-only models: its padded steps "
+                "have no place for a Mamba layer's state; serve this model with serve.paged_attention=gather"
             )
         if max_batch_tokens < 1 or max_seqs < 1:
             raise EmberError(
@@ -158,7 +164,8 @@ class Scheduler:
             dtype = next(engine.model.parameters()).dtype
             num_blocks = blocks_for(kv_memory or 2**26, engine.model.cfg, block_size, dtype)
         self.engine = engine
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching)
+        prefix_caching &= not self.recurrent  # cached keys come without the Mamba state at their end
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, max_seqs if self.recurrent else 0)
         if paged_attention not in PAGED_ATTENTION:
             choices = ", ".join(PAGED_ATTENTION)
             raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
@@ -194,8 +201,11 @@ class Scheduler:
         for i in range(n):
             seq, row = PagedSequence(list(ids)), Row(i, ids, 0, self.engine.generator(sampling, i))
             requests.append(Request(next(self._ids), sampling, seq, row, logprobs_top=logprobs))
-        requests[0].forks = requests[1:]  # they join when the first has read the prompt
-        self.waiting.append(requests[0])
+        if self.recurrent:  # each reads the prompt itself: a Mamba state is not shared as blocks are
+            self.waiting.extend(requests)
+        else:
+            requests[0].forks = requests[1:]  # they join when the first has read the prompt
+            self.waiting.append(requests[0])
         return requests
 
     def cancel(self, request: Request) -> None:

@@ -64,7 +64,7 @@ Rope = tuple[Tensor, Tensor]  # (cos, sin), each (1 or B, 1, T, head_dim / 2)
 class KVCache(Protocol):
     """What ``GPT.forward(idx, cache)`` needs from an inference cache (ember/infer builds them):
     a forward of T new tokens calls ``extend(T)`` once, then every attention layer calls ``attend``
-    once; a model with Mamba layers needs ``recall`` and ``hold`` too (``RecurrentCache``, mamba.py)."""
+    once; a model with Mamba layers needs ``recur`` too (``RecurrentCache``, mamba.py)."""
 
     def extend(self, T: int) -> Tensor:
         """Take T more tokens in every row; their position ids, (T,) or (B, T)."""

@@ -28,11 +28,13 @@ Design choices:
 - **The recurrence runs in fp32** whatever the autocast dtype (the paper's reference does the
   same: a state carried over thousands of steps in bf16, 8 bits of mantissa, drifts).
 - **Inference state lives in the cache**, under the layer's id: the depthwise convolution's
-  last d_conv - 1 inputs (B, d_inner, d_conv - 1) and the SSM state (B, d_inner, d_state). A
-  prefill runs the chunked scan from zeros and stores the final states; each decode step is one
-  recurrence step. Left pads (the engine's ragged batches) are zeroed before the convolution
-  and before the scan, so a padded row's state equals its state alone (nothing flows in from a
-  zero input and a zero state).
+  last d_conv - 1 inputs (B, d_inner, d_conv - 1) and the SSM state (B, d_inner, d_state). The
+  cache calls the layer's ``mix`` on the rows it knows (``RecurrentCache.recur``: the engine's
+  batch, or the paged server's sequences split out of its packed row). A prefill runs the
+  chunked scan from zeros and stores the final states; each decode step is one recurrence step.
+  Left pads (the engine's ragged batches) are zeroed before the convolution and before the scan,
+  so a padded row's state equals its state alone (nothing flows in from a zero input and a zero
+  state).
 - This module does not import ember.model.gpt (gpt.py imports it): it initialises itself.
 """
 
@@ -54,18 +56,19 @@ DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Δ at init: log-uniform in [DT_MI
 
 State = tuple[Tensor, Tensor]  # (conv (B, d_inner, d_conv - 1), ssm (B, d_inner, d_state))
 Scan = Callable[..., tuple[Tensor, Tensor]]
+Mix = Callable[[Tensor, State | None, Tensor | None], tuple[Tensor, State]]  # Mamba.mix
 
 
 class RecurrentCache(Protocol):
-    """What a Mamba layer needs of ``GPT.forward``'s cache (beside attention's ``KVCache``)."""
+    """What a Mamba layer needs of ``GPT.forward``'s cache (beside attention's ``KVCache``): as
+    ``attend`` runs attention over the keys the cache holds, ``recur`` runs the layer's ``mix``
+    over the rows the cache knows, each from the state it holds for that row."""
 
-    def recall(self, layer: str) -> tuple[State | None, Tensor | None]:
-        """``layer``'s state after the tokens held (None before its first call), and which of the
-        T tokens of this forward are left pads ((B, T) bool, None when no row has any)."""
-        ...
-
-    def hold(self, layer: str, state: State) -> None:
-        """Keep ``layer``'s state after this forward's tokens."""
+    def recur(self, layer: str, x: Tensor, mix: Mix) -> Tensor:
+        """``mix``'s output for the new tokens ``x`` (B, T, C), calling ``mix(rows, state, pads)``
+        with each row's state before them (None: zeros) and which of them are left pads ((B, T)
+        bool, or None), and keeping the state it returns as ``layer``'s. engine.py's cache calls
+        it once on the whole batch; the paged cache once per group of packed sequences."""
         ...
 
 
@@ -178,8 +181,13 @@ class Mamba(nn.Module):
         self.D.fill_(1.0)
 
     def forward(self, x: Tensor, rope: object = None, cache: RecurrentCache | None = None) -> Tensor:
+        y = self.mix(x)[0] if cache is None else cache.recur(self.layer_id, x, self.mix)
+        return self.resid_dropout(y)
+
+    def mix(self, x: Tensor, state: State | None = None, pads: Tensor | None = None) -> tuple[Tensor, State]:
+        """The layer on rows x (batch, T, C) from ``state`` (None: zeros), ``pads`` (batch, T) bool
+        marking left pads or None; the output (batch, T, C) and the state after the last token."""
         batch, T, _ = x.shape
-        state, pads = cache.recall(self.layer_id) if cache is not None else (None, None)
         xs, z = self.in_proj(x).chunk(2, dim=-1)  # (batch, T, d_inner) each
         xs = xs.transpose(1, 2)  # (batch, d_inner, T)
         if pads is not None:  # a pad enters as zero: as if the row started at its first real token
@@ -202,9 +210,7 @@ class Mamba(nn.Module):
         y, h = scan(u.float(), dt, A, B.float(), C.float(), h)  # (batch, T, d_inner)
         y = y + u.float() * self.D.float()
         y = (y * F.silu(z.float())).to(x.dtype)
-        if cache is not None:
-            cache.hold(self.layer_id, (window[:, :, window.size(-1) - (k - 1) :], h))
-        return self.resid_dropout(self.out_proj(y))
+        return self.out_proj(y), (window[:, :, window.size(-1) - (k - 1) :], h)
 
 
 def set_scan(model: nn.Module, kind: str) -> nn.Module:
