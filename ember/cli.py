@@ -561,7 +561,7 @@ def cmd_config_keys(args) -> int:
         help="ranks to plan for (default 1)"),
     arg("--measure", action="store_true", help="run --steps real steps and compare"),
     arg("--steps", type=bounded(int, ge=2, why="--measure tracks the last two steps"), default=4,
-        help="steps of --measure; the last 2 tracked (default 4)"),
+        help="steps of --measure; the last 2 (3 from 5 steps on) tracked (default 4)"),
     arg("--mfu", type=bounded(float, gt=0, le=1), default=0.4,
         help="model FLOPs utilisation for the step time (0.4)"),
     arg("--peak-tflops", type=bounded(float, gt=0), default=None,
