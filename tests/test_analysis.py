@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from ember.analysis import curvature, grads
+from ember.cli import main
 from ember.config import ModelConfig
 from ember.errors import EmberError
 from ember.model.gpt import GPT
@@ -92,22 +93,20 @@ def test_per_example_gradients_norms_noise_scale_and_influence_equal_a_loop():
     assert torch.allclose(flat @ target, torch.stack([row @ target for row in loop]), atol=1e-7)
 
 
-def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
+def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path, capsys):
+    """``ember analyze`` in-process (``ember.cli.main``; the failing case at the end runs
+    ``python -m ember`` itself): a torch import per instrument was most of the test's cost."""
     cfg = tiny_cfg(*DET, "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=0",
                    f"run.out_dir={tmp_path}", "run.name=r")  # fmt: skip
     train(cfg)
     run = tmp_path / "r"
     for args in (["grads", "--batch", "4", "--text", "def main():", "--top", "2"], ["hessian", "--batch", "2", "--iters", "8"]):  # fmt: skip # noqa: E501
-        cmd = [sys.executable, "-m", "ember", "analyze", str(run), *args, "--ckpt", "all"]
-        r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
+        assert main(["analyze", str(run), *args, "--ckpt", "all"]) == 0
         results = json.loads((run / "analysis" / args[0] / "results.json").read_text())
         assert [row["step"] for row in results["rows"]] == [2, 4] and results["seconds"] > 0
     assert (run / "analysis" / "hessian" / "sharpness.png").is_file()
     assert len(results["rows"][0]["eigenvalues"]) == 3 and results["rows"][0]["two_over_lr"] > 0
-    cmd = [sys.executable, "-m", "ember", "analyze", str(run), "memory"]
-    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["analyze", str(run), "memory"]) == 0
     memory = json.loads((run / "analysis" / "memory" / "results.json").read_text())
     line = memory["timeline"]
     assert memory["every"] == 1 and len(line["params"]) == memory["operations"] > 100
@@ -115,15 +114,13 @@ def test_cli_writes_results_for_every_checkpoint(tiny_cfg, tmp_path):
     assert max(totals) == memory["peak"]  # the timeline and the tracker's peak agree, byte for byte
     assert max(line["grads"]) == memory["grads"] == memory["params"]  # gradients grow to the weights' size
     assert (run / "analysis" / "memory" / "memory.png").is_file()
-    cmd = [sys.executable, "-m", "ember", "analyze", str(run), "lens", "--text", "def main(): return 0"]
-    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "block 1" in r.stdout, r.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["analyze", str(run), "lens", "--text", "def main(): return 0"]) == 0
+    assert "block 1" in capsys.readouterr().out
     lens = json.loads((run / "analysis" / "lens" / "results.json").read_text())
     assert [row["layer"] for row in lens["layers"]] == ["embedding", "block 0", "block 1"]
     assert lens["layers"][-1]["agrees_with_final"] == 1.0
-    cmd = [sys.executable, "-m", "ember", "analyze", str(run), "profile", "--steps", "2"]
-    r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert main(["analyze", str(run), "profile", "--steps", "2"]) == 0
     prof = json.loads((run / "analysis" / "profile" / "results.json").read_text())
     trace = json.loads((run / "analysis" / "profile" / "trace.json").read_text())
     assert any(e.get("name") == "ember/backward" for e in trace["traceEvents"])

@@ -1,16 +1,18 @@
 """Masked language modelling: bidirectional attention, the masking rule, the loss, BERT parity,
 a tiny run that learns, resumes bitwise and is scored by `ember eval`, and the refusals."""
 
+import contextlib
+import io
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ember.cli import main
 from ember.config import ModelConfig
 from ember.data.masking import IGNORE, mask_tokens, seeded
 from ember.errors import ConfigError, EmberError
@@ -55,10 +57,12 @@ def bert_cfg(**overrides) -> ModelConfig:
 
 
 def ember(*args):
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}
-    return subprocess.run(
-        [sys.executable, "-m", "ember", *args], capture_output=True, text=True, env=env, timeout=300
-    )
+    """``ember ARGS`` in-process (``ember.cli.main``; a torch import per call was most of its
+    cost): its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 # ------------------------------------------------------------------ the model

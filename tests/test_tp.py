@@ -3,19 +3,18 @@ process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout a
 the GPT-2 layout and tied embeddings, with Muon, with sequence and loss parallel; FSDP2 x TP2 and HSDP
 2 x 2 on 4 ranks); checkpoints move between layouts (TP2 -> 1 process, 1 -> TP2, TP2 -> DDP2,
 FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes;
-impossible layouts fail before launch. The parity layouts of one world size run in one torchrun
-launch (tests/legs.py)."""
+impossible layouts fail before launch. The layouts of one world size run in one torchrun launch
+(tests/legs.py)."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from ember.cli import main
 from ember.train.trainer import train
-from tests.test_trainer import DET, _child_env, _torchrun, assert_refused_before_launch, losses
+from tests.test_trainer import DET, assert_refused_before_launch, losses
 
 GPT2 = ["model.pos=learned", "model.norm=layernorm", "model.mlp=gelu", "model.bias=true",
         "model.tie_embeddings=true", "model.n_kv_head=0"]  # fmt: skip
@@ -37,9 +36,21 @@ FOUR = {
 }
 
 
+LAYOUTS = {
+    "single": (1, []),
+    "tp2": (2, ["parallel.tp=2"]),
+    "ddp2": (2, ["parallel.data=ddp"]),
+    "fsdp2xtp2": (4, ["parallel.tp=2", "parallel.data=fsdp"]),
+}
+MOVES = {f"{a}-to-{b}": (a, b) for a, b in [("tp2", "single"), ("single", "tp2"), ("tp2", "ddp2"), ("fsdp2xtp2", "single")]}  # fmt: skip # noqa: E501
+CK = ["train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.micro_batch=2"]  # (4 ranks)
+
+
 @pytest.mark.slow
-def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path):
-    """The layouts of one world size run in one torchrun launch (tests/legs.py)."""
+def test_tensor_parallel_matches_one_process_and_checkpoints_move_between_layouts(tiny_cfg, tmp_path):
+    """Every parity layout of one world size runs in one torchrun launch (tests/legs.py), beside
+    the runs whose checkpoints then move; the moves resume in one more launch or in this
+    process: three launches where one per layout and move took seven."""
     from tests.test_pp import _launch_legs
 
     want = {}
@@ -48,57 +59,41 @@ def test_tensor_parallel_matches_one_process(tiny_cfg, tmp_path):
         train(single)
         want[tuple(model)] = losses(tmp_path / single.run.name)
     data = tiny_cfg().data.dir
-    common = [*DET, *STEPS, f"data.dir={data}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}"]
+    common = [*DET, f"data.dir={data}", "data.val_fraction=0.1", f"run.out_dir={tmp_path}"]
     common.append("train.device=cpu")
+
+    def moves(nproc: int, side: int, *extra) -> dict:  # moves whose side (0 saved, 1 resumed) has nproc
+        return {run: [*common, *CK, f"run.name={run}", *LAYOUTS[ab[side]][1], *extra]
+                for run, ab in MOVES.items() if LAYOUTS[ab[side]][0] == nproc}  # fmt: skip
+
     for nproc, legs in ((2, TWO), (4, FOUR)):
-        spec = {
-            name: [*common, f"run.name={name}", *model, *layout] for name, (model, layout) in legs.items()
-        }
-        _launch_legs(tmp_path, nproc, spec)
+        spec = {name: [*common, *STEPS, f"run.name={name}", *model, *layout] for name, (model, layout) in legs.items()}  # fmt: skip # noqa: E501
+        _launch_legs(tmp_path, nproc, spec | moves(nproc, 0))
         for name, (model, _) in legs.items():
             got = losses(tmp_path / name)
             assert sorted(got) == [1, 2, 3, 4, 5], name
             assert all(abs(got[s] - want[tuple(model)][s]) <= 1e-5 for s in got), (name, got, want)
+    for overrides in moves(1, 0).values():
+        train(tiny_cfg(*overrides))
 
+    saved = {run: losses(tmp_path / run) for run in MOVES}
+    for run in MOVES:  # as if stopped after the step-3 checkpoint
+        rd = tmp_path / run
+        (rd / "model").rename(rd / "model-saved")  # (the TP run's, read by ember eval below)
+        shutil.rmtree(rd / "checkpoints" / "step-000006")
+        (rd / "metrics.jsonl").write_text("")
+    _launch_legs(tmp_path, 2, moves(2, 1, "train.resume=auto"))
+    for overrides in moves(1, 1, "train.resume=auto").values():
+        train(tiny_cfg(*overrides))
+    for run in MOVES:
+        again = losses(tmp_path / run)
+        assert sorted(again) == [4, 5, 6], run
+        assert all(abs(again[s] - saved[run][s]) <= 1e-5 for s in again), (run, again, saved[run])
 
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["parallel.tp=2"]),
-    "ddp2": (2, ["parallel.data=ddp"]),
-    "fsdp2xtp2": (4, ["parallel.tp=2", "parallel.data=fsdp"]),
-}
-
-
-def _leg(tiny_cfg, tmp_path, layout: str, *overrides) -> dict[int, float]:
-    """Steps of run tmp_path/ck under ``layout`` (in this process, or under torchrun)."""
-    nproc, extra = LAYOUTS[layout]
-    if nproc == 1:
-        cfg = tiny_cfg(*DET, *overrides, *extra)
-        cfg.run.out_dir, cfg.run.name = str(tmp_path), "ck"
-        train(cfg)
-        return losses(tmp_path / "ck")
-    return _torchrun(tmp_path, "ck", *overrides, *extra, data_dir=tiny_cfg().data.dir, nproc=nproc)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("saved", "resumed"), [("tp2", "single"), ("single", "tp2"), ("tp2", "ddp2"),
-                                                ("fsdp2xtp2", "single")])  # fmt: skip
-def test_checkpoints_move_between_layouts(tiny_cfg, tmp_path, saved, resumed):
-    ck = ["train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.micro_batch=2"]  # (4 ranks)
-    got = _leg(tiny_cfg, tmp_path, saved, *ck)
-    rd = tmp_path / "ck"
-    (rd / "model").rename(rd / "model-saved")  # (read by ember eval below)
-    shutil.rmtree(rd / "checkpoints" / "step-000006")
-    (rd / "metrics.jsonl").write_text("")
-    again = _leg(tiny_cfg, tmp_path, resumed, *ck, "train.resume=auto")
-    assert sorted(again) == [4, 5, 6]
-    assert all(abs(again[s] - got[s]) <= 1e-5 for s in again), (again, got)
-    if saved == "tp2" and resumed == "single":  # the weights the TP run wrote at its end
-        shutil.rmtree(rd / "model")
-        (rd / "model-saved").rename(rd / "model")
-        cmd = [sys.executable, "-m", "ember", "eval", str(rd), "--split", "val"]
-        r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0 and (rd / "eval.json").is_file(), r.stderr[-2000:]
+    rd = tmp_path / "tp2-to-single"  # the weights the TP run wrote at its end
+    shutil.rmtree(rd / "model")
+    (rd / "model-saved").rename(rd / "model")
+    assert main(["eval", str(rd), "--split", "val"]) == 0 and (rd / "eval.json").is_file()
 
 
 @pytest.mark.parametrize(

@@ -302,21 +302,27 @@ def _torchrun(tmp_path, name, *overrides, data_dir, nproc=2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_two_ranks_match_one_process(tiny_cfg, tmp_path, layout):
-    single = tiny_cfg(*DET, "train.max_steps=5", "train.eval_every=0", "run.name=single")
-    train(single)
-    want = losses(run_dir(single))
-    got = _torchrun(
-        tmp_path,
-        layout,
-        "train.max_steps=5",
-        "train.eval_every=0",
-        f"parallel.data={layout}",
-        data_dir=single.data.dir,
-    )
-    assert sorted(got) == [1, 2, 3, 4, 5]
-    assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (got, want)
+def test_two_ranks_match_one_process(tiny_cfg, tmp_path):
+    """DDP and FSDP2 on 2 ranks, with AdamW and with Muon, in one torchrun launch (tests/legs.py),
+    each equal to one process. Muon: DDP ranks orthogonalise the same averaged gradients; FSDP2
+    ranks gather each matrix, orthogonalise it and keep their rows."""
+    from tests.test_pp import _launch_legs
+
+    optimizers = {"adamw": ["train.max_steps=5"], "muon": [*MUON, "train.max_steps=4"]}
+    common = [*DET, "train.eval_every=0", f"run.out_dir={tmp_path}"]
+    want = {}
+    for opt, o in optimizers.items():
+        single = tiny_cfg(*common, *o, f"run.name=single-{opt}")
+        train(single)
+        want[opt] = losses(run_dir(single))
+    common += [f"data.dir={single.data.dir}", "data.val_fraction=0.1", "train.device=cpu"]
+    legs = {f"{opt}-{layout}": [*common, *o, f"parallel.data={layout}", f"run.name={opt}-{layout}"]
+            for opt, o in optimizers.items() for layout in ("ddp", "fsdp")}  # fmt: skip
+    _launch_legs(tmp_path, 2, legs)
+    for name in legs:
+        got, w = losses(tmp_path / name), want[name.split("-")[0]]
+        assert sorted(got) == sorted(w) == list(range(1, len(w) + 1)), name
+        assert all(abs(got[s] - w[s]) <= 1e-5 for s in w), (name, got, w)
 
 
 @pytest.mark.slow
@@ -628,20 +634,6 @@ def test_each_group_follows_the_schedule_from_its_own_peak(tiny_cfg):
     assert [g["use_muon"] for g in groups.values()] == [True, False, False]
     logged = [r for r in read_metrics(trainer.run_dir) if "loss" in r]
     assert logged[-1]["lr"] == pytest.approx(t.lr * 3 / 5, rel=1e-12)  # the log shows train.lr's
-
-
-@pytest.mark.slow
-def test_muon_two_ranks_match_one_process(tiny_cfg, tmp_path):
-    """DDP ranks orthogonalise the same averaged gradients; FSDP2 ranks gather each matrix,
-    orthogonalise it and keep their rows: both match one process."""
-    steps = ["train.max_steps=4", "train.eval_every=0"]
-    single = tiny_cfg(*DET, *MUON, *steps, "run.name=single")
-    train(single)
-    want = losses(run_dir(single))
-    for layout in ("ddp", "fsdp"):
-        got = _torchrun(tmp_path, layout, *MUON, *steps, f"parallel.data={layout}", data_dir=single.data.dir)
-        assert sorted(got) == [1, 2, 3, 4]
-        assert all(abs(got[s] - want[s]) <= 1e-5 for s in want), (layout, got, want)
 
 
 def test_checkpoint_of_the_nested_optimizer_format_still_loads(tmp_path):
