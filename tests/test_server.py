@@ -45,6 +45,10 @@ def start(engine: Engine, **serve) -> tuple[str, object, object]:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
+    return tiny_engine()
+
+
+def tiny_engine() -> Engine:
     tok = Tokenizer.train_bpe(TEXT, 300)
     return Engine(tiny_model(320, **LLAMA, n_kv_head=2, max_seq_len=128), tok)
 
