@@ -105,6 +105,29 @@ def test_transformers_loads_each_type_without_ember(run, tmp_path):
     assert diffs["f16"] > 0 and diffs["q4_0"] > diffs["q8_0"]  # the types really differ
 
 
+def test_llama_cpp_itself_continues_as_ember(run, tmp_path):
+    """llama.cpp (llama-cpp-python, the ``llama`` extra) loads the f32 file, tokenizes as ember
+    does and continues ember's prompt ids greedily with ember's ids (benchmarks/gguf.py: 5
+    prompts, 32 tokens, and the decode speed of both)."""
+    import itertools
+
+    from ember.infer.engine import Engine
+    from ember.infer.sampling import Sampling
+
+    why = "llama-cpp-python is not installed: pip install -e '.[llama]' (it builds llama.cpp from source)"
+    llama_cpp = pytest.importorskip("llama_cpp", reason=why)
+    path = export_gguf(run, tmp_path / "m.gguf")
+    engine = Engine.from_run(run)
+    llm = llama_cpp.Llama(str(path), n_ctx=engine.model.cfg.max_seq_len, n_threads=1, verbose=False)
+    for text in (TEXT, "naïve café — 你好 😀\n"):
+        ids = engine.tokenizer.encode(text)
+        assert llm.tokenize(text.encode(), add_bos=False, special=True) == ids
+        [want] = engine.generate([ids], Sampling(max_new_tokens=16, temperature=0, ignore_eos=True))
+        llm.reset()
+        greedy = llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+        assert list(itertools.islice(greedy, 16)) == want.token_ids
+
+
 def test_quantized_types_are_written_as_asked(run, tmp_path):
     sizes = {}
     for kind in TOL:
