@@ -4,11 +4,12 @@ learning-rate schedule.
     optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: 'adamw' | 'muon'
     lr = lr_at(step, progress, cfg.train, peak=group["peak_lr"])   # progress in [0, 1]
 
-Parameters fall into five roles (docs/muon.md has the table): ``hidden`` (block matrices, and
-a mixture of experts' stacks, each expert's matrix orthogonalised on its own: AdamW with decay, or Muon), ``head`` (untied), ``embed`` (and a tied head), ``vector`` (norms, biases,
-Mamba's A_log, LoRA's A) and ``lora_b`` (LoRA's B at ``train.lr × train.lora_plus``: LoRA+, Hayou et al. 2024,
-B starts at zero and learns faster with a larger rate). Roles whose settings coincide share one
-group, so the default AdamW run keeps its two groups, numbers and checkpoints; each group's peak
+Parameters fall into five roles (docs/muon.md has the table): ``hidden`` (block matrices, and a
+mixture of experts' stacks, each expert's matrix on its own: AdamW with decay, or Muon), ``head``
+(untied), ``embed`` (and a tied head), ``vector`` (norms, biases, Mamba's A_log, LoRA's A) and
+``lora_b`` (LoRA's B at ``train.lr × train.lora_plus``: LoRA+, Hayou et al. 2024, B starts at
+zero and learns faster with a larger rate). Roles whose settings coincide share one group, so
+the default AdamW run keeps its two groups, numbers and checkpoints; each group's peak
 is ``group["peak_lr"]``.
 
 Design choices:
@@ -147,7 +148,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             bad = [tuple(p.shape) for p in group["params"] if p.ndim not in (2, 3)]
             if group["use_muon"] and bad:
-                raise ValueError(f"Muon orthogonalises matrices (or stacks of them); a Muon group holds shapes {bad[:3]}")
+                raise ValueError(f"Muon orthogonalises matrices (or stacks of them); got shapes {bad[:3]}")
 
     @torch.no_grad()
     def step(self, closure=None):
