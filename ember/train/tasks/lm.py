@@ -42,18 +42,7 @@ class LMTask(Task):
         token_bytes = torch.tensor(trainer.tokenizer.token_byte_lengths(trainer.model_cfg.vocab_size))
         fused = cfg.train.kernels == "triton"
         task = cls(cfg.train.z_loss, token_bytes.to(env.device), fused, trainer.model_cfg.logit_softcap)
-        train_set = TokenDataset(cfg.data.dir, "train")
-        loader = TrainLoader(
-            train_set,
-            cfg.train.seq_len,
-            trainer.global_rows,
-            cfg.run.seed,
-            env.dp_rank,
-            env.dp_size,
-            mode=cfg.data.sampling,
-            device=env.device,
-        )
-        return task, loader, val_loader(cfg, env)
+        return task, train_windows(trainer), val_loader(cfg, env)
 
     def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
         x, y = batch
@@ -110,6 +99,14 @@ class LMTask(Task):
         model.train(was_training)
         all_reduce(sums)
         return {f"val_{k}": v for k, v in language_metrics(*sums.tolist()).items()}
+
+
+def train_windows(trainer) -> TrainLoader:
+    """The train split's windows for this rank (the LM task's batches; MLM masks them)."""
+    cfg, env = trainer.cfg, trainer.env
+    dataset = TokenDataset(cfg.data.dir, "train")
+    return TrainLoader(dataset, cfg.train.seq_len, trainer.global_rows, cfg.run.seed, env.dp_rank,
+                       env.dp_size, mode=cfg.data.sampling, device=env.device)  # fmt: skip
 
 
 def val_loader(cfg, env) -> ValLoader | None:

@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ember.data.loader import TokenDataset, TrainLoader
+from ember.data.loader import TrainLoader
 from ember.data.masking import IGNORE, mask_id, mask_tokens, seeded
 from ember.infer.evaluate import masked_metrics, masked_sums
 from ember.parallel.dist import all_reduce, print0
 from ember.train.task import Task
-from ember.train.tasks.lm import val_loader
+from ember.train.tasks.lm import train_windows, val_loader
 
 
 class MLMLoader:
@@ -62,17 +62,7 @@ class MLMTask(Task):
         cfg, env = trainer.cfg, trainer.env
         token_bytes = torch.tensor(trainer.tokenizer.token_byte_lengths(trainer.model_cfg.vocab_size))
         task = cls(cfg.train.mlm_mask, mask_id(trainer.tokenizer), token_bytes.to(env.device), cfg.run.seed)
-        windows = TrainLoader(
-            TokenDataset(cfg.data.dir, "train"),
-            cfg.train.seq_len,
-            trainer.global_rows,
-            cfg.run.seed,
-            env.dp_rank,
-            env.dp_size,
-            mode=cfg.data.sampling,
-            device=env.device,
-        )
-        loader = MLMLoader(windows, task.rate, task.mask, task.text, cfg.run.seed, env.dp_rank)
+        loader = MLMLoader(train_windows(trainer), task.rate, task.mask, task.text, cfg.run.seed, env.dp_rank)
         return task, loader, val_loader(cfg, env)
 
     def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
