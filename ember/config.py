@@ -46,6 +46,7 @@ PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
 TOKENIZER_KINDS = ("bpe", "char")
 SAMPLING_MODES = ("random", "epoch")
 MLPS = ("gelu", "swiglu", "relu2", "moe", "none")
+NORMS = ("layernorm", "rmsnorm", "batchnorm", "none")
 
 COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
@@ -139,6 +140,7 @@ class DataConfig(_Section, key="data"):
     dedup: bool = opt(True, "drop exact duplicate documents (by content hash)")
     shard_tokens: int = opt(100_000_000, "maximum number of tokens per shard file", gt=0)
     sampling: str = opt("random", "random windows or a seeded permutation per epoch", choices=SAMPLING_MODES)
+    augment: bool = opt(False, "images: random shifts (and flips of natural images) in training")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -150,8 +152,13 @@ class DataConfig(_Section, key="data"):
 
 @dataclass
 class ModelConfig(_Section, key="model"):
-    """The decoder's shape and options (see ember/model/gpt.py)."""
+    """The decoder's shape and options (see ember/model/gpt.py), or an image classifier's (kind)."""
 
+    kind: str = opt("gpt", "gpt: the decoder; mlp, cnn, vit: image classifiers (train.task=classify)", choices=("gpt", "mlp", "cnn", "vit"))  # fmt: skip # noqa: E501
+    init: str = opt("default", "classifiers' init: default, he (Kaiming), xavier (Glorot)", choices=("default", "he", "xavier"))  # fmt: skip # noqa: E501
+    patch: int = opt(2, "vit: patch size in pixels (divides the image's height and width)", ge=1)
+    classes: int = opt(0, "classifiers: number of classes; 0 = the data's", ge=0)
+    image: list[int] = opt([], "classifiers: channels, height, width; [] = the data's")
     vocab_size: int = opt(0, "vocabulary size; 0: the tokenizer's, to a vocab_multiple", ge=0, le=2**24)
     vocab_multiple: int = opt(64, "round a tokenizer-derived vocab_size up to a multiple of this", ge=1)
     n_layer: int = opt(6, "number of transformer blocks", ge=1, le=1024)
@@ -173,7 +180,7 @@ class ModelConfig(_Section, key="model"):
     causal: bool = opt(True, "false: bidirectional attention (BERT-style, for train.task=mlm)")
     gelu: str = opt("tanh", "GELU of the gelu MLP and mlm head: tanh approximation (GPT-2) or erf (BERT)", choices=("tanh", "erf"))  # fmt: skip # noqa: E501
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4*d_model, swiglu: 8/3*d_model rounded to 64", ge=0)
-    norm: str = opt("layernorm", "normalization layer", choices=("layernorm", "rmsnorm"))
+    norm: str = opt("layernorm", "normalization layer; batchnorm, none: mlp and cnn only", choices=NORMS)
     norm_position: str = opt("pre", "pre: x + f(norm(x)), a final norm; post (BERT): norm(x + f(x)), embeddings normed", choices=("pre", "post"))  # fmt: skip # noqa: E501
     norm_eps: float = opt(1e-5, "epsilon of the norms", ge=0)
     pos: str = opt("learned", "positions: learned, RoPE or none (Mamba)", choices=("learned", "rope", "none"))
@@ -201,6 +208,8 @@ class ModelConfig(_Section, key="model"):
         _require(set(self.pattern) <= {"A", "M"}, "model.pattern", message)
         message = f"RoPE needs an even head dimension; d_model/n_head = {self.d_model // self.n_head}"
         _require(self.pos != "rope" or (self.d_model // self.n_head) % 2 == 0, "model.pos", message)
+        message = f"model.norm={self.norm} is for model.kind=mlp or cnn; use layernorm or rmsnorm"
+        _require(self.kind in ("mlp", "cnn") or self.norm in NORMS[:2], "model.norm", message)
 
 
 @dataclass
@@ -217,7 +226,9 @@ class TrainConfig(_Section, key="train"):
     schedule: str = opt("cosine", "wsd: stable, then decay", choices=("cosine", "linear", "wsd", "constant"))
     decay_fraction: float = opt(0.2, "wsd: fraction of the budget spent decaying", gt=0, le=1)
     weight_decay: float = opt(0.1, "AdamW decay on matrices (not norms, biases, embeddings)", ge=0)
-    optimizer: str = opt("adamw", "muon = Muon on block matrices, AdamW elsewhere", choices=("adamw", "muon"))
+    optimizer: str = opt("adamw", "muon = Muon on block matrices, AdamW elsewhere; sgd", choices=("adamw", "muon", "sgd"))  # fmt: skip # noqa: E501
+    momentum: float = opt(0.9, "sgd: momentum", ge=0, lt=1)
+    nesterov: bool = opt(False, "sgd: Nesterov momentum")
     muon_lr: float = opt(0.02, "Muon peak learning rate (block matrices)", ge=0)
     muon_momentum: float = opt(0.95, "Muon momentum (Nesterov)", ge=0, lt=1)
     muon_weight_decay: float = opt(0.0, "Muon decoupled weight decay on block matrices", ge=0)
@@ -271,7 +282,7 @@ class TrainConfig(_Section, key="train"):
     task: str = opt(
         "lm",
         "lm: next-token prediction; sft: supervised fine-tuning; dpo: preference optimisation; grpo: RL on "
-        "a task's verifier; rm: a reward model on dpo.*'s pairs; or any task in ember.train.tasks",
+        "a task's verifier; rm: a reward model on dpo.*'s pairs; classify: images; or any in ember.train.tasks",
     )
 
     def __post_init__(self) -> None:
