@@ -124,6 +124,9 @@ def test_cifar_binary_and_python_read_back(tmp_path):
         assert s.shape == (3, 32, 32) and s.natural and s.classes[0] == first and len(s.train[0]) == 15
         assert torch.equal((s.test[0] * 255).round().long(), want)
         assert torch.equal(s.test[1], torch.from_numpy(batches[5][1]))
+    (binary / "test_batch.bin").write_bytes(bytes([10]) + bytes(3072))  # label 10 of 10 classes
+    with pytest.raises(EmberError, match="labels must be 0..9"):
+        load_images(f"cifar10:{tmp_path / 'b'}", 0.1, 0.0)
 
 
 class _Evil:

@@ -110,8 +110,20 @@ def _split(x: Tensor, y: Tensor, fractions: list[float]) -> list[Pair]:
     return out
 
 
-def _splits(source: str, train: Pair, test: Pair | None, val: Pair | None, fractions, classes, natural):
+def _splits(
+    source: str,
+    train: Pair,
+    test: Pair | None,
+    val: Pair | None,
+    fractions: tuple[float, float],
+    classes: list[str],
+    natural: bool,
+) -> ImageSplits:
     val_fraction, test_fraction = fractions
+    for name, pair in (("train", train), ("test", test), ("val", val)):
+        y = pair[1] if pair is not None else torch.zeros(0)
+        if len(y) and not 0 <= int(y.min()) <= int(y.max()) < len(classes):
+            raise DataError(f"{source}: {name} labels must be 0..{len(classes) - 1}; fetch the data again")
     if test is None:
         train, val, test = _split(*train, [val_fraction, test_fraction])
     elif val is None:
@@ -186,17 +198,18 @@ def _mnist(root: Path) -> tuple[Pair, Pair]:
 class _ArraysOnly(pickle.Unpickler):
     """Rebuilds numpy arrays and nothing else (CIFAR's batches are dicts of arrays and lists)."""
 
+    _reconstruct = np.zeros(0).__reduce__()[0]  # numpy 1's core or numpy 2's _core, whichever runs
     ALLOWED = {
-        ("numpy.core.multiarray", "_reconstruct"): ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy._core.multiarray", "_reconstruct"): ("numpy._core.multiarray", "_reconstruct"),
-        ("numpy", "ndarray"): ("numpy", "ndarray"),
-        ("numpy", "dtype"): ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
     }
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
             raise DataError(f"refusing to unpickle {module}.{name}: CIFAR batches hold only numpy arrays")
-        return super().find_class(*self.ALLOWED[(module, name)])
+        return self.ALLOWED[(module, name)]
 
 
 def _unpickle(path: Path) -> dict:
@@ -252,11 +265,6 @@ def _cifar10(root: Path) -> tuple[Pair, Pair, list[str]]:
         )
     classes = classes or CIFAR_CLASSES
     train = torch.cat([p[0] for p in pairs[:5]]), torch.cat([p[1] for p in pairs[:5]])
-    for name, (_, y) in zip(("train", "test"), (train, pairs[5]), strict=True):
-        if len(y) and not 0 <= int(y.min()) <= int(y.max()) < len(classes):
-            raise DataError(
-                f"cifar10 {name} labels must be 0..{len(classes) - 1} in {root}; download it again"
-            )
     return train, pairs[5], classes
 
 
