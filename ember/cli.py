@@ -27,7 +27,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import ember
-from ember.config import COMPARE
+from ember.config import COMPARE, DataConfig
 from ember.data.chat import render
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
@@ -158,13 +158,17 @@ def cmd_train(args) -> int:
     from ember.data.prepare import prepare
     from ember.parallel.dist import torchrun_cmd
     from ember.train.layout import check_layout
+    from ember.train.tasks import task_class
     from ember.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
+    text = task_class(cfg.train.task).tokens  # (an image task reads its images itself: no shards)
     if "LOCAL_RANK" not in os.environ:
-        check_size(model_config_for(cfg), args.nproc, 1)  # a model that cannot fit, before it is built
+        if text:
+            check_size(model_config_for(cfg), args.nproc, 1)  # a model that cannot fit, before it is built
         check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
-        prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
+        if text:
+            prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         cmd = torchrun_cmd(args.nproc, "train", args.config, *args.overrides)
         print(f"launching {args.nproc} processes: {shlex.join(cmd)}", flush=True)
@@ -204,6 +208,15 @@ def cmd_train(args) -> int:
 )  # fmt: skip
 def cmd_eval(args) -> int:
     from ember.infer.evaluate import evaluate_run, evaluate_task, print_results, print_task
+    from ember.run import model_kind
+
+    if model_kind(args.run) != "gpt":  # an image classifier: accuracy, its interval, the confusion matrix
+        from ember.infer.classify import evaluate_classifier_run, print_classification
+
+        if args.task or args.data:
+            raise EmberError(f"{args.run} is an image classifier: evaluate it on --split train, val or test")
+        print_classification(evaluate_classifier_run(args.run, args.ckpt, args.split or ["test"]))
+        return 0
 
     if args.task:
         if args.data or args.split:
@@ -729,16 +742,27 @@ def cmd_data_prepare(args) -> int:
 
 @verb(
     "data stats",
-    "print a prepared directory's manifest as tables",
+    "print a prepared directory's manifest, or an image source's splits, as tables",
     "Print what a prepared data directory holds: sources, cleaning, tokenizer, splits. Checks shard "
-    "headers and the tokenizer hash.",
-    arg("dir", metavar="DIR", help="a directory written by `ember data prepare`"),
+    "headers and the tokenizer hash. Given an image source (embedded:digits, mnist:DIR, ...) or a config "
+    "that names one: each split's count, shape, dtype, value range and class balance, and the "
+    "per-channel mean and std of train.",
+    arg("dir", metavar="DIR", help="a directory from `ember data prepare`, a config, or an image source"),
     arg("--verify", action="store_true", help="also re-hash every shard against the manifest"),
     arg("--json", action="store_true", help="print the manifest as JSON"),
 )
 def cmd_data_stats(args) -> int:
+    from ember.config import load_config
+    from ember.data.images import describe, is_image_source, load_images
     from ember.data.stats import print_manifest, verify
 
+    if not Path(args.dir).is_dir():  # an image source, or a config: its images or its data.dir
+        image = is_image_source(args.dir)
+        d = DataConfig(sources=[args.dir]) if image else load_config(args.dir, []).data
+        if is_image_source(d.sources[0]):
+            print(describe(load_images(d.sources[0], d.val_fraction, d.test_fraction)))
+            return 0
+        args.dir = d.dir
     manifest = verify(args.dir, check_sha256=args.verify)
     if args.json:
         print(json.dumps(manifest, indent=2))

@@ -208,8 +208,9 @@ class ModelConfig(_Section, key="model"):
         _require(set(self.pattern) <= {"A", "M"}, "model.pattern", message)
         message = f"RoPE needs an even head dimension; d_model/n_head = {self.d_model // self.n_head}"
         _require(self.pos != "rope" or (self.d_model // self.n_head) % 2 == 0, "model.pos", message)
-        message = f"model.norm={self.norm} is for model.kind=mlp or cnn; use layernorm or rmsnorm"
-        _require(self.kind in ("mlp", "cnn") or self.norm in NORMS[:2], "model.norm", message)
+        norms = {"mlp": NORMS, "cnn": ("layernorm", "batchnorm", "none")}.get(self.kind, NORMS[:2])
+        message = f"model.kind={self.kind} takes model.norm {', '.join(norms)}; got {self.norm}"
+        _require(self.norm in norms, "model.norm", message)
 
 
 @dataclass
@@ -282,7 +283,7 @@ class TrainConfig(_Section, key="train"):
     task: str = opt(
         "lm",
         "lm: next-token prediction; sft: supervised fine-tuning; dpo: preference optimisation; grpo: RL on "
-        "a task's verifier; rm: a reward model on dpo.*'s pairs; classify: images; or any in ember.train.tasks",
+        "a task's verifier; rm: a reward model on dpo.*'s pairs; classify: images; or any in train/tasks/",
     )
 
     def __post_init__(self) -> None:

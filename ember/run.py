@@ -43,6 +43,7 @@ from ember.data.tokenizer import Tokenizer
 from ember.errors import ConfigError, EmberError
 from ember.model.gpt import GPT
 from ember.model.quant import QuantSpec, pack, quantize
+from ember.model.vision import build_model
 from ember.parallel.dist import get_rank
 
 MARKER = "COMMITTED"
@@ -217,9 +218,17 @@ def load_run_tokenizer(run_dir: str | Path, key: str = "") -> tuple[Tokenizer, P
     return Tokenizer.load(path), path
 
 
+def model_kind(run_dir: str | Path) -> str:
+    """``model.kind`` of the run's final weights: gpt, or an image classifier (mlp, cnn, vit)."""
+    try:
+        return json.loads((Path(run_dir) / "model" / "model_config.json").read_text()).get("kind", "gpt")
+    except (OSError, ValueError, AttributeError):
+        return "gpt"  # (no readable weights: load_run says what is wrong)
+
+
 def load_run(
-    run_dir: str | Path, ckpt: str = "last", device: str | torch.device = "cpu"
-) -> tuple[GPT, Tokenizer]:
+    run_dir: str | Path, ckpt: str = "last", device: str | torch.device = "cpu", images: bool = False
+) -> tuple[GPT, Tokenizer | None]:
     """A run directory's model (eval mode, on ``device``) and tokenizer, checked to match: the
     one loader behind ``ember eval``, ``generate``, ``chat`` and ``Engine.from_run``. ``ckpt``
     is ``last`` (``model/``, the final weights), ``best`` (``model-best/``) or a committed
@@ -227,7 +236,8 @@ def load_run(
     raises an EmberError that names it. A quantized run
     (``model/quant.json``, written by ``ember quantize``) gets its quantized linear layers
     swapped in before loading. Returns ``(model, tokenizer)``; ``model.cfg`` is the
-    ``ModelConfig``."""
+    ``ModelConfig``. An image classifier (``model.kind`` mlp, cnn or vit) has no tokenizer (None)
+    and loads only where the caller takes one (``images``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise EmberError(f"run directory {run_dir} does not exist")
@@ -241,13 +251,18 @@ def load_run(
         cfg = ModelConfig(**json.loads(config_path.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError, EmberError) as e:  # ValueError: bad JSON or UTF-8
         raise EmberError(f"{config_path} is not a valid model config ({e}); re-export the weights") from None
-    tokenizer, tokenizer_path = load_run_tokenizer(run_dir)
-    if tokenizer.vocab_size > cfg.vocab_size:
+    if cfg.kind != "gpt":
+        if not images:
+            raise EmberError(f"{run_dir} holds an image classifier (model.kind={cfg.kind}): `ember eval` and `ember analyze` take it; this verb needs a language model")  # fmt: skip # noqa: E501
+        tokenizer = None
+    else:
+        tokenizer, tokenizer_path = load_run_tokenizer(run_dir)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise EmberError(
             f"{tokenizer_path} has {tokenizer.vocab_size} tokens but {config_path} only "
             f"{cfg.vocab_size}: the tokenizer does not match the weights"
         )
-    model = GPT.build(cfg, device=device)
+    model = build_model(cfg, device=device)
     spec = read_spec(run_dir / "model")
     if spec is not None:  # a quantized run (ember quantize): only its final weights exist
         if ckpt != "last":

@@ -53,6 +53,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)
     m = model_cfg or cfg.model
+    if task.tokens and m.kind != "gpt":
+        raise ConfigError(f"model.kind={m.kind} classifies images: set train.task=classify (configs/digits.yaml)")  # fmt: skip # noqa: E501
     if m.mlp == "moe" or cfg.parallel.ep > 1:
         _check_experts(cfg, world_size, m)
     if (pp > 1 or tp > 1) and "mamba" in layer_mixers(m):

@@ -1,7 +1,7 @@
-"""Optimizers (AdamW, or Muon for the hidden matrices), their parameter groups, and the
+"""Optimizers (AdamW, Muon for the hidden matrices, or SGD), their parameter groups, and the
 learning-rate schedule.
 
-    optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: 'adamw' | 'muon'
+    optimizer = build_optimizer(model, cfg.train, device)    # train.optimizer: adamw | muon | sgd
     lr = lr_at(step, progress, cfg.train, peak=group["peak_lr"])   # progress in [0, 1]
 
 Parameters fall into five roles (docs/muon.md has the table): ``hidden`` (block matrices, and a
@@ -14,7 +14,8 @@ is ``group["peak_lr"]``.
 
 Design choices:
 
-- ``torch.optim.AdamW``: ``fused=True`` on CUDA (one kernel per update), ``foreach=True`` on CPU.
+- ``torch.optim.AdamW``: ``fused=True`` on CUDA (one kernel per update), ``foreach=True`` on CPU;
+  ``torch.optim.SGD`` (``train.momentum``, ``train.nesterov``) alike, with the same groups.
 - ``Muon`` is written out here by hand, AdamW for its non-matrix groups included: the
   optimizer is a subject of study in this lab, so its every line should be readable and
   changeable; and ``torch.optim.Muon`` (torch >= 2.9) takes matrices only and always runs
@@ -289,6 +290,9 @@ def build_optimizer(model: torch.nn.Module, train_cfg, device: torch.device) -> 
             eps=t.eps,
         )
     kind = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if t.optimizer == "sgd":  # (the seeds' baseline: decay on matrices only, as AdamW's groups)
+        groups = param_groups(model, t)
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum, nesterov=t.nesterov, **kind)
     if len({type(p) for p in model.parameters()}) > 1:  # tensor parallel: DTensors beside plain
         kind = {"foreach": False}  # tensors, which one multi-tensor kernel cannot take together
     return torch.optim.AdamW(param_groups(model, t), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kind)

@@ -65,8 +65,8 @@ from ember.data.tokenizer import SPECIALS_FILE, file_sha256
 from ember.errors import ConfigError, EmberError
 from ember.export.peft import save_peft
 from ember.kernels import triton_ready
-from ember.model.gpt import GPT
 from ember.model.lora import merge_lora
+from ember.model.vision import build_model
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import parallelize, unwrap
 from ember.parallel.pipeline import pipeline_grad_norm
@@ -85,8 +85,6 @@ from ember.train.start import (
     apply_qat_cfg,
     check_fp8,
     init_from,
-    resolve_model_config,
-    start_tokenizer,
 )
 from ember.train.tasks import task_class
 
@@ -228,11 +226,8 @@ class Trainer:
             print0(f"ember: note: {t.precision} autocast on a CPU is slow; fp32 is the CPU default")
         _set_deterministic(t.deterministic)
         task = task_class(t.task)
-        # the run's tokenizer: copied from tokenizer_file, or saved from memory when it grew
-        self.tokenizer, self.tokenizer_file, known = start_tokenizer(cfg, task.chat)
-        file = self.tokenizer_file
-        self.tokenizer_sha = file_sha256(file) if file else self.tokenizer.sha256
-        self.model_cfg = resolve_model_config(cfg.model, self.tokenizer, grown=known is not None)
+        self.tokenizer = self.tokenizer_file = self.tokenizer_sha = None  # (an image task has none)
+        self.model_cfg, known = task.start(self)  # the tokenizer, and the model config resolved by it
         layout = check_layout(cfg, env.world_size, self.model_cfg)
         self.global_rows, self.grad_accum = layout.rows, layout.grad_accum
         if t.log_dynamics and (env.distributed and (cfg.parallel.data == "fsdp" or env.tp > 1 or env.pp > 1) or t.compile):  # fmt: skip # noqa: E501
@@ -247,7 +242,7 @@ class Trainer:
         barrier()  # every rank has read the run directory before rank 0 writes into it (a race otherwise)
 
         torch.manual_seed(cfg.run.seed)
-        model = GPT.build(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
+        model = build_model(self.model_cfg, device="cpu")  # meta → to_empty → init_weights (seeded above)
         # on resume the checkpoint's weights win; a LoRA checkpoint holds only the adapters, so
         # its frozen base is loaded again from init_from, and DPO's reference copy comes from it
         if t.init_from and (self.resume_from is None or t.lora_rank or task.reference_on_resume):
@@ -389,9 +384,9 @@ class Trainer:
         name = "config.yaml" if self.resume_from is None else f"config-resume-{self.resume_from.name}.yaml"
         (self.run_dir / name).write_text(config_to_yaml(cfg))  # the first leg's config.yaml is kept
         (self.run_dir / "env.json").write_text(json.dumps(_env_record(self.env), indent=2) + "\n")
-        if self.tokenizer_file is None:  # grown by the chat tokens
+        if self.tokenizer is not None and self.tokenizer_file is None:  # grown by the chat tokens
             self.tokenizer.save(self.run_dir / TOKENIZER)
-        else:
+        elif self.tokenizer is not None:  # (an image task has none)
             shutil.copyfile(self.tokenizer_file, self.run_dir / TOKENIZER)
             self.tokenizer.save_specials(self.run_dir)  # a foreign tokenizer's; none for ember's
 
@@ -416,9 +411,10 @@ class Trainer:
         if self.done:  # a larger budget needs train.resume_allow_changes=true
             print0(f"{self.run_dir} spent its budget at step {self.step}: nothing to do")
             return json.loads((self.run_dir / "summary.json").read_text())
+        unit = "tokens" if self.task.tokens else "images"
         print0(
             f"training {self.n_params / 1e6:.2f}M parameters on {env.world_size} × {env.device.type}, "
-            f"{t.batch_tokens:,} tokens/step ({self.grad_accum} micro-steps of {t.micro_batch}×{t.seq_len} "
+            f"{t.batch_tokens:,} {unit}/step ({self.grad_accum} micro-steps of {t.micro_batch}×{t.seq_len} "
             f"per rank) → {self.run_dir}"
         )
         bar = ProgressBar(env.is_main)
@@ -603,7 +599,8 @@ class Trainer:
             print0(
                 f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
                 f"| grad {last['grad_norm']:.2f} | "
-                f"{last['tokens_per_s']:,.0f} tok/s | {100 * progress:5.1f}% | eta {eta:6.0f}s"
+                f"{last['tokens_per_s']:,.0f} {'tok' if self.task.tokens else 'img'}/s | "
+                f"{100 * progress:5.1f}% | eta {eta:6.0f}s"
             )
         return last
 
@@ -692,8 +689,8 @@ class Trainer:
         result = self.task.validate(self)
         if result:
             self.metrics.write({"step": self.step, "tokens": self.tokens, **result})
-        if result.get("val_loss", math.inf) < self.best_val:
-            self.best_val, self.best_step = result["val_loss"], self.step
+        if result.get(self.task.best, math.inf) < self.best_val:
+            self.best_val, self.best_step = result[self.task.best], self.step
             if self.cfg.train.keep_best:
                 self._export("model-best")
         return result
@@ -748,7 +745,7 @@ class Trainer:
             {
                 file: self.run_dir / file  # as _prepare_run_dir wrote them
                 for file in (TOKENIZER, SPECIALS_FILE)
-                if file == TOKENIZER or self.tokenizer.specials is not None
+                if self.tokenizer is not None and (file == TOKENIZER or self.tokenizer.specials is not None)
             },
         )
 
@@ -757,14 +754,15 @@ class Trainer:
         if self.env.is_main:
             summary = {
                 **last,
-                "best_val_loss": self.best_val if math.isfinite(self.best_val) else None,
+                f"best_{self.task.best}": self.best_val if math.isfinite(self.best_val) else None,
                 "best_step": self.best_step,
                 "skipped_steps": self.skipped,
                 "n_params": self.n_params,
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             self._write_report()
-        print0(f"done: step {self.step}, {self.tokens:,} tokens; weights in {self.run_dir / 'model'}")
+        unit = "tokens" if self.task.tokens else "images"
+        print0(f"done: step {self.step}, {self.tokens:,} {unit}; weights in {self.run_dir / 'model'}")
 
 
 @contextlib.contextmanager

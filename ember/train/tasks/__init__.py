@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ember.errors import ConfigError
 from ember.train.task import Task
+from ember.train.tasks.classify import ClassifyTask
 from ember.train.tasks.dpo import DPOTask
 from ember.train.tasks.grpo import GRPOTask
 from ember.train.tasks.lm import LMTask
@@ -18,7 +19,9 @@ from ember.train.tasks.mlm import MLMTask
 from ember.train.tasks.rm import RMTask
 from ember.train.tasks.sft import SFTTask
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (LMTask, SFTTask, DPOTask, GRPOTask, RMTask, MLMTask)}
+TASKS: dict[str, type[Task]] = {
+    t.name: t for t in (LMTask, SFTTask, DPOTask, GRPOTask, RMTask, MLMTask, ClassifyTask)
+}
 
 
 def task_class(name: str) -> type[Task]:
