@@ -1,8 +1,9 @@
 """Several runs in one ``torchrun`` launch (a launch costs seconds of start-up; a tiny run,
 less): ``python -m torch.distributed.run --nproc-per-node N tests/legs.py LEGS.json``. The file
-maps names to the overrides of the ``tiny`` preset (a training run each), or to
-``{"config": ..., "overrides": [...], "plan": OUT}``: ``ember plan``'s prediction and its
-measurement of a few steps, which rank 0 writes to OUT as JSON. Each run builds its own mesh in
+maps names to the overrides of the ``tiny`` preset (a training run each), to ``{"config": ...,
+"overrides": [...]}`` (a training run of another preset), or to ``{"config": ..., "overrides":
+[...], "plan": OUT}``: ``ember plan``'s prediction and its measurement of a few steps, which
+rank 0 writes to OUT as JSON. Each run builds its own mesh in
 the one process group; a run that fails stops the launch."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ if __name__ == "__main__":
         for leg in legs.values():
             if isinstance(leg, list):
                 Trainer(load_config("tiny", leg)).run()
+            elif "plan" not in leg:
+                Trainer(load_config(leg["config"], leg["overrides"])).run()
             else:
                 from ember.analysis import plan
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ember.config import load_config
 from ember.errors import ConfigError
 from ember.model.gpt import GPT
 from ember.run import MARKER, latest_checkpoint, load_weights, read_metrics
@@ -303,8 +304,8 @@ def _torchrun(tmp_path, name, *overrides, data_dir, nproc=2):
 
 @pytest.mark.slow
 def test_two_ranks_match_one_process(tiny_cfg, tmp_path):
-    """DDP and FSDP2 on 2 ranks, with AdamW and with Muon, in one torchrun launch (tests/legs.py),
-    each equal to one process. Muon: DDP ranks orthogonalise the same averaged gradients; FSDP2
+    """DDP and FSDP2 on 2 ranks, with AdamW and with Muon, and an image classifier (a CNN, SGD,
+    augmented digits), in one torchrun launch (tests/legs.py), each equal to one process. Muon: DDP ranks orthogonalise the same averaged gradients; FSDP2
     ranks gather each matrix, orthogonalise it and keep their rows."""
     from tests.test_pp import _launch_legs
 
@@ -315,9 +316,16 @@ def test_two_ranks_match_one_process(tiny_cfg, tmp_path):
         single = tiny_cfg(*common, *o, f"run.name=single-{opt}")
         train(single)
         want[opt] = losses(run_dir(single))
+    # and an image classifier (train.task=classify, tests/test_vision.py): a CNN with SGD, augmented
+    image = [*common, "model.norm=layernorm", "train.optimizer=sgd", "data.augment=true", "train.max_steps=4"]
+    train(load_config("digits", [*image, "run.name=single-cnn"]))
+    want["cnn"] = losses(tmp_path / "single-cnn")
     common += [f"data.dir={single.data.dir}", "data.val_fraction=0.1", "train.device=cpu"]
     legs = {f"{opt}-{layout}": [*common, *o, f"parallel.data={layout}", f"run.name={opt}-{layout}"]
             for opt, o in optimizers.items() for layout in ("ddp", "fsdp")}  # fmt: skip
+    image += ["train.micro_batch=32"]  # a rank's 32 rows
+    legs |= {f"cnn-{layout}": {"config": "digits", "overrides": [*image, f"parallel.data={layout}",
+             f"run.name=cnn-{layout}"]} for layout in ("ddp", "fsdp")}  # fmt: skip
     _launch_legs(tmp_path, 2, legs)
     for name in legs:
         got, w = losses(tmp_path / name), want[name.split("-")[0]]
