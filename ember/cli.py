@@ -384,8 +384,8 @@ def cmd_report(args) -> int:
     arg("--jobs", type=bounded(int, ge=1, le=LOCAL_RANKS), default=1, metavar="J",
         help="runs at a time (default 1)"),
     arg("--metric", default="test.bpb", help="what to compare: test.KEY or val.KEY (from `ember eval RUN "
-        "--split test|val`, KEY one of loss, ppl, bpb) or summary.KEY (from the run's summary.json, e.g. "
-        "summary.loss, summary.val_bpb). Default test.bpb"),
+        "--split test|val`, KEY one of loss, ppl, bpb; of an image run accuracy, error) or summary.KEY (from "
+        "the run's summary.json, e.g. summary.loss, summary.val_bpb). Default test.bpb"),
     arg("--baseline", metavar="KEY=V,...",
         help="the setting the others are tested against (default: the first value of each --grid key)"),
     arg("--alpha", type=bounded(float, gt=0, lt=1), default=0.05,

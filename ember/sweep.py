@@ -493,6 +493,7 @@ def run_sweep(sweep: Sweep, command: str | None = None, log=print) -> dict:
     """Run every (setting, seed) not done yet, ``sweep.jobs`` at a time; write and return the record."""
     from ember.config import load_config
     from ember.data.prepare import prepare
+    from ember.train.tasks import task_class
 
     output_dir(sweep.out, kind="sweep", force=True)
     runs = sweep.runs()
@@ -502,7 +503,7 @@ def run_sweep(sweep: Sweep, command: str | None = None, log=print) -> dict:
         config, setting_overrides = train_args(sweep.config, setting)
         cfg = load_config(config, [*sweep.overrides, *setting_overrides])
         data = json.dumps(vars(cfg.data), sort_keys=True, default=str)
-        if data not in prepared:
+        if data not in prepared and task_class(cfg.train.task).tokens:  # (an image task reads no shards)
             prepared.add(data)
             prepare(cfg, command=command, log=log)
 
