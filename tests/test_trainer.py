@@ -305,7 +305,8 @@ def _torchrun(tmp_path, name, *overrides, data_dir, nproc=2):
 @pytest.mark.slow
 def test_two_ranks_match_one_process(tiny_cfg, tmp_path):
     """DDP and FSDP2 on 2 ranks, with AdamW and with Muon, and an image classifier (a CNN, SGD,
-    augmented digits), in one torchrun launch (tests/legs.py), each equal to one process. Muon: DDP ranks orthogonalise the same averaged gradients; FSDP2
+    augmented digits), in one torchrun launch (tests/legs.py), each equal to one process. Muon:
+    DDP ranks orthogonalise the same averaged gradients; FSDP2
     ranks gather each matrix, orthogonalise it and keep their rows."""
     from tests.test_pp import _launch_legs
 

@@ -50,6 +50,7 @@ STEP_PLOTS = [
     ("grpo_kl", "kl", "GRPO KL to the reference (k3 estimate, per token)", "nats"),
     ("grpo_length", "completion_length", "GRPO completion length", "tokens"),
     ("grpo_zero_std", "zero_std_groups", "GRPO groups whose completions all scored alike", "share"),
+    ("train_accuracy", "train_accuracy", "Training accuracy (each step's images)", "accuracy"),
 ]  # a plot whose key no run logged is left out
 DYNAMICS_PLOTS = [  # train.log_dynamics: one line per layer (one run)
     ("update_ratio", "Update / weight RMS per layer (train.log_dynamics)", "ratio", "log"),
@@ -239,6 +240,11 @@ def _draw_plots(runs: list[Run], plots_dir: Path) -> list[tuple[str, str]]:
         loss.append((f"{prefix}val", *_xy(run.evals, "tokens", "val_loss"), val_style))
     if plot_series(plots_dir / "loss.png", loss, "Loss", "tokens", "loss (nats/token)"):
         drawn.append(("Train and validation loss", "loss.png"))
+    val_accuracy = [(f"{run.label} val", *_xy([r for r in run.evals if "val_accuracy" in r], "step",
+                                               "val_accuracy"), {"color": f"C{i}", "marker": "o"})
+                    for i, run in enumerate(runs)]  # fmt: skip
+    if plot_series(plots_dir / "val_accuracy.png", val_accuracy, "Validation accuracy", "step", "accuracy"):
+        drawn.append(("Validation accuracy (image classifier)", "val_accuracy.png"))
     for key, title, ylabel in (("task_accuracy", "Task accuracy on held-out test problems", "exact match"),
                                ("pair_accuracy", "Pair accuracy on held-out pairs (reward model)", "ranked right")):  # fmt: skip # noqa: E501
         accuracy = [(run.label, *_xy([r for r in run.tasks if key in r], "step", key), {"color": f"C{i}", "marker": "o"})  # fmt: skip # noqa: E501

@@ -100,7 +100,7 @@ class ClassifyTask(Task):
     def loss(self, model, batch):
         x, y = batch
         logits = model(x).float()
-        return F.cross_entropy(logits, y), {"accuracy": (logits.argmax(-1) == y).float().mean()}
+        return F.cross_entropy(logits, y), {"train_accuracy": (logits.argmax(-1) == y).float().mean()}
 
     def validate(self, trainer) -> dict:
         """Every rank scores all validation images (a few thousand at most): under FSDP2 each
