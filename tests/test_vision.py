@@ -45,15 +45,15 @@ def losses(run: Path) -> dict[int, float]:
 def test_train_eval_report_and_profile_a_cnn_end_to_end(tmp_path):
     """`ember train digits` → best model by val error, `ember eval --split test` (accuracy, its
     interval, confusion matrix, eval.json), `ember report` (curves), `ember analyze profile`."""
-    r = ember("train", "digits", f"run.out_dir={tmp_path}", "run.name=cnn", *FAST, "train.max_steps=60",
-              "train.eval_every=30")  # fmt: skip
+    r = ember("train", "digits", f"run.out_dir={tmp_path}", "run.name=cnn", *FAST, "train.max_steps=40",
+              "train.eval_every=20")  # fmt: skip
     assert r.returncode == 0, r.stderr
     run = tmp_path / "cnn"
     assert "img/s" in r.stdout and "images/step" in r.stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["best_val_error"] < 0.5 and summary["best_step"] in (30, 60)
+    assert summary["best_val_error"] < 0.5 and summary["best_step"] in (20, 40)
     vals = [m for m in read_metrics(run) if "val_accuracy" in m]
-    assert [m["step"] for m in vals] == [30, 60]
+    assert [m["step"] for m in vals] == [20, 40]
     assert all(abs(m["val_error"] - (1 - m["val_accuracy"])) < 1e-9 for m in vals)
     assert not (run / "tokenizer.json").exists() and (run / "model-best" / "model.safetensors").is_file()
 
@@ -119,47 +119,55 @@ def test_resume_is_bitwise(tmp_path):
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "vit"])
 def test_accumulation_matches_one_micro_batch(tmp_path, kind):
     """The same global batch of 64 as 1 × 64 or 4 × 16 micro-batches: the same losses (fp32)."""
-    common = [*LAYER, f"model.kind={kind}", "train.max_steps=4", "train.eval_every=0"]
+    common = [*LAYER, f"model.kind={kind}", "train.max_steps=3", "train.eval_every=0"]
     train(digits(tmp_path, *common, "run.name=one"))
     train(digits(tmp_path, *common, "run.name=four", "train.micro_batch=16"))
     one, four = losses(tmp_path / "one"), losses(tmp_path / "four")
-    assert sorted(one) == sorted(four) == [1, 2, 3, 4]
+    assert sorted(one) == sorted(four) == [1, 2, 3]
     assert all(abs(one[s] - four[s]) <= 1e-5 for s in one), (one, four)
 
 
 def test_compiled_matches_eager(tmp_path):
-    common = [*LAYER, "train.max_steps=3", "train.eval_every=0"]
+    common = [*LAYER, "model.kind=mlp", "train.max_steps=3", "train.eval_every=0"]
     train(digits(tmp_path, *common, "run.name=eager"))
     train(digits(tmp_path, *common, "run.name=compiled", "train.compile=true"))
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     assert all(abs(eager[s] - compiled[s]) <= 1e-5 for s in eager), (eager, compiled)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains_close_to_fp32(tmp_path, precision):
-    """Autocast (fp16 with its loss scaler) on the CPU: the same losses to the precision's noise."""
-    common = ["train.max_steps=4", "train.eval_every=0", "model.norm=layernorm"]
+def test_mixed_precision_trains_close_to_fp32(tmp_path):
+    """Autocast to bf16, and to fp16 with its loss scaler, on the CPU: the same losses to the
+    precision's noise."""
+    common = ["train.max_steps=3", "train.eval_every=0", "model.kind=mlp", "model.norm=layernorm"]
     train(digits(tmp_path, *common, "run.name=fp32"))
-    train(digits(tmp_path, *common, f"run.name={precision}", f"train.precision={precision}"))
-    full, half = losses(tmp_path / "fp32"), losses(tmp_path / precision)
-    assert all(abs(full[s] - half[s]) <= 0.05 * full[s] for s in full), (full, half)
+    for precision in ("bf16", "fp16"):
+        train(digits(tmp_path, *common, f"run.name={precision}", f"train.precision={precision}"))
+        full, half = losses(tmp_path / "fp32"), losses(tmp_path / precision)
+        assert all(abs(full[s] - half[s]) <= 0.05 * full[s] for s in full), (precision, full, half)
 
 
-def test_sgd_with_nesterov_momentum_trains(tmp_path):
-    sgd = ["train.optimizer=sgd", "train.nesterov=true", "train.lr=0.05"]
-    cfg = digits(tmp_path, *sgd, "train.max_steps=30", "train.eval_every=0", "run.name=sgd")
+@pytest.mark.parametrize("optimizer", ["sgd", "muon"])
+def test_sgd_and_muon_train_a_classifier(tmp_path, optimizer):
+    """SGD (Nesterov momentum; decay on matrices only, AdamW's groups) and Muon (the MLP's hidden
+    matrices; AdamW elsewhere) beside AdamW."""
+    settings = {
+        "sgd": ["train.optimizer=sgd", "train.nesterov=true", "train.lr=0.05"],
+        "muon": ["train.optimizer=muon", "train.lr=0.01"],
+    }
+    steps = ["train.max_steps=30", "train.eval_every=0"]
+    cfg = digits(tmp_path, "model.kind=mlp", *settings[optimizer], *steps, f"run.name={optimizer}")
     trainer = Trainer(cfg)
-    opt = trainer.optimizer
-    assert isinstance(opt, torch.optim.SGD) and all(
-        g["nesterov"] and g["momentum"] == 0.9 for g in opt.param_groups
-    )
-    assert sorted(g["weight_decay"] for g in opt.param_groups) == [
-        0.0,
-        cfg.train.weight_decay,
-    ]  # matrices only
+    groups = trainer.optimizer.param_groups
+    if optimizer == "sgd":
+        assert isinstance(trainer.optimizer, torch.optim.SGD)
+        assert all(g["nesterov"] and g["momentum"] == 0.9 for g in groups)
+        assert sorted(g["weight_decay"] for g in groups) == [0.0, cfg.train.weight_decay]
+    else:
+        hidden = [p for g in groups if g.get("use_muon") for p in g["params"]]
+        assert hidden and all(p.ndim == 2 for p in hidden)
     trainer.run()
-    seen = losses(tmp_path / "sgd")
-    assert seen[30] < 0.5 * seen[1]
+    seen = losses(tmp_path / optimizer)
+    assert seen[30] < 0.6 * seen[1], seen
 
 
 @pytest.mark.parametrize(
