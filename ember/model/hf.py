@@ -336,40 +336,34 @@ def _hf_config(cfg: ModelConfig, layout: str) -> Any:
             attn_pdrop=cfg.dropout,
             layer_norm_epsilon=cfg.norm_eps,
         )
+    llama = {  # what Llama and Mixtral share: the decoder's shape, RoPE, SiLU, RMSNorm
+        **common,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head or cfg.n_head,
+        "head_dim": cfg.d_model // cfg.n_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_dropout": cfg.dropout,
+    }
     if layout == "mixtral":
         return transformers.MixtralConfig(
-            **common,
-            hidden_size=cfg.d_model,
+            **llama,
             intermediate_size=expert_hidden_size(cfg),
-            num_hidden_layers=cfg.n_layer,
-            num_attention_heads=cfg.n_head,
-            num_key_value_heads=cfg.n_kv_head or cfg.n_head,
-            head_dim=cfg.d_model // cfg.n_head,
-            hidden_act="silu",
-            max_position_embeddings=cfg.max_seq_len,
-            rms_norm_eps=cfg.norm_eps,
             rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-            attention_dropout=cfg.dropout,
             num_local_experts=cfg.n_experts,
             num_experts_per_tok=cfg.top_k,
             router_aux_loss_coef=cfg.moe_aux,
             sliding_window=None,
         )
     return transformers.LlamaConfig(
-        **common,
-        hidden_size=cfg.d_model,
+        **llama,
         intermediate_size=mlp_hidden_size(cfg),
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.n_kv_head or cfg.n_head,
-        head_dim=cfg.d_model // cfg.n_head,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta,  # transformers 5 moves it into rope_parameters
         attention_bias=cfg.bias,
         mlp_bias=cfg.bias,
-        attention_dropout=cfg.dropout,
     )
 
 
