@@ -151,8 +151,7 @@ def moe_loss(model: nn.Module) -> tuple[Tensor | float, dict[str, Tensor]]:
     order; a DDP/FSDP/checkpoint wrapper is looked through). (0.0, {}) for a model without MoE."""
     total: Tensor | float = 0.0
     metrics: dict[str, Tensor] = {}
-    modules = model.modules() if isinstance(model, nn.Module) else ()  # (a loss may be given a function)
-    layers = [m for m in modules if isinstance(m, MoE) and m.stats is not None]
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.stats is not None]
     for i, moe in enumerate(layers):
         stats, moe.stats = moe.stats, None  # the graph is the loss's now
         total = total + moe.aux_weight * stats["balance"] + moe.z_weight * stats["z"]

@@ -31,6 +31,8 @@ class LMTask(Task):
     name = "lm"
     splits_model = True
 
+    moe = False  # model.mlp=moe: add the routers' losses (decided once, in build)
+
     def __init__(self, z_loss: float, token_bytes: torch.Tensor, fused: bool = False, softcap: float = 0.0):
         self.z_loss = z_loss
         self.token_bytes = token_bytes
@@ -42,6 +44,7 @@ class LMTask(Task):
         token_bytes = torch.tensor(trainer.tokenizer.token_byte_lengths(trainer.model_cfg.vocab_size))
         fused = cfg.train.kernels == "triton"
         task = cls(cfg.train.z_loss, token_bytes.to(env.device), fused, trainer.model_cfg.logit_softcap)
+        task.moe = trainer.model_cfg.mlp == "moe"
         return task, train_windows(trainer), val_loader(cfg, env)
 
     def loss(self, model, batch) -> tuple[torch.Tensor, dict]:
@@ -51,13 +54,13 @@ class LMTask(Task):
 
             h = model(x, hidden=True)  # (B, T, C)
             head = unwrap(model).output.weight  # (V, C)
-            aux, info = moe_loss(model)  # model.mlp=moe: the routers' weighted losses, per-layer metrics
+            aux, info = moe_loss(model) if self.moe else (0.0, {})  # the routers' losses, per-layer metrics
             return linear_cross_entropy(h, head, y, z_loss=self.z_loss, softcap=self.softcap) + aux, info
         logits = model(x).float()  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         if self.z_loss:
             loss = loss + self.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        aux, info = moe_loss(model)
+        aux, info = moe_loss(model) if self.moe else (0.0, {})
         return loss + aux, info
 
     def validate(self, trainer) -> dict:

@@ -193,6 +193,8 @@ class SFTTask(Task):
     name = "sft"
     chat = True
 
+    moe = False  # model.mlp=moe (set in build)
+
     def __init__(self, packing: bool = True, tokenizer=None, task: str = "", eval_problems: int = 0):
         self.packing, self.tokenizer = packing, tokenizer
         self.problems: list = []
@@ -210,6 +212,7 @@ class SFTTask(Task):
     def build(cls, trainer, model):
         cfg, env, t = trainer.cfg, trainer.env, trainer.cfg.train
         task = cls(cfg.sft.packing, trainer.tokenizer, cfg.sft.data, cfg.sft.eval_problems)
+        task.moe = trainer.model_cfg.mlp == "moe"  # add the routers' losses
         examples = encode_conversations(trainer.tokenizer, load_conversations(cfg.sft), t.seq_len)
         print0(f"sft: {len(examples):,} conversations from {cfg.sft.data}")
         where = (env.dp_rank, env.dp_size, env.device)
@@ -239,7 +242,7 @@ class SFTTask(Task):
         trained = y != IGNORE  # the head runs on these positions only
         cache = PackedDocuments(doc) if self.packing else None
         loss = F.cross_entropy(model(x, cache=cache, keep=trained).float(), y[trained])
-        aux, info = moe_loss(model)  # model.mlp=moe: the routers' weighted losses, per-layer metrics
+        aux, info = moe_loss(model) if self.moe else (0.0, {})  # the routers' losses, per-layer metrics
         return loss + aux, {"trained_tokens": int(trained.sum()), **info}
 
 
