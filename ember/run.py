@@ -253,7 +253,7 @@ def load_run(
         raise EmberError(f"{config_path} is not a valid model config ({e}); re-export the weights") from None
     if cfg.kind != "gpt":
         if not images:
-            raise EmberError(f"{run_dir} holds an image classifier (model.kind={cfg.kind}): `ember eval` and `ember analyze` take it; this verb needs a language model")  # fmt: skip # noqa: E501
+            raise EmberError(f"{run_dir} holds an image classifier (model.kind={cfg.kind}): `ember eval` and `ember analyze RUN profile` take it; this verb needs a language model")  # fmt: skip # noqa: E501
         tokenizer = None
     else:
         tokenizer, tokenizer_path = load_run_tokenizer(run_dir)

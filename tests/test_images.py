@@ -41,8 +41,8 @@ def test_digits_splits_fixed_disjoint_and_stratified(digits):
     data, target = load_digits(return_X_y=True)
     per_class = torch.bincount(torch.from_numpy(target))
     assert torch.equal(torch.bincount(digits.test[1]), (per_class * 0.2).round().long())  # stratified
-    rows = Counter(tuple((r * 16).round().tolist()) for x, _ in splits for r in x.flatten(1))
-    assert rows == Counter(tuple(r) for r in data.tolist())  # a partition: disjoint and complete
+    rows = Counter((*(r * 16).round().tolist(), int(c)) for x, y in splits for r, c in zip(x.flatten(1), y))
+    assert rows == Counter((*r, c) for r, c in zip(data.tolist(), target.tolist()))  # a partition, labelled
     load_images.cache_clear()
     torch.manual_seed(123)  # nothing seed-like moves the split
     again = load_images("embedded:digits", 0.1, 0.2)

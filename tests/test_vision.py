@@ -6,6 +6,7 @@ accumulation, precision, compile and SGD; the refusals. Two ranks against one pr
 tests/test_trainer.py's launch (one torchrun start for every parity leg)."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import shutil
@@ -21,7 +22,8 @@ from ember.errors import ConfigError, EmberError
 from ember.run import load_run, read_metrics
 from ember.train.trainer import Trainer, train
 
-pytest.importorskip("sklearn")
+# (find_spec, not importorskip: importing scikit-learn costs every collecting worker 1.5 s)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs ember[vision]")
 
 FAST = ["train.max_steps=12", "train.eval_every=6", "train.log_every=6", "train.warmup_steps=2"]
 LAYER = ["model.norm=layernorm", "train.deterministic=true"]  # BatchNorm's statistics are per micro-batch
