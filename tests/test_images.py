@@ -41,8 +41,12 @@ def test_digits_splits_fixed_disjoint_and_stratified(digits):
     data, target = load_digits(return_X_y=True)
     per_class = torch.bincount(torch.from_numpy(target))
     assert torch.equal(torch.bincount(digits.test[1]), (per_class * 0.2).round().long())  # stratified
-    rows = Counter((*(r * 16).round().tolist(), int(c)) for x, y in splits for r, c in zip(x.flatten(1), y))
-    assert rows == Counter((*r, c) for r, c in zip(data.tolist(), target.tolist()))  # a partition, labelled
+    rows = Counter(
+        (*(r * 16).round().tolist(), int(c)) for x, y in splits for r, c in zip(x.flatten(1), y, strict=True)
+    )
+    assert rows == Counter(
+        (*r, c) for r, c in zip(data.tolist(), target.tolist(), strict=True)
+    )  # a labelled partition
     load_images.cache_clear()
     torch.manual_seed(123)  # nothing seed-like moves the split
     again = load_images("embedded:digits", 0.1, 0.2)
