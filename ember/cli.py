@@ -756,8 +756,9 @@ def cmd_data_stats(args) -> int:
     from ember.data.images import describe, is_image_source, load_images
     from ember.data.stats import print_manifest, verify
 
-    if not Path(args.dir).is_dir():  # an image source, or a config: its images or its data.dir
-        image = is_image_source(args.dir)
+    image = is_image_source(args.dir)  # else a config (a preset's name, a .yaml): its images or data.dir
+    config = not Path(args.dir).is_dir() and (args.dir.endswith((".yaml", ".yml")) or "/" not in args.dir)
+    if image or config:
         d = DataConfig(sources=[args.dir]) if image else load_config(args.dir, []).data
         if is_image_source(d.sources[0]):
             print(describe(load_images(d.sources[0], d.val_fraction, d.test_fraction)))

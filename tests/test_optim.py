@@ -187,7 +187,7 @@ def test_default_adamw_keeps_its_two_groups():
 
 
 def test_unknown_optimizer_names_the_choices():
-    with pytest.raises(ConfigError, match="'adamw', 'muon'; got 'lion'"):
+    with pytest.raises(ConfigError, match="'adamw', 'muon', 'sgd'; got 'lion'"):
         TrainConfig(optimizer="lion")
     with pytest.raises(ConfigError, match="muon_momentum"):
         TrainConfig(muon_momentum=1.0)
