@@ -257,6 +257,7 @@ class TrainConfig(_Section, key="train"):
     ckpt_every: int = opt(0, "save a checkpoint every this many steps (0 = only at the end)", ge=0)
     keep_last: int = opt(2, "checkpoints kept, newest first", ge=2)
     keep_best: bool = opt(True, "export best-val-loss weights to model-best/, keep their checkpoint if any")
+    report: bool = opt(True, "write report.md and plots/ when the run ends (or later: ember report RUN)")
     resume: str = opt("never", "'never', 'auto' (newest committed checkpoint) or a step folder")
     resume_allow_changes: bool = opt(
         False,

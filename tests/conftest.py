@@ -26,6 +26,7 @@ def tiny_cfg(tiny_data, tmp_path):
                 "data.val_fraction=0.1",
                 f"run.out_dir={tmp_path / 'runs'}",
                 "train.device=cpu",
+                "train.report=false",  # a second of plots per run; the tests of reports turn it on
                 *overrides,
             ],
         )

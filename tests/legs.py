@@ -21,7 +21,7 @@ if __name__ == "__main__":
     try:
         for leg in legs.values():
             if isinstance(leg, list):
-                Trainer(load_config("tiny", leg)).run()
+                Trainer(load_config("tiny", ["train.report=false", *leg])).run()
             elif "plan" not in leg:
                 Trainer(load_config(leg["config"], leg["overrides"])).run()
             else:

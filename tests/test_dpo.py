@@ -193,13 +193,13 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["frozen-copy", "lora-adapters-off"])
 def test_dpo_runs_start_at_log2_log_trls_metrics_and_resume_bitwise(tiny_cfg, lora):
-    base_cfg = tiny_cfg("run.name=base", "train.max_steps=2", "train.eval_every=0")
+    base_cfg = tiny_cfg("run.name=base", "train.max_steps=2", "train.eval_every=0", "train.report=true")
     train(base_cfg)
     base = Path(base_cfg.run.out_dir) / "base"
     args = ["run.name=dpo", "train.task=dpo", "dpo.data=add-2", "dpo.examples=40", f"train.init_from={base}",
             "train.max_steps=6", "train.ckpt_every=3", "train.keep_last=3", "train.eval_every=0",
             "train.lr=0.01", "model.dropout=0.0", *(["train.lora_rank=2"] if lora else [])]  # fmt: skip
-    train(tiny_cfg(*args))
+    train(tiny_cfg(*args, "train.report=true"))
     run = base.parent / "dpo"
     records = [r for r in read_metrics(run) if "loss" in r]
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)  # the policy starts as its reference

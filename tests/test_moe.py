@@ -169,7 +169,7 @@ SHORT = [*DET, *MOE, "train.max_steps=6", "train.ckpt_every=3", "train.keep_last
 
 @pytest.mark.slow
 def test_training_logs_per_layer_router_metrics_and_resumes_bitwise(tiny_cfg):
-    cfg = tiny_cfg(*SHORT, "model.dropout=0.1", "model.shared_expert=true")
+    cfg = tiny_cfg(*SHORT, "model.dropout=0.1", "model.shared_expert=true", "train.report=true")
     train(cfg)
     rd = Path(cfg.run.out_dir) / cfg.run.name
     records = [r for r in read_metrics(rd) if "loss" in r]

@@ -114,7 +114,7 @@ def test_reward_model_trains_ranks_held_out_pairs_and_resumes_bitwise(tiny_cfg):
     args = _rm_args(
         base, "train.max_steps=8", "train.ckpt_every=4", "train.keep_last=3", "train.eval_every=4"
     )
-    summary = train(tiny_cfg(*args))
+    summary = train(tiny_cfg(*args, "train.report=true"))
     run = base.parent / "rm"
     records = [r for r in read_metrics(run) if "loss" in r]
     for r in records:  # the loss is −log σ of the margin, whatever the pairs

@@ -176,7 +176,7 @@ def test_sft_resumes_bit_for_bit_with_its_epoch_cursor(tiny_cfg, packing):
 
 
 def test_sft_learns_and_eval_task_scores_it(tiny_cfg, capsys):
-    cfg = tiny_cfg(*SFT, "model.dropout=0.0", "train.max_steps=30", "train.lr=0.003")
+    cfg = tiny_cfg(*SFT, "model.dropout=0.0", "train.max_steps=30", "train.lr=0.003", "train.report=true")
     train(cfg)
     run = Path(cfg.run.out_dir) / cfg.run.name
     losses = _losses(run)

@@ -240,6 +240,7 @@ def test_tiny_sweep_end_to_end(tiny_data, tmp_path, monkeypatch, capsys):
         "train.device=cpu",
         "train.max_steps=4",
         "train.eval_every=0",
+        "train.report=false",
     ]
     assert main(argv) == 0
     runs = sorted(p.name for p in (out / "runs").iterdir())
@@ -289,7 +290,8 @@ def test_a_config_per_setting(tiny_data, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     (tmp_path / "wide.yaml").write_text("base: tiny\nmodel:\n  d_model: 96\n  n_head: 4\n")
     common = ["--seeds", "1", "--metric", "summary.loss", f"data.dir={tiny_data}", "data.val_fraction=0.1",
-              "train.device=cpu", "train.max_steps=2", "train.eval_every=0"]  # fmt: skip
+              "train.device=cpu", "train.max_steps=2", "train.eval_every=0",
+              "train.report=false"]  # fmt: skip
     assert main(["sweep", "tiny", "--grid", "config=tiny,nope.yaml", *common]) == 2
     assert "nope.yaml" in capsys.readouterr().err and not (tmp_path / "runs").exists()
     assert sweep_mod.train_args("tiny", {"config": "wide.yaml", "train.lr": "0.01"}) == ("wide.yaml", ["train.lr=0.01"])  # fmt: skip # noqa: E501

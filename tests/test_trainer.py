@@ -96,6 +96,7 @@ def test_sigkill_mid_run_resumes_from_last_commit(tiny_cfg, tmp_path):
         "train.max_steps=30",
         "train.ckpt_every=1",
         "train.eval_every=0",
+        "train.report=false",
     ]
     ref = subprocess.run(
         [sys.executable, "-m", "ember", "train", *args[:3], f"run.out_dir={tmp_path / 'ref'}", *args[4:]],
@@ -294,6 +295,7 @@ def _torchrun(tmp_path, name, *overrides, data_dir, nproc=2):
         f"run.out_dir={tmp_path}",
         f"run.name={name}",
         "train.device=cpu",
+        "train.report=false",
         *DET,
         *overrides,
     ]

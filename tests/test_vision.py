@@ -37,7 +37,9 @@ def ember(*args):
 
 
 def digits(tmp_path, *overrides):
-    return load_config("digits", [f"run.out_dir={tmp_path}", "train.ckpt_every=0", *FAST, *overrides])
+    return load_config(
+        "digits", [f"run.out_dir={tmp_path}", "train.ckpt_every=0", "train.report=false", *FAST, *overrides]
+    )
 
 
 def losses(run: Path) -> dict[int, float]:

@@ -97,7 +97,7 @@ AUTOCAST |= dict.fromkeys(FP8_RECIPES, torch.bfloat16)  # float8 block linears, 
 # batch: no opt-in accepts a change to them. Other changes (budgets and so the schedule's length,
 # eval and checkpoint cadence, learning rates) need train.resume_allow_changes=true.
 RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train.log_every", "parallel.")
-RESUME_FREE += ("train.log_dynamics",)
+RESUME_FREE += ("train.log_dynamics", "train.report")
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
@@ -760,7 +760,8 @@ class Trainer:
                 "n_params": self.n_params,
             }
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            self._write_report()
+            if self.cfg.train.report:  # (matplotlib's import and the plots: most of a tiny run's end)
+                self._write_report()
         unit = "tokens" if self.task.tokens else "images"
         print0(f"done: step {self.step}, {self.tokens:,} {unit}; weights in {self.run_dir / 'model'}")
 
