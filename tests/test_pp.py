@@ -46,11 +46,10 @@ def _launch(tmp_path: Path, nproc: int, legs: dict[str, list[str]], tiny_cfg) ->
 
 
 def _launch_legs(tmp_path: Path, nproc: int, legs: dict) -> None:
-    """One torchrun launch of ``nproc`` ranks running every leg (tests/legs.py)."""
+    """One launch of ``nproc`` ranks, forked by tests/legs.py, running every leg."""
     spec = tmp_path / f"legs-{nproc}.json"
     spec.write_text(json.dumps(legs))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).with_name("legs.py")), str(spec)]  # fmt: skip
+    cmd = [sys.executable, str(Path(__file__).with_name("legs.py")), str(nproc), str(spec)]
     env = _child_env() | {"PYTHONPATH": str(Path(__file__).parents[1])}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
