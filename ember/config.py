@@ -240,11 +240,7 @@ class TrainConfig(_Section, key="train"):
     eps: float = opt(1e-8, "AdamW epsilon", ge=0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
-    precision: str = opt(
-        "fp32",
-        "bf16/fp16 autocast, fp16 with GradScaler; fp8(-rowwise): torchao float8 block linears (CUDA sm89+)",
-        choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"),
-    )
+    precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler; fp8(-rowwise): torchao float8 block linears (CUDA sm89+)", choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"))  # fmt: skip # noqa: E501
     compile: bool = opt(False, "torch.compile each block")
     kernels: str = opt("torch", "triton: ember.kernels (norm, RoPE, attn, CE)", choices=("torch", "triton"))
     activation_checkpointing: bool = opt(False, "recompute block activations in backward")
@@ -259,18 +255,10 @@ class TrainConfig(_Section, key="train"):
     keep_best: bool = opt(True, "export best-val-loss weights to model-best/, keep their checkpoint if any")
     report: bool = opt(True, "write report.md and plots/ when the run ends (or later: ember report RUN)")
     resume: str = opt("never", "'never', 'auto' (newest committed checkpoint) or a step folder")
-    resume_allow_changes: bool = opt(
-        False,
-        "on resume, accept changes to the run's config (budgets, eval/ckpt cadence, lr, schedule); "
-        "never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer",
-    )
+    resume_allow_changes: bool = opt(False, "on resume, accept changes to the run's config (budgets, eval/ckpt cadence, lr, schedule); never to the model, run.seed, train.batch_tokens/seq_len/optimizer, data.dir/sampling, tokenizer")  # fmt: skip # noqa: E501
     nonfinite: str = opt("stop", "NaN/Inf loss/grads: stop (naming where) or skip", choices=("stop", "skip"))
     tensorboard: bool = opt(False, "also log to TensorBoard (needs the track extra)")
-    qat: str = opt(
-        "none",
-        "QAT: block linears' weights fake-quantized as `ember quantize --scheme` of that name stores them",
-        choices=("none", "int8-weight", "int4-weight"),
-    )
+    qat: str = opt("none", "QAT: block linears' weights fake-quantized as `ember quantize --scheme` of that name stores them", choices=("none", "int8-weight", "int4-weight"))  # fmt: skip # noqa: E501
     qat_group_size: int = opt(32, "int4-weight: inputs per scale and zero point", choices=(32, 64, 128))
     init_from: str = opt("", "fine-tune from a run directory's final float weights (RUN/model/); '' = none")
     lora_rank: int = opt(0, "LoRA: adapters of this rank on block linears, the rest frozen (0 = off)", ge=0)
@@ -281,11 +269,7 @@ class TrainConfig(_Section, key="train"):
     qlora: bool = opt(False, "LoRA over a frozen base stored in NF4 (QLoRA)")
     mlm_mask: float = opt(0.15, "mlm: tokens masked (80% [MASK], 10% random, 10% kept)", gt=0, lt=1)
     lora_chat_tokens: bool = opt(True, "LoRA + train.task=sft: also train the new chat tokens' embeddings")
-    task: str = opt(
-        "lm",
-        "lm: next-token prediction; sft: supervised fine-tuning; dpo: preference optimisation; grpo: RL on "
-        "a task's verifier; rm: a reward model on dpo.*'s pairs; classify: images; or any in train/tasks/",
-    )
+    task: str = opt("lm", "lm: next-token prediction; sft: supervised fine-tuning; dpo: preference optimisation; grpo: RL on a task's verifier; rm: a reward model on dpo.*'s pairs; classify: images; or any in train/tasks/")  # fmt: skip # noqa: E501
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -308,15 +292,9 @@ class DPOConfig(_Section, key="dpo"):
 
     data: str = opt("", "JSONL of {prompt, chosen, rejected}, or an embedded task (see dpo.rejected)")
     examples: int = opt(20000, "pairs made from an embedded task's train split", ge=1)
-    rejected: str = opt(
-        "corrupt",
-        "corrupt (a seeded near miss) or model (the initial model's greedy answer if wrong, else near miss)",
-        choices=("corrupt", "model"),
-    )
+    rejected: str = opt("corrupt", "corrupt (a seeded near miss) or model (the initial model's greedy answer if wrong, else near miss)", choices=("corrupt", "model"))  # fmt: skip # noqa: E501
     beta: float = opt(0.1, "β: the strength of the KL leash to the reference (larger: closer)", gt=0)
-    loss: str = opt(
-        "sigmoid", "sigmoid (DPO), robust (label_smoothing flips), ipo", choices=("sigmoid", "robust", "ipo")
-    )
+    loss: str = opt("sigmoid", "sigmoid (DPO), robust (label_smoothing flips), ipo", choices=("sigmoid", "robust", "ipo"))  # fmt: skip # noqa: E501
     label_smoothing: float = opt(0.0, "robust: the share of pairs assumed mislabelled", ge=0, lt=0.5)
     sft_weight: float = opt(0.0, "plus this times the chosen replies' NLL per token (0 = plain DPO)", ge=0)
     eval_problems: int = opt(100, "with a task: test problems answered greedily at each eval; 0 = none", ge=0)
@@ -336,16 +314,9 @@ class GRPOConfig(_Section, key="grpo"):
     top_p: float = opt(1.0, "nucleus sampling mass (1 = all)", gt=0, le=1)
     epsilon: float = opt(0.2, "ε: the importance ratio is clipped to [1 − ε, 1 + ε]", gt=0, lt=1)
     beta: float = opt(0.04, "β: weight of the k3 KL to the reference (0 = none, no reference forward)", ge=0)
-    kl_correction: bool = opt(
-        True, "k3 × the ratio: an unbiased reverse-KL gradient (TRL's default); false: DeepSeekMath's bare k3"
-    )
+    kl_correction: bool = opt(True, "k3 × the ratio: an unbiased reverse-KL gradient (TRL's default); false: DeepSeekMath's bare k3")  # fmt: skip # noqa: E501
     scale_rewards: bool = opt(True, "advantages / group reward std (GRPO); false: mean-centred (Dr. GRPO)")
-    loss: str = opt(
-        "token",
-        "token: mean over the micro-batch's completion tokens (TRL bnpo, DAPO); sequence: mean of each "
-        "completion's token mean (the GRPO paper, TRL grpo)",
-        choices=("token", "sequence"),
-    )
+    loss: str = opt("token", "token: mean over the micro-batch's completion tokens (TRL bnpo, DAPO); sequence: mean of each completion's token mean (the GRPO paper, TRL grpo)", choices=("token", "sequence"))  # fmt: skip # noqa: E501
     iterations: int = opt(1, "μ: optimizer steps on each rollout batch (>1: the clip matters)", ge=1)
     shared_prefix: bool = opt(True, "each group's prompt once in the log-prob passes; false: every row whole")
     format_reward: float = opt(0.0, "added to the reward of a completion that closes its turn", ge=0)
