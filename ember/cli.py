@@ -27,7 +27,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import ember
-from ember.config import COMPARE, DataConfig
+from ember.config import COMPARE
 from ember.data.chat import render
 from ember.errors import EmberError
 from ember.infer.sampling import Sampling
@@ -162,12 +162,10 @@ def cmd_train(args) -> int:
     from ember.train.trainer import train
 
     cfg = load_config(args.config, args.overrides)  # bad configs fail here, before any launch
-    text = task_class(cfg.train.task).tokens  # (an image task reads its images itself: no shards)
     if "LOCAL_RANK" not in os.environ:
-        if text:
-            check_size(model_config_for(cfg), args.nproc, 1)  # a model that cannot fit, before it is built
         check_layout(cfg, args.nproc)  # a layout that cannot run fails here, before any work
-        if text:
+        if task_class(cfg.train.task).tokens:  # (an image task reads its images itself: no shards)
+            check_size(model_config_for(cfg), args.nproc, 1)  # a model that cannot fit, before it is built
             prepare(cfg, command=_command_line())  # once, before any rank starts: reuses prepared data
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         cmd = torchrun_cmd(args.nproc, "train", args.config, *args.overrides)
@@ -208,15 +206,6 @@ def cmd_train(args) -> int:
 )  # fmt: skip
 def cmd_eval(args) -> int:
     from ember.infer.evaluate import evaluate_run, evaluate_task, print_results, print_task
-    from ember.run import model_kind
-
-    if model_kind(args.run) != "gpt":  # an image classifier: accuracy, its interval, the confusion matrix
-        from ember.infer.classify import evaluate_classifier_run, print_classification
-
-        if args.task or args.data:
-            raise EmberError(f"{args.run} is an image classifier: evaluate it on --split train, val or test")
-        print_classification(evaluate_classifier_run(args.run, args.ckpt, args.split or ["test"]))
-        return 0
 
     if args.task:
         if args.data or args.split:
@@ -743,27 +732,20 @@ def cmd_data_prepare(args) -> int:
 @verb(
     "data stats",
     "print a prepared directory's manifest, or an image source's splits, as tables",
-    "Print what a prepared data directory holds: sources, cleaning, tokenizer, splits. Checks shard "
-    "headers and the tokenizer hash. Given an image source (embedded:digits, mnist:DIR, ...) or a config "
-    "that names one: each split's count, shape, dtype, value range and class balance, and the "
-    "per-channel mean and std of train.",
+    "Print what a prepared data directory holds (sources, cleaning, tokenizer, splits; shard headers and the "
+    "tokenizer hash checked), or an image source's (embedded:digits, mnist:DIR, ...; or a config's): each "
+    "split's count, shape, dtype, value range and class balance, and train's per-channel mean and std.",
     arg("dir", metavar="DIR", help="a directory from `ember data prepare`, a config, or an image source"),
     arg("--verify", action="store_true", help="also re-hash every shard against the manifest"),
     arg("--json", action="store_true", help="print the manifest as JSON"),
 )
 def cmd_data_stats(args) -> int:
-    from ember.config import load_config
-    from ember.data.images import describe, is_image_source, load_images
+    from ember.data.images import describe_target
     from ember.data.stats import print_manifest, verify
 
-    image = is_image_source(args.dir)  # else a config (a preset's name, a .yaml): its images or data.dir
-    config = not Path(args.dir).is_dir() and (args.dir.endswith((".yaml", ".yml")) or "/" not in args.dir)
-    if image or config:
-        d = DataConfig(sources=[args.dir]) if image else load_config(args.dir, []).data
-        if is_image_source(d.sources[0]):
-            print(describe(load_images(d.sources[0], d.val_fraction, d.test_fraction)))
-            return 0
-        args.dir = d.dir
+    if (table := describe_target(args.dir)) is not None:  # an image source, or a config that reads one
+        print(table)
+        return 0
     manifest = verify(args.dir, check_sha256=args.verify)
     if args.json:
         print(json.dumps(manifest, indent=2))
@@ -775,11 +757,8 @@ def cmd_data_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="ember",
-        description="ember: a hackable, PyTorch-native lab for small GPT-style language models.",
-        epilog="Run `ember VERB --help` for the options of each verb.",
-    )
+    parser = _Parser(prog="ember", epilog="Run `ember VERB --help` for the options of each verb.",
+                     description="ember: a hackable, PyTorch-native lab for small GPT-style language models.")  # fmt: skip # noqa: E501
     parser.add_argument("--version", action="version", version=f"ember {ember.__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
     actions = {}  # noun -> its subparsers

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ember.config import DataConfig, load_config
 from ember.errors import DataError
 
 FORMS = ("embedded:digits", "mnist:DIR", "cifar10:DIR", "imagefolder:DIR")
@@ -440,6 +441,19 @@ class ImageLoader:
 
 
 # ---- the Day-2 check ---------------------------------------------------------------------------
+
+
+def describe_target(target: str) -> str | None:
+    """What ``ember data stats TARGET`` prints of images: ``describe`` of TARGET, an image source,
+    or of the one a config (a preset's name, a .yaml) reads; None for anything else (a data dir)."""
+    data = DataConfig(sources=[target])
+    if not is_image_source(target):
+        if Path(target).is_dir() or not (target.endswith((".yaml", ".yml")) or "/" not in target):
+            return None
+        data = load_config(target, []).data
+    if not is_image_source(data.sources[0]):
+        return None
+    return describe(load_images(data.sources[0], data.val_fraction, data.test_fraction))
 
 
 def describe(splits: ImageSplits) -> str:

@@ -40,9 +40,10 @@ from ember.data.masking import IGNORE, mask_id, mask_tokens, seeded
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
+from ember.infer.classify import evaluate_classifier_run, print_classification
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
-from ember.run import load_run, record_eval
+from ember.run import load_run, model_kind, record_eval
 from ember.stats import wilson_interval
 
 SPLITS = ("train", "val", "test")  # train: to compare like with like (use --max-windows)
@@ -255,8 +256,13 @@ def evaluate_run(
     stride: int | None = None,
 ) -> dict:
     """Evaluate on ``splits`` of the run's data (default ``val`` unless ``sources`` are given)
-    and on each source; update ``RUN/eval.json``; returns {dataset label: metrics}."""
+    and on each source; update ``RUN/eval.json``; returns {dataset label: metrics}. An image
+    classifier's run is scored on its image splits (``ember.infer.classify``)."""
     run_dir = Path(run_dir)
+    if model_kind(run_dir) != "gpt":
+        if sources:
+            raise EmberError(f"{run_dir} is an image classifier: evaluate it on --split train, val or test")
+        return evaluate_classifier_run(run_dir, ckpt, splits or ["val"])
     model, tokenizer = load_run(run_dir, ckpt)
     try:
         config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
@@ -396,6 +402,8 @@ def print_results(results: dict, title: str, run_dir: Path) -> None:
     """``evaluate_run``'s results as a table, a row per dataset and per stratum, with the notes."""
     if "masked_accuracy" in next(iter(results.values())):
         return print_masked(results, title, run_dir)
+    if "confusion" in next(iter(results.values())):
+        return print_classification(results)
     from rich.console import Console
     from rich.table import Column, Table
     from rich.text import Text
