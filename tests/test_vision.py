@@ -20,6 +20,7 @@ from ember.cli import main
 from ember.config import load_config
 from ember.errors import ConfigError, EmberError
 from ember.run import load_run, read_metrics
+from ember.train.layout import check_layout
 from ember.train.trainer import Trainer, train
 
 # (find_spec, not importorskip: importing scikit-learn costs every collecting worker 1.5 s)
@@ -187,6 +188,14 @@ def test_sgd_and_muon_train_a_classifier(tmp_path, optimizer):
 def test_refusals_name_the_fix(tmp_path, overrides, match):
     with pytest.raises(EmberError, match=match):
         Trainer(digits(tmp_path, *overrides))
+
+
+def test_no_shards_and_no_model_parallel_for_images(tmp_path):
+    r = ember("data", "prepare", "digits")
+    assert r.returncode == 2 and "images need no preparation" in r.stderr
+    for layout in ("parallel.tp=2", "parallel.pp=2"):
+        with pytest.raises(ConfigError, match="one device or data parallel"):
+            check_layout(digits(tmp_path, layout), 2)
 
 
 def test_a_language_task_refuses_a_classifier(tiny_cfg):

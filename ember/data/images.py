@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ember.config import DataConfig, load_config
+from ember.data.sources import is_image_source
 from ember.errors import DataError
 
 FORMS = ("embedded:digits", "mnist:DIR", "cifar10:DIR", "imagefolder:DIR")
@@ -53,12 +54,6 @@ MNIST_FILES = (
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
 Pair = tuple[Tensor, Tensor]
-
-
-def is_image_source(spec: str) -> bool:
-    """True for the four image forms (a malformed DIR is load_images's to report)."""
-    prefix, _, _ = spec.partition(":")
-    return spec == "embedded:digits" or prefix in ("mnist", "cifar10", "imagefolder")
 
 
 @dataclass(frozen=True)

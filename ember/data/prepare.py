@@ -41,7 +41,7 @@ from ember.data.clean import Cleaner, content_digest
 from ember.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER, read_manifest, write_manifest
 from ember.data.prefetch import Prefetcher
 from ember.data.shards import ShardSplitWriter, token_dtype
-from ember.data.sources import Source, open_source, tests_available
+from ember.data.sources import Source, is_image_source, open_source, tests_available
 from ember.data.splits import SplitPlan, plan_splits
 from ember.data.tokenizer import Tokenizer
 from ember.errors import DataError
@@ -156,6 +156,8 @@ def prepare(
 ) -> PrepareResult:
     """Prepare ``cfg.data`` into ``cfg.data.dir`` (see module docstring)."""
     data_cfg = cfg.data
+    if any(map(is_image_source, data_cfg.sources)):  # (train.task=classify reads them itself)
+        raise DataError(f"{', '.join(data_cfg.sources)}: images need no preparation; `ember train` reads them as they are, `ember data stats` describes them")  # fmt: skip # noqa: E501
     target = Path(data_cfg.dir)
     sources = [open_source(spec, data_cfg) for spec in data_cfg.sources]  # fails fast on missing paths
     test_sources = [open_source(spec, data_cfg) for spec in _test_specs(data_cfg, log)]

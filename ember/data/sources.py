@@ -85,6 +85,13 @@ class SourceStats:
         self.bytes += len(raw)
 
 
+def is_image_source(spec: str) -> bool:
+    """True for the four image forms (ember/data/images.py reads them; a malformed DIR is its
+    to report): here, beside the text sources, so that what reads text can refuse them cheaply."""
+    prefix, _, _ = spec.partition(":")
+    return spec == "embedded:digits" or prefix in ("mnist", "cifar10", "imagefolder")
+
+
 def _decode(raw: bytes, stats: SourceStats) -> str:
     try:
         return raw.decode("utf-8")

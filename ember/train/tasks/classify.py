@@ -54,6 +54,8 @@ class ClassifyTask(Task):
     @classmethod
     def check_layout(cls, cfg, world_size: int, dp: int) -> None:
         t = cfg.train
+        if cfg.parallel.tp > 1 or cfg.parallel.pp > 1:
+            raise ConfigError("train.task=classify runs on one device or data parallel (DDP, FSDP2): set parallel.tp=1 and parallel.pp=1")  # fmt: skip # noqa: E501
         if cfg.model.kind == "gpt":
             raise ConfigError(
                 "train.task=classify trains an image classifier: set model.kind=mlp, cnn or vit"
