@@ -228,6 +228,7 @@ class Trainer:
         task = task_class(t.task)
         self.tokenizer = self.tokenizer_file = self.tokenizer_sha = None  # (an image task has none)
         self.model_cfg, known = task.start(self)  # the tokenizer, and the model config resolved by it
+        self.units = ("tokens", "tok") if task.tokens else ("images", "img")  # what a step counts
         layout = check_layout(cfg, env.world_size, self.model_cfg)
         self.global_rows, self.grad_accum = layout.rows, layout.grad_accum
         if t.log_dynamics and (env.distributed and (cfg.parallel.data == "fsdp" or env.tp > 1 or env.pp > 1) or t.compile):  # fmt: skip # noqa: E501
@@ -411,11 +412,10 @@ class Trainer:
         if self.done:  # a larger budget needs train.resume_allow_changes=true
             print0(f"{self.run_dir} spent its budget at step {self.step}: nothing to do")
             return json.loads((self.run_dir / "summary.json").read_text())
-        unit = "tokens" if self.task.tokens else "images"
         print0(
             f"training {self.n_params / 1e6:.2f}M parameters on {env.world_size} × {env.device.type}, "
-            f"{t.batch_tokens:,} {unit}/step ({self.grad_accum} micro-steps of {t.micro_batch}×{t.seq_len} "
-            f"per rank) → {self.run_dir}"
+            f"{t.batch_tokens:,} {self.units[0]}/step ({self.grad_accum} micro-steps of "
+            f"{t.micro_batch}×{t.seq_len} per rank) → {self.run_dir}"
         )
         bar = ProgressBar(env.is_main)
         start = time.perf_counter()
@@ -599,7 +599,7 @@ class Trainer:
             print0(
                 f"step {self.step:6d} | loss {last['loss']:.4f} | lr {lr:.2e} "
                 f"| grad {last['grad_norm']:.2f} | "
-                f"{last['tokens_per_s']:,.0f} {'tok' if self.task.tokens else 'img'}/s | "
+                f"{last['tokens_per_s']:,.0f} {self.units[1]}/s | "
                 f"{100 * progress:5.1f}% | eta {eta:6.0f}s"
             )
         return last
@@ -762,8 +762,8 @@ class Trainer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             if self.cfg.train.report:  # (matplotlib's import and the plots: most of a tiny run's end)
                 self._write_report()
-        unit = "tokens" if self.task.tokens else "images"
-        print0(f"done: step {self.step}, {self.tokens:,} {unit}; weights in {self.run_dir / 'model'}")
+        done = f"done: step {self.step}, {self.tokens:,} {self.units[0]}"
+        print0(f"{done}; weights in {self.run_dir / 'model'}")
 
 
 @contextlib.contextmanager
