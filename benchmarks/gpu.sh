@@ -2,22 +2,30 @@
 # The checks and benchmarks that wait for a GPU, ready for one lent machine (its image has
 # torch + CUDA, transformers and peft, and it cannot download; ember itself comes by PYTHONPATH):
 #
-#   bash benchmarks/gpu.sh env analyze decode     # there: one call (<= 8 min)
-#   bash benchmarks/gpu.sh lora plan              # a second call (<= 9 min)
-#   bash benchmarks/gpu.sh parallel               # a third (<= 5 min)
-#   bash benchmarks/gpu.sh env kernels kernels-train    # issue 28 (<= 9 min; carry .gpu, below)
-#   bash benchmarks/gpu.sh all                    # issue 29: env train decode serve (<= 9 min)
+# A session lent a GPU has 15 minutes of device time in all, the machine's start (1-2 min)
+# included, and a warm machine goes back 30 s after a call: two calls back to back, then
+# give_back. In order of what is still unmeasured (carry .gpu: Liger-Kernel, below):
+#
+#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env train decode serve (<= 9 min)
+#   DEADLINE=250 bash benchmarks/gpu.sh kernels     # 2nd call at once, issue 28 (<= 4 min)
+#
+# (`all`'s train stage holds issue 28's train.kernels row: ember against ember-triton, tokens/s
+# and peak memory in one script; `kernels-train` is the same through the CLI.)
+#
+# and in a later lease: `levers` (issue 29's levers one by one, and llama-small), `analyze`,
+# `lora`, `plan`, `parallel` (earlier issues' GPU checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
-# limit (below), so each call above stays inside the device's 10 minutes a command; the script
-# exits 1 if any stage failed.
+# limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
+# so a call stays inside the device's 10 minutes a command with its logs; a stage with under
+# 20 s left is skipped and says so. The script exits 1 if any stage failed or was skipped.
 #   env       nvidia-smi, torch, transformers, peft versions                         (60 s)
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
 #             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3)              (240 s)
+#             graphs against transformers' generate (issue 29 point 3)              (180 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -32,7 +40,10 @@
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
 #   train     benchmarks/gpu_train.py: ember's gpt2-small step against transformers' GPT-2
-#             (eager, compiled), and ember with kernels=triton, muon, fp8 (issue 29 pt 1-2) (150 s)
+#             (eager, compiled), and ember whole-step compiled, kernels=triton, muon, fp8
+#             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (200 s)
+#   levers    gpu_train.py's lever rows: whole-step compile, CUDA graphs, flash and cuDNN
+#             attention; then llama-small against LlamaForCausalLM                       (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
 #             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (150 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
@@ -45,9 +56,21 @@ DEV=${DEV:-cuda}  # (DEV=cpu PY=.venv/bin/python: a dry run of the script's plum
 export PYTHONPATH="$PWD:$PWD/.gpu${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 
+DEADLINE=${DEADLINE:-0}  # > 0: every stage ends by this many seconds after the start (a lease's budget)
+export GPU_SH_T0=${GPU_SH_T0:-$(date +%s)} DEADLINE  # (the start, also for `all`'s inner call)
+
 stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
+    if [ "$DEADLINE" -gt 0 ]; then  # what is left of the whole call, less 10 s to write the logs
+        local left=$((DEADLINE - ($(date +%s) - GPU_SH_T0) - 10))
+        if [ "$left" -lt 20 ]; then
+            echo "== $name: skipped, ${left}s left of DEADLINE=$DEADLINE" | tee -a "$OUT/$name.log"
+            failed=1
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     echo "== $name (limit ${limit}s): $*" | tee -a "$OUT/$name.log"
     local start=$SECONDS
     timeout "$limit" bash -c "$*" >>"$OUT/$name.log" 2>&1
@@ -73,7 +96,7 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 240 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+        stage decode 180 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
             $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 3"
         ;;
     lora)
@@ -91,12 +114,18 @@ for what in "$@"; do
         ;;
     kernels-train)
         for k in torch triton; do
-            stage kernels-train 150 "$PY benchmarks/parallel.py --config ${KCFG:-gpt2-small} --device $DEV \
-                --batch-tokens ${KTOK:-131072} --micro-batch ${KMB:-16} --steps 25 --warmup 10 --layouts single train.kernels=$k"
+            stage kernels-train 150 "$PY benchmarks/parallel.py train.kernels=$k --config ${KCFG:-gpt2-small} \
+                --device $DEV --batch-tokens ${KTOK:-131072} --micro-batch ${KMB:-16} --steps 25 --warmup 10 \
+                --layouts single"
         done
         ;;
     train)
-        stage train 150 "$PY benchmarks/gpu_train.py --device $DEV"
+        stage train 200 "$PY benchmarks/gpu_train.py --device $DEV"
+        ;;
+    levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
+        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-whole \
+            ember-graphs ember-whole-graphs ember-flash ember-cudnn && \
+            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-whole"
         ;;
     serve)
         stage serve 150 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
@@ -104,7 +133,8 @@ for what in "$@"; do
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256]"
         ;;
     all)  # issue 29 in one call: env, train, decode, serve (<= 9 min together)
-        "$0" env train decode serve || failed=1
+        [ "$DEADLINE" -gt 0 ] || DEADLINE=540
+        DEADLINE=$DEADLINE "$0" env train decode serve || failed=1
         ;;
     *)
         echo "unknown stage $what: env analyze decode lora plan parallel kernels kernels-train train serve all" >&2

@@ -1,25 +1,32 @@
-"""One GPU's training step: ember's trainer against transformers' GPT-2, same batch, one script.
+"""One GPU's training step: ember's trainer against transformers' model, same batch, one script.
 
     python benchmarks/gpu_train.py                          # CUDA: gpt2-small, 16 × 1024, bf16
     python benchmarks/gpu_train.py --rows ember ember-muon  # some rows only
+    python benchmarks/gpu_train.py --model llama-small      # GQA, RoPE, SwiGLU (LlamaForCausalLM)
     .venv/bin/python benchmarks/gpu_train.py --device cpu   # a tiny-shape dry run of every row
 
 Rows (tokens/s, MFU against 989 TFLOP/s, the H100/H200 dense bf16 peak, whatever the card):
 
-- ``hf-eager``, ``hf-compiled``: ``GPT2LMHeadModel`` (SDPA attention) holding ember's initial
-  weights (``to_hf``), bf16 autocast, loss as ``LMTask.loss``, clip 1.0, fused AdamW: the step a
-  transformers user writes; compiled is ``torch.compile`` of the whole model.
-- ``ember``: the gpt2-small preset's own step (``Trainer.train_step``: per-block compile, bf16,
+- ``hf-eager``, ``hf-compiled``: ``GPT2LMHeadModel`` (or ``LlamaForCausalLM``; SDPA attention)
+  holding ember's initial weights (``to_hf``), bf16 autocast, loss as ``LMTask.loss``, clip 1.0,
+  fused AdamW: the step a transformers user writes; compiled is ``torch.compile`` of the model.
+- ``ember``: the preset's own step (``Trainer.train_step``: per-block compile, bf16,
   clip, the non-finite guard on the device, fused AdamW) on the same batch; ``ember-triton``
   (``train.kernels=triton``: ember's norms, RoPE, attention and the fused linear + loss),
   ``ember-muon`` (``train.optimizer=muon``: batched bf16 Newton–Schulz), ``ember-fp8`` and
   ``ember-fp8-rowwise`` (``train.precision=fp8``: torchao float8 block linears). A row that
   cannot run on this machine says why (its ConfigError) instead of a number.
+- issue 29's levers, each one change from ``ember``: ``ember-whole`` (``train.compile_scope=model``:
+  forward and loss in one graph, so the fp32 cast of the logits fuses into the cross-entropy),
+  ``ember-graphs`` and ``ember-whole-graphs`` (``train.compile_mode=reduce-overhead``: CUDA
+  graphs), ``ember-flash`` and ``ember-cudnn`` (``train.sdpa``: one attention backend). Not in
+  the default rows: name them (``--rows``).
 
 Each row: ``--warmup`` steps (compilation), then ``--steps`` steps timed between two
-``torch.cuda.synchronize()`` calls; tokens/s = steps × B × T / seconds. The ember rows step
-through ``train_step`` with the guard on the device (as ``Trainer.run`` does), so their loop
-never waits for the GPU between steps. With ``--device cpu`` the shapes shrink (2 layers,
+``torch.cuda.synchronize()`` calls; tokens/s = steps × B × T / seconds; peak GiB is the caching
+allocator's peak over the row (``ember`` against ``ember-triton``: issue 28's train.kernels row).
+The ember rows step through ``train_step`` with the guard on the device (as ``Trainer.run``
+does), so their loop never waits for the GPU between steps. With ``--device cpu`` the shapes shrink (2 layers,
 d_model 64, 4 × 32 tokens, fp32, no compile) and the tiny corpus supplies the tokenizer: it
 checks that every row builds and steps, not speed.
 """
@@ -50,16 +57,23 @@ ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
     "ember-muon": ["train.optimizer=muon"],
     "ember-fp8": ["train.precision=fp8"],
     "ember-fp8-rowwise": ["train.precision=fp8-rowwise"],
+    # issue 29's levers, each against "ember" (per-block compile, SDPA's own choice of backend):
+    "ember-whole": ["train.compile_scope=model"],  # one graph of forward + loss: the CE fused in
+    "ember-graphs": ["train.compile_mode=reduce-overhead"],  # per-block CUDA graphs
+    "ember-whole-graphs": ["train.compile_scope=model", "train.compile_mode=reduce-overhead"],
+    "ember-flash": ["train.sdpa=flash"],
+    "ember-cudnn": ["train.sdpa=cudnn"],
 }
+DEFAULT = ["hf-eager", "hf-compiled", "ember", "ember-whole", "ember-triton", "ember-muon", "ember-fp8"]
 CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_size=512",
        "model.max_seq_len=32", "train.precision=fp32", "train.compile=false"]  # fmt: skip
 
 
 def config(args, overrides: list[str]):
-    """gpt2-small at one micro-batch of ``--batch`` rows (no accumulation), or its CPU shrink."""
+    """``--model`` at one micro-batch of ``--batch`` rows (no accumulation), or its CPU shrink."""
     shape = [f"train.seq_len={args.seq_len}", f"train.micro_batch={args.batch}", "train.max_steps=1000000",
              f"train.batch_tokens={args.batch * args.seq_len}", f"train.device={args.device}"]  # fmt: skip
-    cfg = load_config("gpt2-small", [*shape, *(CPU if args.device == "cpu" else []), *overrides])
+    cfg = load_config(args.model, [*shape, *(CPU if args.device == "cpu" else []), *overrides])
     if args.device == "cpu":
         cfg = replace(cfg, data=load_config("tiny").data)  # a corpus prepared in seconds
     try:
@@ -119,7 +133,8 @@ def hf_row(args, compiled: bool, x, y) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--model", default="gpt2-small", choices=("gpt2-small", "llama-small"))
+    parser.add_argument("--rows", nargs="+", default=DEFAULT, choices=list(ROWS), help=f"default: {' '.join(DEFAULT)}")  # fmt: skip # noqa: E501
     parser.add_argument("--batch", type=int, default=None, help="rows per step (cuda 16, cpu 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="(cuda 1024, cpu 32)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (cuda 20, cpu 2)")
@@ -131,14 +146,18 @@ def main() -> None:
             setattr(args, key, on_cuda if cuda else on_cpu)
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name() if cuda else cpu_model()
-    print(f"gpt2-small{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}, "
+    print(f"{args.model}{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}, "
           f"{args.steps} steps after {args.warmup}; torch {torch.__version__}")  # fmt: skip
     vocab = config(args, []).model.vocab_size
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, vocab, (args.batch, args.seq_len), generator=g) for _ in range(2))
     x, y = x.to(args.device), y.to(args.device)
     flops_per_token, results = None, {}
+    peaks = {}  # row: the caching allocator's peak over the row (CUDA)
     for row in args.rows:
+        began = time.perf_counter()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         try:
             if ROWS[row] is None:
                 results[row], flops_per_token = hf_row(args, row == "hf-compiled", x, y)
@@ -146,19 +165,31 @@ def main() -> None:
                 results[row], flops_per_token = ember_row(args, ROWS[row], x, y)
         except EmberError as e:  # a lever this machine cannot run: say why
             results[row] = f"refused: {e}"
-        print(row, results[row], flush=True)
+        except Exception as e:  # noqa: BLE001 -- a row that breaks is a finding; the next rows still run
+            results[row] = f"failed: {type(e).__name__}: {e}"
+        took = f"(the row took {time.perf_counter() - began:.0f} s with its compilation)"
+        if isinstance(results[row], float):  # as it comes, so a stage cut at its limit keeps it
+            tps = args.batch * args.seq_len / results[row]
+            mfu = f", MFU {100 * flops_per_token * tps / PEAK_FLOPS:.1f}%" if cuda else ""
+            peaks[row] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            peak = f", peak {peaks[row]:.1f} GiB" if cuda else ""
+            print(f"{row}: {tps:,.0f} tokens/s{mfu}{peak} {took}", flush=True)
+        else:
+            print(f"{row}: {results[row]} {took}", flush=True)
         if cuda:
             torch.cuda.empty_cache()
     base = next((results[k] for k in ("hf-compiled", "hf-eager") if isinstance(results.get(k), float)), None)
     table = []
     for row, s in results.items():
         if isinstance(s, str):
-            table.append([row, s[:110], "", "", ""])
+            table.append([row, s[:110], "", "", "", ""])
             continue
         tps = args.batch * args.seq_len / s
         mfu = f"{100 * flops_per_token * tps / PEAK_FLOPS:.1f}%" if cuda else ""
-        table.append([row, f"{tps:,.0f}", f"{s * 1e3:.1f}", mfu, f"{base / s:.2f}x" if base else ""])
-    print_table(["row", "tokens/s", "ms/step", "MFU of 989 TFLOP/s", "vs hf (compiled if run)"], table)
+        peak = f"{peaks[row]:.1f}" if peaks.get(row) is not None else ""
+        table.append([row, f"{tps:,.0f}", f"{s * 1e3:.1f}", mfu, peak, f"{base / s:.2f}x" if base else ""])
+    heads = ["row", "tokens/s", "ms/step", "MFU of 989 TFLOP/s", "peak GiB", "vs hf (compiled if run)"]
+    print_table(heads, table)
 
 
 if __name__ == "__main__":

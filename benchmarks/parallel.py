@@ -114,6 +114,8 @@ def main() -> None:
         tok, mem = f"{r['tokens_per_s']:,.0f}", f"{r['peak_mem_mb']:,.0f}"
         rows.append([r["name"], str(r["ranks"]), tok, vs, mem, mfu])
     print_table(["layout", "ranks", "tokens/s", "vs single", "rank-0 peak MiB", "MFU"], rows)
+    if any("error" in r for r in results):
+        sys.exit(1)  # (the table above says which layout, and why)
 
 
 if __name__ == "__main__":

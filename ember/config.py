@@ -241,7 +241,10 @@ class TrainConfig(_Section, key="train"):
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
     precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler; fp8(-rowwise): torchao float8 block linears (CUDA sm89+)", choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"))  # fmt: skip # noqa: E501
-    compile: bool = opt(False, "torch.compile each block")
+    compile: bool = opt(False, "torch.compile each block, or the whole step (compile_scope)")
+    compile_scope: str = opt("block", "model: one graph of forward and loss (one device)", choices=("block", "model"))  # fmt: skip # noqa: E501
+    compile_mode: str = opt("default", "reduce-overhead: CUDA graphs", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"))  # fmt: skip # noqa: E501
+    sdpa: str = opt("auto", "PyTorch's attention backend: flash, cudnn, efficient (CUDA), math", choices=("auto", "flash", "cudnn", "efficient", "math"))  # fmt: skip # noqa: E501
     kernels: str = opt("torch", "triton: ember.kernels (norm, RoPE, attn, CE)", choices=("torch", "triton"))
     activation_checkpointing: bool = opt(False, "recompute block activations in backward")
     deterministic: bool = opt(False, "deterministic algorithms, cuBLAS workspace, seeds")

@@ -244,6 +244,8 @@ CASES = [
     (["train", *T, "model.n_layer=1000", "model.d_model=65536"], "this machine's"),
     (["train", *T, "train.max_steps=0", "train.max_time=-1"], "train.max_time"),
     (["train", *T, "train.task=nosuchtask"], "nosuchtask"),
+    (["train", *T, "train.sdpa=cudnn"], "train.sdpa=cudnn picks a backend of PyTorch's attention: CUDA only"),
+    (["train", *T, "--nproc", "2", "train.compile=true", "train.compile_scope=model"], "compile_scope=block"),
     (["train", *T, "train.task=grpo"], "grpo needs grpo.data"),
     (["train", *T, "train.task=rm"], "model.head=score"),
     (["train", *T, "--nproc", "2", "parallel.tp=3"], "parallel.tp"),

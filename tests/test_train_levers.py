@@ -4,7 +4,9 @@
   (``trainer.to_host``), with the non-finite guard acting on the device, and trains the same
   bits as the guard read on the host every step;
 - Muon's Newton–Schulz batched across same-shape matrices equals the per-matrix chain;
-- ``train.precision=fp8`` is refused before any work where it cannot run (here: a CPU).
+- ``train.precision=fp8`` is refused before any work where it cannot run (here: a CPU);
+- ``train.compile_scope=model`` (one graph of forward and loss) and ``train.sdpa`` (one
+  attention backend) train the losses of the plain path.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ember.train.trainer as trainer_module
 from ember.config import load_config
 from ember.errors import ConfigError
 from ember.run import read_metrics
+from ember.train.layout import check_layout
 from ember.train.optim import Muon, orthogonalize, orthogonalize_all
 from ember.train.start import check_fp8, fp8_filter
 from ember.train.trainer import NonFiniteError, Trainer
@@ -202,3 +205,57 @@ def test_fp8_converts_only_block_linears():
     linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert chosen and chosen < linears
     assert all(name.startswith("layers.") for name in chosen)  # never the head: its loss is fused
+
+
+def _losses(trainer) -> list[float]:
+    return [r["loss"] for r in _steps(trainer)]
+
+
+@pytest.mark.slow
+def test_whole_step_compile_matches_eager(tiny_cfg):
+    """``train.compile_scope=model``: the task's forward and loss in one dynamo graph (no break,
+    no compiled blocks), losses within 1e-4 of eager; ``compile_mode=reduce-overhead`` takes the
+    same path (its CUDA graphs are inductor's to skip on a CPU)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import counters
+
+    eager = _train(tiny_cfg, "adamw-fused", name="eager")
+    torch._dynamo.reset()
+    counters.clear()
+    whole = ("train.compile=true", "train.compile_scope=model", "train.compile_mode=reduce-overhead")
+    compiled = _train(tiny_cfg, "adamw-fused", *whole, name="whole")
+    assert not any(isinstance(b, OptimizedModule) for b in compiled.model.layers.values())
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+    assert _losses(compiled) == pytest.approx(_losses(eager), rel=1e-4)
+    with pytest.raises(ConfigError, match="compile_scope=model compiles the whole step on one device"):
+        check_layout(tiny_cfg(*whole), world_size=2)
+
+
+def test_sdpa_backend_is_chosen_and_refused_where_it_cannot_run(tiny_cfg):
+    """``train.sdpa``: math and flash (PyTorch has both on a CPU) train the same losses as auto
+    within 1e-5 in fp32, and the math backend alone is allowed in a step's forward (evaluation
+    keeps auto); cudnn and
+    efficient are CUDA's, refused before any work, as is any choice beside ember's own kernels."""
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        if torch.is_grad_enabled():  # a training step's forward, not the evaluation at the end
+            b = torch.backends.cuda
+            seen.append(b.math_sdp_enabled() and not b.flash_sdp_enabled())
+        return real(*a, **k)
+
+    auto = _losses(_train(tiny_cfg, "adamw-fused", name="auto"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        math_losses = _losses(_train(tiny_cfg, "adamw-fused", "train.sdpa=math", name="math"))
+    assert seen and all(seen), "the math backend was not the only one enabled in the forward"
+    assert math_losses == pytest.approx(auto, rel=1e-5)
+    flash = _losses(_train(tiny_cfg, "adamw-fused", "train.sdpa=flash", name="flash"))
+    assert flash == pytest.approx(auto, rel=1e-5)
+    for bad in ("train.sdpa=cudnn", "train.sdpa=efficient"):
+        with pytest.raises(ConfigError, match=r"train.sdpa=\w+ picks a backend of PyTorch's attention: CUDA"):
+            Trainer(tiny_cfg(bad, "run.name=refused"))
+    with pytest.raises(ConfigError, match="train.kernels=torch only"):
+        Trainer(tiny_cfg("train.sdpa=math", "train.kernels=triton", "run.name=refused"))
+    assert not (Path(tiny_cfg().run.out_dir) / "refused").exists()

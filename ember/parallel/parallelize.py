@@ -108,13 +108,19 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=True)
 
 
-def apply_compile(model: torch.nn.Module) -> None:
+def compile_mode(mode: str) -> str | None:
+    """``train.compile_mode`` as ``torch.compile`` takes it."""
+    return None if mode == "default" else mode
+
+
+def apply_compile(model: torch.nn.Module, mode: str = "default") -> None:
     """Each block under ``torch.compile`` for training's forward and backward (fixed shapes, no
-    cache). A forward with a KV cache (GRPO's rollouts, the shared prefix, evaluation by
-    generation) runs the blocks eagerly (``GPT.forward``): its shapes and the cache's state change
-    every call, and each would be a recompilation, past dynamo's limit within one rollout."""
+    cache; ``train.compile_scope=model`` compiles the trainer's whole step instead). A forward
+    with a KV cache (GRPO's rollouts, the shared prefix, evaluation by generation) runs the blocks
+    eagerly (``GPT.forward``): its shapes and the cache's state change every call, and each would
+    be a recompilation, past dynamo's limit within one rollout."""
     for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block, fullgraph=True)
+        model.layers[name] = torch.compile(block, fullgraph=True, mode=compile_mode(mode))
     model.compiled_blocks = True
 
 
@@ -156,8 +162,8 @@ def apply_layout(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
         apply_ep(model, env.dp_mesh)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if cfg.train.compile:
-        apply_compile(model)
+    if cfg.train.compile and cfg.train.compile_scope == "block":
+        apply_compile(model, cfg.train.compile_mode)
     if env.dp_size > 1:
         if cfg.parallel.data == "fsdp":
             return apply_fsdp(model, env.dp_mesh, cfg.train.precision)  # a 2-D dp_mesh: HSDP

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -54,6 +55,7 @@ from pathlib import Path
 import torch
 import yaml
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 import ember
@@ -68,7 +70,7 @@ from ember.kernels import triton_ready
 from ember.model.lora import merge_lora
 from ember.model.vision import build_model
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
-from ember.parallel.parallelize import parallelize, unwrap
+from ember.parallel.parallelize import compile_mode, parallelize, unwrap
 from ember.parallel.pipeline import pipeline_grad_norm
 from ember.report.report import write_report
 from ember.run import export_weights, latest_checkpoint
@@ -90,6 +92,8 @@ from ember.train.tasks import task_class
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AUTOCAST |= dict.fromkeys(FP8_RECIPES, torch.bfloat16)  # float8 block linears, the rest in bf16
+SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+SDPA["math"] = "MATH"  # train.sdpa: the names of torch.nn.attention.SDPBackend
 
 
 # On resume the config must equal the run's, but for where the run lives, computes and logs
@@ -261,6 +265,8 @@ class Trainer:
             if not ready:
                 raise ConfigError(f"train.kernels=triton: {why}; use train.kernels=torch")
             model.set_kernels("triton")
+        if t.sdpa != "auto" and (t.kernels == "triton" or t.sdpa in ("cudnn", "efficient") and env.device.type != "cuda"):  # fmt: skip # noqa: E501
+            raise ConfigError(f"train.sdpa={t.sdpa} picks a backend of PyTorch's attention: {'CUDA' if t.kernels == 'torch' else 'train.kernels=torch'} only; set train.sdpa=auto")  # fmt: skip # noqa: E501
         if t.precision in FP8_RECIPES:  # after the kernels: they leave the block linears alone
             apply_fp8(model, t)
         self.frozen = None  # a reference copy of the starting weights, if the task keeps one
@@ -269,6 +275,9 @@ class Trainer:
         self.loss_parallel = contextlib.nullcontext
         if env.tp > 1 and cfg.parallel.loss_parallel:  # forward and backward of the loss on split logits
             self.loss_parallel = loss_parallel
+        self.attention = contextlib.nullcontext  # train.sdpa: the one backend PyTorch's attention may use
+        if t.sdpa != "auto":
+            self.attention = functools.partial(sdpa_kernel, [getattr(SDPBackend, SDPA[t.sdpa])])
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
         dtype = AUTOCAST.get(t.precision)
@@ -276,6 +285,9 @@ class Trainer:
         self.autocast = torch.autocast(env.device.type, dtype=dtype) if dtype and not fsdp_casts else contextlib.nullcontext()  # fmt: skip # noqa: E501
         self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
         self.task, self.loader, self.val_loader = task.build(self, model)
+        self.compiled_loss = None  # train.compile_scope=model: the task's forward + loss in one graph
+        if t.compile and t.compile_scope == "model":
+            self.compiled_loss = torch.compile(self.task.loss, mode=compile_mode(t.compile_mode))
         self._resume()
         # a finished run resumed again: nothing to train, and nothing in its directory changes
         self.done = self.progress(self.elapsed_before) >= 1.0 and (self.run_dir / "summary.json").is_file()
@@ -501,6 +513,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.env.device)
         self.step_metrics = {}
         pipeline = getattr(self.model, "schedule", None) is not None
+        forward_loss = self.compiled_loss or self.task.loss
         if pipeline:  # the schedule runs every micro-batch's forward and backward
             with self.autocast:
                 loss_sum = self.model.train_step(*batch)
@@ -508,8 +521,10 @@ class Trainer:
         for micro in range(0 if pipeline else self.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with self._sync_grads(micro == self.grad_accum - 1), self.loss_parallel():
-                with self.autocast, record_function("ember/forward"):  # (labels for a profiler, if one runs)
-                    loss, info = self.task.loss(self.model, tuple(b[rows] for b in batch))
+                if t.compile_mode == "reduce-overhead":  # the last replay's outputs are done with
+                    torch.compiler.cudagraph_mark_step_begin()
+                with self.autocast, self.attention(), record_function("ember/forward"):  # (profilers' label)
+                    loss, info = forward_loss(self.model, tuple(b[rows] for b in batch))
                     loss = loss / self.grad_accum
                 with record_function("ember/backward"):
                     self.scaler.scale(loss).backward()
