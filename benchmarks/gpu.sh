@@ -43,7 +43,8 @@
 #             (eager, compiled), and ember whole-step compiled, kernels=triton, muon, fp8
 #             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (200 s)
 #   levers    gpu_train.py's lever rows: whole-step compile, CUDA graphs, flash and cuDNN
-#             attention; then llama-small against LlamaForCausalLM                       (300 s)
+#             attention; then llama-small against LlamaForCausalLM; then the micro-batch
+#             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
 #             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (150 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
@@ -125,7 +126,9 @@ for what in "$@"; do
     levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
         stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-whole \
             ember-graphs ember-whole-graphs ember-flash ember-cudnn && \
-            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-whole"
+            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-whole && \
+            $PY -m ember plan gpt2-small train.device=$DEV && \
+            $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-whole"
         ;;
     serve)
         stage serve 150 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \

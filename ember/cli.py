@@ -195,8 +195,7 @@ def cmd_train(args) -> int:
         help="--task: leave out the first K test problems (those a run's own "
         "evaluations used to pick its settings) and answer the next N"),
     CKPT,
-    arg("--seq-len", type=bounded(int, ge=1), default=None,
-        help="window length (default: the run's train.seq_len)"),
+    arg("--seq-len", type=bounded(int, ge=1), default=None, help="window length (default: train.seq_len)"),
     arg("--batch-size", type=bounded(int, ge=1), default=8, help="windows per forward pass (default 8)"),
     arg("--stride", type=bounded(int, ge=1), default=None,
         help="score each window's last STRIDE tokens only, with the rest "
@@ -566,11 +565,12 @@ def cmd_config_keys(args) -> int:
         help="steps of --measure; the last 2 (3 from 5 steps on) tracked (default 4)"),
     arg("--mfu", type=bounded(float, gt=0, le=1), default=0.4,
         help="model FLOPs utilisation for the step time (0.4)"),
-    arg("--peak-tflops", type=bounded(float, gt=0), default=None,
-        help="a rank's peak TFLOP/s (an H100: 989 in bf16)"),
+    arg("--peak-tflops", type=bounded(float, gt=0), help="a rank's peak TFLOP/s (an H100: 989 in bf16)"),
+    arg("--memory", type=bounded(float, gt=0), metavar="GIB",
+        help="also the largest micro-batch whose predicted peak fits in GIB (default: this GPU's)"),
     arg("--json", action="store_true", help="print one JSON object instead of tables"),
     epilog="examples: ember plan cpu-quick | ember plan tiny --nproc 2 parallel.tp=2 --measure | "
-    "ember plan gpt2-small --nproc 8 parallel.data=fsdp --peak-tflops 989",
+    "ember plan gpt2-small --nproc 8 parallel.data=fsdp --peak-tflops 989 --memory 80",
 )
 def cmd_plan(args) -> int:
     from ember.analysis.plan import plan_command
@@ -579,7 +579,7 @@ def cmd_plan(args) -> int:
         raise EmberError(f"--measure --nproc {args.nproc} would start {args.nproc} processes here; "
                          f"at most {LOCAL_RANKS} (4 per CPU core)")  # fmt: skip
     plan_command(args.config, args.overrides, args.nproc, args.measure, args.steps, args.json,
-                 args.peak_tflops, args.mfu, command=_command_line())  # fmt: skip
+                 args.peak_tflops, args.mfu, command=_command_line(), memory_gib=args.memory)  # fmt: skip
     return 0
 
 

@@ -104,11 +104,32 @@ def test_tracker_counts_what_lives_and_frees_what_dies():
 def test_cli_prints_the_plan_and_refuses_an_impossible_layout(tiny_cfg, tmp_path):
     data = tiny_cfg().data.dir
     cmd = [sys.executable, "-m", "ember", "plan", "tiny", f"data.dir={data}", "--nproc", "2", "parallel.tp=2",
-           "--peak-tflops", "1"]  # fmt: skip
+           "--peak-tflops", "1", "--memory", "0.05"]  # fmt: skip
     r = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "predicted bytes per rank" in r.stdout and "FLOPs per step: 2.144e+08" in r.stdout
     assert "s a step" in r.stdout
+    assert "largest micro-batch whose predicted peak fits in 0.05 GiB: train.micro_batch=" in r.stdout
     bad = [sys.executable, "-m", "ember", "plan", "tiny", f"data.dir={data}", "--nproc", "3", "parallel.tp=2"]
     r = subprocess.run(bad, env=_child_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs a multiple of 2 ranks, not 3" in r.stderr
+
+
+def test_the_largest_micro_batch_that_fits_a_memory(tiny_cfg):
+    """``ember plan --memory``: of the micro-batches that keep the global batch (divisors of a
+    rank's rows), the largest whose predicted peak fits; the next larger does not."""
+    cfg = _cfg(tiny_cfg, "tiny", "train.batch_tokens=1536", "train.seq_len=64")  # 24 rows: 8 divisors
+    model_cfg = plan.model_config_for(cfg)
+
+    def peak(rows):
+        trial = _cfg(tiny_cfg, "tiny", "train.batch_tokens=1536", "train.seq_len=64", f"train.micro_batch={rows}")  # fmt: skip # noqa: E501
+        return plan.predict(trial, model_cfg, 1)[0]["peak"]
+
+    sizes = [1, 2, 3, 4, 6, 8, 12, 24]
+    peaks = [peak(rows) for rows in sizes]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)  # grows with the rows
+    for i in (0, 3, 6):  # a budget between two sizes' peaks picks the smaller
+        budget = (peaks[i] + peaks[i + 1]) / 2
+        assert plan.fitting_micro_batch(cfg, model_cfg, 1, budget) == (sizes[i], peaks[i])
+    assert plan.fitting_micro_batch(cfg, model_cfg, 1, peaks[-1]) == (24, peaks[-1])
+    assert plan.fitting_micro_batch(cfg, model_cfg, 1, peaks[0] - 1) is None

@@ -264,6 +264,25 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
     return plans
 
 
+def fitting_micro_batch(cfg, model_cfg, world_size: int, budget: float) -> tuple[int, int] | None:
+    """The largest micro-batch (a divisor of a rank's rows, so the global batch is unchanged) whose
+    predicted peak fits in ``budget`` bytes on every rank, and that peak; None when one row does
+    not fit. The peak grows with the rows, so a binary search over the divisors: a few traces."""
+    dp = check_layout(cfg, world_size, model_cfg).dp
+    per_rank = cfg.train.batch_tokens // cfg.train.seq_len // dp
+    sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    lo, hi, best = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = replace(cfg, train=replace(cfg.train, micro_batch=sizes[mid]))
+        peak = max(r["peak"] for r in predict(trial, model_cfg, world_size))
+        if peak <= budget:
+            best, lo = (sizes[mid], peak), mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 def step_flops(model_cfg, cfg) -> float:
     with torch.device("meta"):
         model = GPT(model_cfg)
@@ -475,9 +494,10 @@ def measure_config(cfg, steps: int = 4, timeline: bool = False) -> list[dict] | 
 
 
 def print_plan(cfg, predicted: list[dict], measured: list[dict] | None, flops: float, config: str,
-               steps: int, peak_tflops: float = 0.0, mfu: float = 0.4) -> None:  # fmt: skip
+               steps: int, peak_tflops: float = 0.0, mfu: float = 0.4, fits=None) -> None:  # fmt: skip
     """What ``ember plan CONFIG`` prints: the layout, the predicted bytes per rank, FLOPs per step
-    (and the step time at ``mfu`` of ``peak_tflops``), and against ``measured`` the ratios."""
+    (and the step time at ``mfu`` of ``peak_tflops``), the micro-batch that ``fits`` a memory,
+    and against ``measured`` the ratios."""
     from rich.console import Console
     from rich.table import Table
 
@@ -500,6 +520,10 @@ def print_plan(cfg, predicted: list[dict], measured: list[dict] | None, flops: f
     if peak_tflops:
         step_s = f"; at {mfu:.0%} MFU of {peak_tflops:g} TFLOP/s per rank: {flops / (mfu * peak_tflops * 1e12 * len(predicted)):.3g} s a step"  # fmt: skip # noqa: E501
     print(f"FLOPs per step: {flops:.3e} (6N + attention, × {t.batch_tokens:,} tokens){step_s}")
+    if fits is not None:
+        gib, found = fits
+        line = f"train.micro_batch={found[0]}, predicted peak {mib(found[1])} MiB" if found else "not one row"
+        print(f"largest micro-batch whose predicted peak fits in {gib:g} GiB: {line}")
     if measured is None:
         return
     table = Table(title=f"predicted vs measured (MiB), the lower of the last two of {steps} steps")
@@ -520,9 +544,11 @@ def print_plan(cfg, predicted: list[dict], measured: list[dict] | None, flops: f
 
 
 def plan_command(config: str, overrides: list[str], nproc: int, measure: bool, steps: int, as_json: bool,
-                 peak_tflops: float | None, mfu: float, command: str | None = None) -> None:  # fmt: skip
+                 peak_tflops: float | None, mfu: float, command: str | None = None,
+                 memory_gib: float | None = None) -> None:  # fmt: skip
     """`ember plan`: predict for ``nproc`` ranks and, with ``measure``, run the steps (a torchrun
-    launch for nproc > 1, whose rank 0 prints its figures as one JSON line that this reads back)."""
+    launch for nproc > 1, whose rank 0 prints its figures as one JSON line that this reads back);
+    the largest micro-batch that fits ``memory_gib`` (default: this GPU's memory, if any)."""
     cfg, ranked = load_config(config, overrides), "LOCAL_RANK" in os.environ
     if not ranked:  # a prediction may be for bigger machines; a measurement runs on this one
         check_size(model_config_for(cfg), nproc, 1 if measure else 64)
@@ -547,7 +573,15 @@ def plan_command(config: str, overrides: list[str], nproc: int, measure: bool, s
                 print(json.dumps({"measured": measured}), flush=True)
             return
     flops = step_flops(model_cfg, cfg)
+    if memory_gib is None and torch.cuda.is_available():
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    fits = None
+    if memory_gib is not None and cfg.parallel.pp == 1:  # (pipelines: the schedule sets the micro-batches)
+        fits = memory_gib, fitting_micro_batch(cfg, model_cfg, nproc, memory_gib * 2**30)
     if as_json:
-        print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops}))
+        found = fits and fits[1]
+        micro = {"memory_gib": fits[0], "micro_batch": found and found[0], "peak": found and found[1]}
+        print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops,
+                          "fits": micro if fits else None}))  # fmt: skip
     else:
-        print_plan(cfg, predicted, measured, flops, config, steps, peak_tflops, mfu)
+        print_plan(cfg, predicted, measured, flops, config, steps, peak_tflops, mfu, fits)
