@@ -128,8 +128,7 @@ def test_the_largest_micro_batch_that_fits_a_memory(tiny_cfg):
     sizes = [1, 2, 3, 4, 6, 8, 12, 24]
     peaks = [peak(rows) for rows in sizes]
     assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)  # grows with the rows
-    for i in (0, 3, 6):  # a budget between two sizes' peaks picks the smaller
-        budget = (peaks[i] + peaks[i + 1]) / 2
-        assert plan.fitting_micro_batch(cfg, model_cfg, 1, budget) == (sizes[i], peaks[i])
+    budget = (peaks[3] + peaks[4]) / 2  # between two sizes' peaks: the smaller
+    assert plan.fitting_micro_batch(cfg, model_cfg, 1, budget) == (sizes[3], peaks[3])
     assert plan.fitting_micro_batch(cfg, model_cfg, 1, peaks[-1]) == (24, peaks[-1])
     assert plan.fitting_micro_batch(cfg, model_cfg, 1, peaks[0] - 1) is None
