@@ -4,7 +4,7 @@
 #
 # A session lent a GPU has 15 minutes of device time in all, the machine's start (1-2 min)
 # included, and a warm machine goes back 30 s after a call: two calls back to back, then
-# give_back. In order of what is still unmeasured (carry .gpu: Liger-Kernel, below):
+# give_back. In order of what is still unmeasured (carry .gpu: Liger-Kernel and torchao, below):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env train decode serve (<= 9 min)
 #   DEADLINE=250 bash benchmarks/gpu.sh kernels     # 2nd call at once, issue 28 (<= 4 min)
@@ -34,8 +34,10 @@
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
 #             lacks it), gpt2-small and llama-small shapes; kernels.json          (300 s)
-#             (here, once: pip download liger-kernel --no-deps -d /tmp/lg &&
-#              unzip -q /tmp/lg/*.whl -d .gpu && echo /.gpu/ >> .git/info/exclude)
+#             (here, once: pip download liger-kernel torchao==0.18.0 --no-deps -d /tmp/lg
+#              --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 &&
+#              for w in /tmp/lg/*.whl; do unzip -qo $w -d .gpu; done && rm -rf .gpu/test &&
+#              echo /.gpu/ >> .git/info/exclude; torchao is train's fp8 rows: the image lacks it)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)

@@ -1,6 +1,7 @@
 """Fused linear + cross-entropy (ember/kernels/cross_entropy.py) against its reference, under
-Triton's interpreter on the CPU: ragged sizes, ignored rows, z-loss, softcap, fp64 gradcheck,
-bf16 autocast, torch.compile, and no (N, V) tensor kept for backward."""
+Triton's interpreter on the CPU (on a CUDA machine, the real kernel on the GPU): ragged sizes,
+ignored rows, z-loss, softcap, fp64 gradcheck, bf16 autocast, torch.compile, and no (N, V)
+tensor kept for backward."""
 
 import pytest
 import torch
@@ -11,14 +12,16 @@ pytest.importorskip("triton", reason="Triton is not installed: the fused cross-e
 
 from ember.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_ref  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _data(n=37, c=24, v=101, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, c, generator=g, dtype=dtype).requires_grad_()
-    w = (torch.randn(v, c, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    x = torch.randn(n, c, generator=g, dtype=dtype).to(DEVICE).requires_grad_()
+    w = (torch.randn(v, c, generator=g, dtype=dtype) * 0.5).to(DEVICE).requires_grad_()
     y = torch.randint(0, v, (n,), generator=g)
     y[[1, n // 2, n - 1]] = -100  # ignored rows, one in the last (partial) chunk
-    return x, w, y
+    return x, w, y.to(DEVICE)
 
 
 def _rel(a, b):
@@ -58,7 +61,7 @@ def test_bf16_autocast():
     """fp32 parameters under bf16 autocast: GEMMs in bf16, softmax in fp32, grads back in fp32.
     Tolerance: bf16's 8-bit mantissa, 2e-2 of the largest entry against the fp32 reference."""
     x, w, y = _data()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         loss = linear_cross_entropy(x, w, y, z_loss=1e-2, softcap=3.0, chunk_rows=16)
         same = linear_cross_entropy_ref(x.bfloat16(), w.bfloat16(), y, z_loss=1e-2, softcap=3.0)
     gx, gw = torch.autograd.grad(loss, (x, w))

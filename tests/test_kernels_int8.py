@@ -1,5 +1,6 @@
 """ember's int8-weight decode ops against their reference: the Triton kernel (under
-TRITON_INTERPRET=1 here) and the C++ one, and QuantLinear's int8 CPU path with them."""
+TRITON_INTERPRET=1 here; on a CUDA machine, on the GPU) and the C++ one, and QuantLinear's int8
+CPU path with them."""
 
 import pytest
 import torch
@@ -12,11 +13,13 @@ from ember.model.quant import FAST_ROWS, QuantLinear, QuantSpec, quantize_int8
 pytest.importorskip("triton")
 from ember.kernels.int8 import int8_linear, int8_linear_ref  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernel's; the C++ op's is the CPU
 
-def _operands(m, k, n, dtype=torch.float32, seed=0):
+
+def _operands(m, k, n, dtype=torch.float32, seed=0, device=DEVICE):
     torch.manual_seed(seed)
     q, s = quantize_int8(torch.randn(n, k))
-    return torch.randn(m, k).to(dtype), q, s
+    return torch.randn(m, k).to(device, dtype), q.to(device), s.to(device)
 
 
 def _rel(y, ref):
@@ -69,7 +72,7 @@ def cpp():
 def test_cpp_int8_linear(cpp, m, k, n):
     from ember.kernels.cpu import int8_linear_cpu
 
-    x, q, s = _operands(m, k, n)
+    x, q, s = _operands(m, k, n, device="cpu")
     y = int8_linear_cpu(x, q, s)
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert _rel(y, int8_linear_ref(x.double(), q, s.double())) < 1e-5  # the whole output, 1e-5 relative

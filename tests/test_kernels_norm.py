@@ -1,5 +1,6 @@
 """The norm, softmax and RoPE kernels against their torch references, forward and backward, on
-ragged shapes, under Triton's interpreter on a CPU (a CUDA machine runs the real kernels).
+ragged shapes, under Triton's interpreter on a CPU; on a CUDA machine the same tests run the real
+kernels on the GPU (``bash benchmarks/gpu.sh kernels``).
 
 Tolerances: fp32 within 1e-5 relative (atol 1e-6 of the reference's largest value); bf16 within
 2e-2, one bf16 step: the interpreter casts fp32 to bf16 by truncation, a GPU rounds to nearest.
@@ -28,6 +29,8 @@ from ember.kernels.rope import rope_qk, rope_qk_ref  # noqa: E402
 from ember.kernels.softmax import softmax, softmax_ref  # noqa: E402
 from ember.model.gpt import RotaryPositions, apply_rotary  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def assert_near(got, want):
     for a, b in zip(got, want, strict=True):
@@ -44,7 +47,7 @@ def outputs_and_grads(fn, inputs):
     outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     gen = torch.Generator().manual_seed(1)
-    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = torch.autograd.grad(loss, wanted, allow_unused=True)
     return [o.detach() for o in outs] + list(grads)
@@ -52,7 +55,7 @@ def outputs_and_grads(fn, inputs):
 
 def leaves(dtype, *shapes):
     gen = torch.Generator().manual_seed(0)
-    return [(torch.randn(s, generator=gen) + 0.5).to(dtype).requires_grad_() for s in shapes]
+    return [(torch.randn(s, generator=gen) + 0.5).to(DEVICE, dtype).requires_grad_() for s in shapes]
 
 
 NORMS = {  # name -> (kernel, reference, whether it takes a bias, a residual)
@@ -87,12 +90,12 @@ def test_norm_without_weight_and_default_eps():
 )
 def test_norm_modules_swap_in(ours, theirs, kwargs):
     torch.manual_seed(0)
-    stock = theirs(24, **kwargs)
+    stock = theirs(24, **kwargs).to(DEVICE)
     nn.init.normal_(stock.weight)  # not all ones, so a dropped weight would show
-    mine = ours(24, **kwargs)
+    mine = ours(24, **kwargs).to(DEVICE)
     mine.load_state_dict(stock.state_dict())
     assert mine.state_dict().keys() == stock.state_dict().keys()
-    x = torch.randn(2, 3, 24)
+    x = torch.randn(2, 3, 24, device=DEVICE)
     torch.testing.assert_close(mine(x), stock(x), rtol=1e-5, atol=1e-6)
 
 
@@ -110,7 +113,7 @@ def test_softmax_long_rows_loop(monkeypatch):
     (x,) = leaves(torch.float32, (3, 37))
     x.data[1, :20] = float("-inf")
     assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))
-    x64 = torch.randn(2, 37, dtype=torch.float64, requires_grad=True)
+    x64 = torch.randn(2, 37, dtype=torch.float64, device=DEVICE, requires_grad=True)
     assert torch.autograd.gradcheck(softmax, (x64,), fast_mode=True)
 
 
@@ -121,7 +124,7 @@ def rope_inputs(dtype, per_row: bool):
     _, (cos, sin) = RotaryPositions(hd, 16, 10_000.0)(None, positions)  # (B, 1, T, 6) or (1, T, 6)
     q, k = leaves(dtype, (B, T, H * hd), (B, T, HK * hd))
     q, k = q.view(B, T, H, hd).transpose(1, 2), k.view(B, T, HK, hd).transpose(1, 2)
-    return [q, k, cos.to(dtype), sin.to(dtype)]
+    return [q, k, cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
