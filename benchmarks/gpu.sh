@@ -7,7 +7,7 @@
 # give_back. In order of what is still unmeasured (carry .gpu: Liger-Kernel and torchao, below):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env train decode serve (<= 9 min)
-#   DEADLINE=250 bash benchmarks/gpu.sh kernels     # 2nd call at once, issue 28 (<= 4 min)
+#   DEADLINE=250 bash benchmarks/gpu.sh kernels-test kernels   # 2nd call at once, issue 28 (<= 4 min)
 #
 # (`all`'s train stage holds issue 28's train.kernels row: ember against ember-triton, tokens/s
 # and peak memory in one script; `kernels-train` is the same through the CLI.)
@@ -31,6 +31,8 @@
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
 #             and the caching allocator's peak                                      (240 s)
 #   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
+#   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py on CUDA: each kernel against
+#             its reference on the GPU itself (the CPU runs them under the interpreter)    (90 s)
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
 #             lacks it), gpt2-small and llama-small shapes; kernels.json          (300 s)
@@ -112,6 +114,10 @@ for what in "$@"; do
         stage parallel 300 "$PY benchmarks/parallel.py --config gpt2-small --device $DEV --batch-tokens 0 \
             --steps 30 --layouts single"
         ;;
+    kernels-test)  # the kernels' own tests, on the GPU: the CPU runs them interpreted
+        stage kernels-test 90 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
+            tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py -k 'not cpp'"
+        ;;
     kernels)
         stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json"
         ;;
@@ -142,7 +148,7 @@ for what in "$@"; do
         DEADLINE=$DEADLINE "$0" env train decode serve || failed=1
         ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel kernels kernels-train train serve all" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train levers serve all" >&2
         exit 2
         ;;
     esac
