@@ -6,7 +6,7 @@
 # included, and a warm machine goes back 30 s after a call: two calls back to back, then
 # give_back. In order of what is still unmeasured (carry .gpu: Liger-Kernel and torchao, below):
 #
-#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env train decode serve (<= 9 min)
+#   bash benchmarks/gpu.sh all            # 1st call, issue 29: env train decode serve fp8-loss (<= 9 min)
 #   DEADLINE=250 bash benchmarks/gpu.sh kernels-test kernels   # 2nd call at once, issue 28 (<= 4 min)
 #
 # (`all`'s train stage holds issue 28's train.kernels row: ember against ember-triton, tokens/s
@@ -25,7 +25,7 @@
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
 #             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3)              (180 s)
+#             graphs against transformers' generate (issue 29 point 3)              (150 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -45,12 +45,14 @@
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
 #   train     benchmarks/gpu_train.py: ember's gpt2-small step against transformers' GPT-2
 #             (eager, compiled), and ember whole-step compiled, kernels=triton, muon, fp8
-#             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (200 s)
+#             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (170 s)
+#   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
+#             same seed and batches; the last 20 steps' mean loss of each (issue 29 pt 2)  (110 s)
 #   levers    gpu_train.py's lever rows: whole-step compile, CUDA graphs, flash and cuDNN
 #             attention; then llama-small against LlamaForCausalLM; then the micro-batch
 #             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (150 s)
+#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (110 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -101,7 +103,7 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 180 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+        stage decode 150 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
             $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 3"
         ;;
     lora)
@@ -129,7 +131,10 @@ for what in "$@"; do
         done
         ;;
     train)
-        stage train 200 "$PY benchmarks/gpu_train.py --device $DEV"
+        stage train 170 "$PY benchmarks/gpu_train.py --device $DEV"
+        ;;
+    fp8-loss)  # issue 29 point 2's other half: the loss after 300 steps within 1% of bf16's
+        stage fp8-loss 110 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
     levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
         stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-whole \
@@ -139,16 +144,16 @@ for what in "$@"; do
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-whole"
         ;;
     serve)
-        stage serve 150 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
+        stage serve 110 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
             --requests 256 --attention gather flex serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256]"
         ;;
-    all)  # issue 29 in one call: env, train, decode, serve (<= 9 min together)
+    all)  # issue 29 in one call: env, train, decode, serve, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
-        DEADLINE=$DEADLINE "$0" env train decode serve || failed=1
+        DEADLINE=$DEADLINE "$0" env train decode serve fp8-loss || failed=1
         ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train levers serve all" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers serve all" >&2
         exit 2
         ;;
     esac

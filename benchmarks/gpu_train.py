@@ -64,7 +64,7 @@ ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
     "ember-flash": ["train.sdpa=flash"],
     "ember-cudnn": ["train.sdpa=cudnn"],
 }
-DEFAULT = ["hf-eager", "hf-compiled", "ember", "ember-whole", "ember-triton", "ember-muon", "ember-fp8"]
+DEFAULT = ["ember", "hf-compiled", "ember-whole", "ember-triton", "ember-fp8", "ember-muon", "hf-eager"]  # by need
 CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_size=512",
        "model.max_seq_len=32", "train.precision=fp32", "train.compile=false"]  # fmt: skip
 
@@ -130,6 +130,35 @@ def hf_row(args, compiled: bool, x, y) -> tuple[float, float]:
     return timed(step, args), flops_per_token
 
 
+def losses_row(args, overrides) -> list[float]:
+    """``--loss-steps`` steps of the config on its own data (the trainer's loader and seed, the
+    schedule of a run that long): each step's loss."""
+    cfg = config(args, [*overrides, f"train.max_steps={args.loss_steps}", "train.warmup_steps=20"])
+    with scratch_trainer(cfg) as trainer:
+        batches = trainer.loader.iterate()
+        losses = torch.stack([trainer.advance(batches)[0] for _ in range(args.loss_steps)])
+        return losses.float().tolist()
+
+
+def compare_losses(args) -> None:
+    """Issue 29's fp8 bar: the mean loss of the last 20 of ``--loss-steps`` steps against the
+    first row's (bf16, ``ember``), same seed and batches."""
+    base = None
+    for row in args.rows:
+        if ROWS[row] is None:
+            print(f"{row}: --loss-steps compares ember's rows", flush=True)
+            continue
+        try:
+            losses = losses_row(args, ROWS[row])
+        except EmberError as e:
+            print(f"{row}: refused: {e}", flush=True)
+            continue
+        tail = sum(losses[-20:]) / len(losses[-20:])
+        base = tail if base is None else base
+        print(f"{row}: loss {losses[0]:.4f} -> {tail:.4f} (mean of the last 20 of {len(losses)} steps), "
+              f"{100 * (tail / base - 1):+.2f}% against {args.rows[0]}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -139,6 +168,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="(cuda 1024, cpu 32)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (cuda 20, cpu 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (cuda 5, cpu 1)")
+    parser.add_argument("--loss-steps", type=int, default=0,
+                        help="instead: train the rows this many steps on real data, compare the final losses")
     args = parser.parse_args()
     cuda = args.device == "cuda"
     for key, on_cuda, on_cpu in (("batch", 16, 4), ("seq_len", 1024, 32), ("steps", 20, 2), ("warmup", 5, 1)):
@@ -148,6 +179,8 @@ def main() -> None:
     name = torch.cuda.get_device_name() if cuda else cpu_model()
     print(f"{args.model}{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}, "
           f"{args.steps} steps after {args.warmup}; torch {torch.__version__}")  # fmt: skip
+    if args.loss_steps:
+        return compare_losses(args)
     vocab = config(args, []).model.vocab_size
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, vocab, (args.batch, args.seq_len), generator=g) for _ in range(2))
