@@ -19,13 +19,13 @@
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
 # so a call stays inside the device's 10 minutes a command with its logs; a stage with under
 # 20 s left is skipped and says so. The script exits 1 if any stage failed or was skipped.
-#   env       nvidia-smi, torch, transformers, peft versions                         (60 s)
+#   env       nvidia-smi, torch, transformers, peft versions                         (30 s)
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
 #             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3)              (150 s)
+#             graphs against transformers' generate (issue 29 point 3)              (140 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -45,17 +45,18 @@
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
 #   train     benchmarks/gpu_train.py: ember's gpt2-small step against transformers' GPT-2
 #             (eager, compiled), and ember whole-step compiled, kernels=triton, muon, fp8
-#             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (170 s)
+#             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (160 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
-#             same seed and batches; the last 20 steps' mean loss of each (issue 29 pt 2)  (110 s)
+#             same seed and batches; the last 20 steps' mean loss of each (issue 29 pt 2)  (100 s)
 #   levers    gpu_train.py's lever rows: whole-step compile, CUDA graphs, flash and cuDNN
 #             attention; then llama-small against LlamaForCausalLM; then the micro-batch
 #             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (110 s)
+#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (100 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SELF=$PWD/benchmarks/gpu.sh  # (`all` calls it again, from the repository root)
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -90,7 +91,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $
 for what in "$@"; do
     case $what in
     env)
-        stage env 60 "nvidia-smi; $PY -c 'import torch, transformers as t, peft; \
+        stage env 30 "nvidia-smi; $PY -c 'import torch, transformers as t, peft; \
             print(torch.__version__, torch.cuda.get_device_name(), t.__version__, peft.__version__)'"
         ;;
     analyze)
@@ -103,7 +104,7 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 150 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+        stage decode 140 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
             $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 3"
         ;;
     lora)
@@ -131,10 +132,10 @@ for what in "$@"; do
         done
         ;;
     train)
-        stage train 170 "$PY benchmarks/gpu_train.py --device $DEV"
+        stage train 160 "$PY benchmarks/gpu_train.py --device $DEV"
         ;;
     fp8-loss)  # issue 29 point 2's other half: the loss after 300 steps within 1% of bf16's
-        stage fp8-loss 110 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
+        stage fp8-loss 100 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
     levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
         stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-whole \
@@ -144,13 +145,13 @@ for what in "$@"; do
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-whole"
         ;;
     serve)
-        stage serve 110 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
+        stage serve 100 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
             --requests 256 --attention gather flex serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256]"
         ;;
     all)  # issue 29 in one call: env, train, decode, serve, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
-        DEADLINE=$DEADLINE "$0" env train decode serve fp8-loss || failed=1
+        DEADLINE=$DEADLINE bash "$SELF" env train decode serve fp8-loss || failed=1
         ;;
     *)
         echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers serve all" >&2

@@ -58,13 +58,13 @@ ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
     "ember-fp8": ["train.precision=fp8"],
     "ember-fp8-rowwise": ["train.precision=fp8-rowwise"],
     # issue 29's levers, each against "ember" (per-block compile, SDPA's own choice of backend):
-    "ember-whole": ["train.compile_scope=model"],  # one graph of forward + loss: the CE fused in
-    "ember-graphs": ["train.compile_mode=reduce-overhead"],  # per-block CUDA graphs
-    "ember-whole-graphs": ["train.compile_scope=model", "train.compile_mode=reduce-overhead"],
+    "ember-whole": ["train.compile=true", "train.compile_scope=model"],  # forward + loss: the CE fused in
+    "ember-graphs": ["train.compile=true", "train.compile_mode=reduce-overhead"],  # per-block CUDA graphs
+    "ember-whole-graphs": ["train.compile=true", "train.compile_scope=model", "train.compile_mode=reduce-overhead"],  # fmt: skip # noqa: E501
     "ember-flash": ["train.sdpa=flash"],
     "ember-cudnn": ["train.sdpa=cudnn"],
 }
-DEFAULT = ["ember", "hf-compiled", "ember-whole", "ember-triton", "ember-fp8", "ember-muon", "hf-eager"]  # by need
+DEFAULT = ["ember", "hf-compiled", "ember-whole", "ember-triton", "ember-fp8", "ember-muon", "hf-eager"]
 CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_size=512",
        "model.max_seq_len=32", "train.precision=fp32", "train.compile=false"]  # fmt: skip
 
@@ -143,7 +143,7 @@ def losses_row(args, overrides) -> list[float]:
 def compare_losses(args) -> None:
     """Issue 29's fp8 bar: the mean loss of the last 20 of ``--loss-steps`` steps against the
     first row's (bf16, ``ember``), same seed and batches."""
-    base = None
+    base = base_row = None
     for row in args.rows:
         if ROWS[row] is None:
             print(f"{row}: --loss-steps compares ember's rows", flush=True)
@@ -154,9 +154,9 @@ def compare_losses(args) -> None:
             print(f"{row}: refused: {e}", flush=True)
             continue
         tail = sum(losses[-20:]) / len(losses[-20:])
-        base = tail if base is None else base
+        base, base_row = (tail, row) if base is None else (base, base_row)
         print(f"{row}: loss {losses[0]:.4f} -> {tail:.4f} (mean of the last 20 of {len(losses)} steps), "
-              f"{100 * (tail / base - 1):+.2f}% against {args.rows[0]}", flush=True)  # fmt: skip
+              f"{100 * (tail / base - 1):+.2f}% against {base_row}", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=0,
                         help="instead: train the rows this many steps on real data, compare the final losses")
     args = parser.parse_args()
+    if args.loss_steps < 0 or args.loss_steps and args.loss_steps < 20:
+        parser.error("--loss-steps: 0 (off) or at least 20 (the last 20 steps are averaged)")
     cuda = args.device == "cuda"
     for key, on_cuda, on_cpu in (("batch", 16, 4), ("seq_len", 1024, 32), ("steps", 20, 2), ("warmup", 5, 1)):
         if getattr(args, key) is None:

@@ -278,8 +278,9 @@ class TrainConfig(_Section, key="train"):
         super().__post_init__()
         message = "train.qlora=true adapts a frozen NF4 base with LoRA; give it train.lora_rank (e.g. 8)"
         _require(not self.qlora or self.lora_rank > 0, "train.qlora", message)
+        key = "train.compile_scope" if self.compile_scope != "block" else "train.compile_mode"
         unset = self.compile_scope == "block" and self.compile_mode == "default"
-        _require(self.compile or unset, "train.compile_scope", "train.compile_scope and train.compile_mode shape torch.compile: set train.compile=true")  # fmt: skip # noqa: E501
+        _require(self.compile or unset, key, f"{key} shapes torch.compile: set train.compile=true")
 
 
 @dataclass

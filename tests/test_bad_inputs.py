@@ -221,7 +221,7 @@ CASES = [
     (["config", "show", "tiny", "train.qat_group_size=48"], "train.qat_group_size"),
     (["config", "show", "tiny", "train.precision=fp4"], "train.precision"),
     (["config", "show", "tiny", "train.compile=maybe"], "train.compile"),
-    (["config", "show", "tiny", "train.compile_scope=model"], "shape torch.compile: set train.compile=true"),
+    (["config", "show", "tiny", "train.compile_scope=model"], "compile_scope shapes torch.compile: set train.compile=true"),  # fmt: skip # noqa: E501
     (["config", "show", "tiny", "data.val_fraction=1"], "data.val_fraction"),
     (["config", "show", "tiny", "data.val_fraction=0.5", "data.test_fraction=0.5"], "must be < 1"),
     (["config", "show", "tiny", "data.sources=[]"], "data.sources is empty"),

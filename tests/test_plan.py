@@ -101,7 +101,7 @@ def test_tracker_counts_what_lives_and_frees_what_dies():
     del a, c
 
 
-def test_cli_prints_the_plan_and_refuses_an_impossible_layout(tiny_cfg, tmp_path):
+def test_cli_prints_the_plan_and_refuses_an_impossible_layout(tiny_cfg, tmp_path, capsys):
     data = tiny_cfg().data.dir
     cmd = [sys.executable, "-m", "ember", "plan", "tiny", f"data.dir={data}", "--nproc", "2", "parallel.tp=2",
            "--peak-tflops", "1", "--memory", "0.05"]  # fmt: skip
@@ -110,6 +110,10 @@ def test_cli_prints_the_plan_and_refuses_an_impossible_layout(tiny_cfg, tmp_path
     assert "predicted bytes per rank" in r.stdout and "FLOPs per step: 2.144e+08" in r.stdout
     assert "s a step" in r.stdout
     assert "largest micro-batch whose predicted peak fits in 0.05 GiB: train.micro_batch=" in r.stdout
+    for memory in (None, 0.05):  # --json (in this process), on a CPU: no memory unless given
+        plan.plan_command("tiny", [f"data.dir={data}"], 1, False, 4, True, None, 0.4, memory_gib=memory)
+        fits = json.loads(capsys.readouterr().out)["fits"]
+        assert fits is None if memory is None else fits["memory_gib"] == 0.05 and fits["micro_batch"] >= 1
     bad = [sys.executable, "-m", "ember", "plan", "tiny", f"data.dir={data}", "--nproc", "3", "parallel.tp=2"]
     r = subprocess.run(bad, env=_child_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs a multiple of 2 ranks, not 3" in r.stderr

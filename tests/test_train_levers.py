@@ -234,41 +234,51 @@ def _losses(trainer) -> list[float]:
 def test_whole_step_compile_matches_eager(tiny_cfg):
     """``train.compile_scope=model``: the task's forward and loss in one dynamo graph (no break,
     no compiled blocks), losses within 1e-4 of eager; ``compile_mode=reduce-overhead`` takes the
-    same path (its CUDA graphs are inductor's to skip on a CPU)."""
+    same path (its CUDA graphs are inductor's to skip on a CPU), with one micro-batch a step.
+    Refused: on two ranks, for a task whose loss reads the host, and reduce-overhead with
+    accumulation (a replay would overwrite the gradients of the micro-batch before)."""
     from torch._dynamo.eval_frame import OptimizedModule
     from torch._dynamo.utils import counters
 
-    eager = _train(tiny_cfg, "adamw-fused", name="eager")
+    one = "train.micro_batch=8"  # tiny's 256 tokens a step: 8 rows of 32
+    eager = _train(tiny_cfg, "adamw-fused", one, name="eager")
     torch._dynamo.reset()
     counters.clear()
     whole = ("train.compile=true", "train.compile_scope=model", "train.compile_mode=reduce-overhead")
-    compiled = _train(tiny_cfg, "adamw-fused", *whole, name="whole")
+    compiled = _train(tiny_cfg, "adamw-fused", *whole, one, name="whole")
     assert not any(isinstance(b, OptimizedModule) for b in compiled.model.layers.values())
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
     assert _losses(compiled) == pytest.approx(_losses(eager), rel=1e-4)
     with pytest.raises(ConfigError, match="compile_scope=model compiles the whole step on one device"):
-        check_layout(tiny_cfg(*whole), world_size=2)
+        check_layout(tiny_cfg(*whole, one), world_size=2)
+    with pytest.raises(ConfigError, match="train.task=mlm's reads values on the host"):
+        mlm = ("train.task=mlm", "model.causal=false", "model.head=mlm")
+        check_layout(tiny_cfg(*whole[:2], *mlm), world_size=1)
+    with pytest.raises(ConfigError, match="with 2 micro-batches a step they would be lost"):
+        check_layout(tiny_cfg(*whole), world_size=1)
+    check_layout(tiny_cfg(*whole[:2]), world_size=1)  # accumulation is fine without CUDA graphs
 
 
 def test_sdpa_backend_is_chosen_and_refused_where_it_cannot_run(tiny_cfg):
     """``train.sdpa``: math and flash (PyTorch has both on a CPU) train the same losses as auto
-    within 1e-5 in fp32, and the math backend alone is allowed in a step's forward (evaluation
-    keeps auto); cudnn and
-    efficient are CUDA's, refused before any work, as is any choice beside ember's own kernels."""
-    seen = []
+    within 1e-5 in fp32; in a step's forward the math backend alone is enabled, and the
+    evaluation's forwards keep every backend; cudnn and efficient are CUDA's, refused before
+    any work, as is any choice beside ember's own kernels."""
+    seen = {True: [], False: []}  # grad enabled (a training step) or not (the evaluation at the end)
     real = torch.nn.functional.scaled_dot_product_attention
 
     def spy(*a, **k):
-        if torch.is_grad_enabled():  # a training step's forward, not the evaluation at the end
-            b = torch.backends.cuda
-            seen.append(b.math_sdp_enabled() and not b.flash_sdp_enabled())
+        b = torch.backends.cuda
+        others = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled())
+        seen[torch.is_grad_enabled()].append((b.math_sdp_enabled(), *others))
         return real(*a, **k)
 
     auto = _losses(_train(tiny_cfg, "adamw-fused", name="auto"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
         math_losses = _losses(_train(tiny_cfg, "adamw-fused", "train.sdpa=math", name="math"))
-    assert seen and all(seen), "the math backend was not the only one enabled in the forward"
+    assert seen[True] and set(seen[True]) == {(True, False, False, False)}, set(seen[True])
+    assert seen[False] and set(seen[False]) == {(True, True, True, True)}, set(seen[False])
     assert math_losses == pytest.approx(auto, rel=1e-5)
     flash = _losses(_train(tiny_cfg, "adamw-fused", "train.sdpa=flash", name="flash"))
     assert flash == pytest.approx(auto, rel=1e-5)

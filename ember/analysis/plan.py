@@ -574,14 +574,16 @@ def plan_command(config: str, overrides: list[str], nproc: int, measure: bool, s
             return
     flops = step_flops(model_cfg, cfg)
     if memory_gib is None and torch.cuda.is_available():
-        memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        memory_gib = torch.cuda.mem_get_info()[0] / 2**30  # free now: less the CUDA context
     fits = None
-    if memory_gib is not None and cfg.parallel.pp == 1:  # (pipelines: the schedule sets the micro-batches)
+    if memory_gib is not None and cfg.parallel.pp > 1:
+        print("ember: note: --memory: under parallel.pp the schedule sets the micro-batches")
+    elif memory_gib is not None:
         fits = memory_gib, fitting_micro_batch(cfg, model_cfg, nproc, memory_gib * 2**30)
     if as_json:
-        found = fits and fits[1]
-        micro = {"memory_gib": fits[0], "micro_batch": found and found[0], "peak": found and found[1]}
+        found = fits[1] if fits else None
+        micro = {"memory_gib": fits[0], "micro_batch": found and found[0], "peak": found and found[1]} if fits else None  # fmt: skip # noqa: E501
         print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops,
-                          "fits": micro if fits else None}))  # fmt: skip
+                          "fits": micro}))  # fmt: skip
     else:
         print_plan(cfg, predicted, measured, flops, config, steps, peak_tflops, mfu, fits)

@@ -52,6 +52,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
         raise ConfigError("train.kernels=triton runs on one device or under DDP, without train.qat (its fused loss reads the head's plain weight); use train.kernels=torch")  # fmt: skip # noqa: E501
     if t.compile and t.compile_scope == "model" and world_size > 1:
         raise ConfigError(f"train.compile_scope=model compiles the whole step on one device; on {world_size} ranks set train.compile_scope=block")  # fmt: skip # noqa: E501
+    if t.compile and t.compile_scope == "model" and not task.whole_graph:
+        raise ConfigError(f"train.compile_scope=model wants a loss that traces to one graph; train.task={t.task}'s reads values on the host (a graph break each step): set train.compile_scope=block")  # fmt: skip # noqa: E501
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)
     m = model_cfg or cfg.model
@@ -66,6 +68,8 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     if tp > 1:
         _check_tensor_parallel(cfg, world_size, m, task)
     rows, grad_accum = _check_batch(t, dp)
+    if t.compile and t.compile_mode == "reduce-overhead" and grad_accum > 1:
+        raise ConfigError(f"train.compile_mode=reduce-overhead replays CUDA graphs whose outputs, the gradients too, the next replay overwrites: with {grad_accum} micro-batches a step they would be lost; set train.micro_batch to the rows of a step ({rows // dp}), or train.compile_mode=default")  # fmt: skip # noqa: E501
     return Layout(dp, rows, grad_accum)
 
 

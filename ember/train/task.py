@@ -38,6 +38,7 @@ class Task:
     shards_params = True  # may run under FSDP2 (a reference copy or rollouts want whole weights)
     tokens = True  # a language task: a tokenizer, and train.batch_tokens counts tokens (else images)
     best = "val_loss"  # the validation metric, lower better, that picks the best model (train.keep_best)
+    whole_graph = False  # loss() traces to one graph (fixed shapes, no host reads): train.compile_scope=model
 
     @classmethod
     def check_layout(cls, cfg, world_size: int, dp: int) -> None:

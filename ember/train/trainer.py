@@ -92,8 +92,8 @@ from ember.train.tasks import task_class
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AUTOCAST |= dict.fromkeys(FP8_RECIPES, torch.bfloat16)  # float8 block linears, the rest in bf16
-SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
-SDPA["math"] = "MATH"  # train.sdpa: the names of torch.nn.attention.SDPBackend
+SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}  # train.sdpa's
+SDPA |= {"efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 # On resume the config must equal the run's, but for where the run lives, computes and logs
@@ -101,7 +101,7 @@ SDPA["math"] = "MATH"  # train.sdpa: the names of torch.nn.attention.SDPBackend
 # batch: no opt-in accepts a change to them. Other changes (budgets and so the schedule's length,
 # eval and checkpoint cadence, learning rates) need train.resume_allow_changes=true.
 RESUME_FREE = ("run.name", "run.out_dir", "train.resume", "train.device", "train.log_every", "parallel.")
-RESUME_FREE += ("train.log_dynamics", "train.report")
+RESUME_FREE += ("train.log_dynamics", "train.report", "train.compile", "train.sdpa")  # how, not what
 RESUME_FREE += ("train.init_from",)  # it only starts a run: a resumed one loads its checkpoint
 RESUME_FIXED = ("model.", "run.seed", "train.batch_tokens", "train.seq_len", "train.optimizer", "data.dir")
 RESUME_FIXED += ("data.sampling", "tokenizer")
@@ -267,6 +267,8 @@ class Trainer:
             model.set_kernels("triton")
         if t.sdpa != "auto" and (t.kernels == "triton" or t.sdpa in ("cudnn", "efficient") and env.device.type != "cuda"):  # fmt: skip # noqa: E501
             raise ConfigError(f"train.sdpa={t.sdpa} picks a backend of PyTorch's attention: {'CUDA' if t.kernels == 'torch' else 'train.kernels=torch'} only; set train.sdpa=auto")  # fmt: skip # noqa: E501
+        if t.sdpa in ("flash", "cudnn") and env.device.type == "cuda" and t.precision == "fp32":
+            raise ConfigError(f"train.sdpa={t.sdpa}: its CUDA kernels take bf16 or fp16, not fp32; set train.precision=bf16, or train.sdpa=efficient or math")  # fmt: skip # noqa: E501
         if t.precision in FP8_RECIPES:  # after the kernels: they leave the block linears alone
             apply_fp8(model, t)
         self.frozen = None  # a reference copy of the starting weights, if the task keeps one
@@ -277,7 +279,7 @@ class Trainer:
             self.loss_parallel = loss_parallel
         self.attention = contextlib.nullcontext  # train.sdpa: the one backend PyTorch's attention may use
         if t.sdpa != "auto":
-            self.attention = functools.partial(sdpa_kernel, [getattr(SDPBackend, SDPA[t.sdpa])])
+            self.attention = functools.partial(sdpa_kernel, [SDPA[t.sdpa]])
         self.optimizer = build_optimizer(self.model, t, env.device)
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=t.precision == "fp16")
         dtype = AUTOCAST.get(t.precision)

@@ -99,6 +99,8 @@ class ClassifyTask(Task):
         loader = ImageLoader(*data.train, trainer.global_rows, seed, env.dp_rank, env.dp_size, augment, data.natural, env.device)  # fmt: skip # noqa: E501
         return cls(data.val), loader, data.val
 
+    whole_graph = True
+
     def loss(self, model, batch):
         x, y = batch
         logits = model(x).float()

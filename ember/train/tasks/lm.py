@@ -32,6 +32,7 @@ class LMTask(Task):
     splits_model = True
 
     moe = False  # model.mlp=moe: add the routers' losses (decided once, in build)
+    whole_graph = True
 
     def __init__(self, z_loss: float, token_bytes: torch.Tensor, fused: bool = False, softcap: float = 0.0):
         self.z_loss = z_loss
