@@ -19,6 +19,7 @@
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
 # so a call stays inside the device's 10 minutes a command with its logs; a stage with under
 # 20 s left is skipped and says so. The script exits 1 if any stage failed or was skipped.
+# `all` ends by writing $OUT/summary.md: the device, then each stage's tables and findings.
 #   env       nvidia-smi, torch, transformers, peft versions                         (30 s)
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
@@ -88,6 +89,19 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $
     tail -n 25 "$OUT/$name.log"
 }
 
+summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's tables and findings
+    {
+        echo "# benchmarks/gpu.sh $*: $(date -u +%F), $(grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*GB' "$OUT/env.log" 2>/dev/null || echo "$DEV")"
+        grep -h -m1 '^[0-9.]*+cu' "$OUT/env.log" 2>/dev/null | sed 's/^/torch, GPU, transformers, peft: /'
+        for s in "$@"; do
+            [ "$s" = env ] && continue
+            echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU' "$OUT/$s.log" 2>/dev/null
+        done
+    } >"$OUT/summary.md"
+    echo "== summary: $OUT/summary.md"
+}
+
 for what in "$@"; do
     case $what in
     env)
@@ -152,6 +166,7 @@ for what in "$@"; do
     all)  # issue 29 in one call: env, train, decode, serve, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
         DEADLINE=$DEADLINE bash "$SELF" env train decode serve fp8-loss || failed=1
+        summary env train decode serve fp8-loss
         ;;
     *)
         echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers serve all" >&2
