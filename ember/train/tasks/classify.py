@@ -47,6 +47,7 @@ class ClassifyTask(Task):
     name = "classify"
     tokens = False
     best = "val_error"
+    whole_graph = True
 
     def __init__(self, val: tuple):
         self.val = val
@@ -98,8 +99,6 @@ class ClassifyTask(Task):
         seed, augment = cfg.run.seed, cfg.data.augment
         loader = ImageLoader(*data.train, trainer.global_rows, seed, env.dp_rank, env.dp_size, augment, data.natural, env.device)  # fmt: skip # noqa: E501
         return cls(data.val), loader, data.val
-
-    whole_graph = True
 
     def loss(self, model, batch):
         x, y = batch
