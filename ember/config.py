@@ -282,6 +282,11 @@ class TrainConfig(_Section, key="train"):
         unset = self.compile_scope == "block" and self.compile_mode == "default"
         _require(self.compile or unset, key, f"{key} shapes torch.compile: set train.compile=true")
 
+    @property
+    def compiles_step(self) -> bool:
+        """The task's forward and loss compiled as one graph (else each block, if any)."""
+        return self.compile and self.compile_scope == "model"
+
 
 @dataclass
 class SFTConfig(_Section, key="sft"):

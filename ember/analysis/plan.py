@@ -581,8 +581,10 @@ def plan_command(config: str, overrides: list[str], nproc: int, measure: bool, s
     elif memory_gib is not None:
         fits = memory_gib, fitting_micro_batch(cfg, model_cfg, nproc, memory_gib * 2**30)
     if as_json:
-        found = fits[1] if fits else None
-        micro = {"memory_gib": fits[0], "micro_batch": found and found[0], "peak": found and found[1]} if fits else None  # fmt: skip # noqa: E501
+        micro = None
+        if fits:
+            gib, found = fits
+            micro = {"memory_gib": gib, "micro_batch": found[0] if found else None, "peak": found[1] if found else None}  # fmt: skip # noqa: E501
         print(json.dumps({"predicted": predicted, "measured": measured, "flops_per_step": flops,
                           "fits": micro}))  # fmt: skip
     else:

@@ -162,7 +162,7 @@ def apply_layout(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
         apply_ep(model, env.dp_mesh)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if cfg.train.compile and cfg.train.compile_scope == "block":
+    if cfg.train.compile and not cfg.train.compiles_step:
         apply_compile(model, cfg.train.compile_mode)
     if env.dp_size > 1:
         if cfg.parallel.data == "fsdp":

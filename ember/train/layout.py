@@ -50,9 +50,9 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     fsdp = world_size > 1 and cfg.parallel.data == "fsdp"
     if t.kernels == "triton" and (tp > 1 or pp > 1 or fsdp or t.qat != "none"):
         raise ConfigError("train.kernels=triton runs on one device or under DDP, without train.qat (its fused loss reads the head's plain weight); use train.kernels=torch")  # fmt: skip # noqa: E501
-    if t.compile and t.compile_scope == "model" and world_size > 1:
+    if t.compiles_step and world_size > 1:
         raise ConfigError(f"train.compile_scope=model compiles the whole step on one device; on {world_size} ranks set train.compile_scope=block")  # fmt: skip # noqa: E501
-    if t.compile and t.compile_scope == "model" and not task.whole_graph:
+    if t.compiles_step and not task.whole_graph:
         raise ConfigError(f"train.compile_scope=model wants a loss that traces to one graph; train.task={t.task}'s reads values on the host (a graph break each step): set train.compile_scope=block")  # fmt: skip # noqa: E501
     dp = world_size // (pp * tp)
     task.check_layout(cfg, world_size, dp)

@@ -288,7 +288,7 @@ class Trainer:
         self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
         self.task, self.loader, self.val_loader = task.build(self, model)
         self.compiled_loss = None  # train.compile_scope=model: the task's forward + loss in one graph
-        if t.compile and t.compile_scope == "model":
+        if t.compiles_step:
             self.compiled_loss = torch.compile(self.task.loss, mode=compile_mode(t.compile_mode))
         self._resume()
         # a finished run resumed again: nothing to train, and nothing in its directory changes
