@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,5 @@ def test_the_largest_micro_batch_that_fits_a_memory(tiny_cfg):
     assert plan.fitting_micro_batch(cfg, model_cfg, 1, budget) == (sizes[3], peaks[3])
     assert plan.fitting_micro_batch(cfg, model_cfg, 1, peaks[-1]) == (24, peaks[-1])
     assert plan.fitting_micro_batch(cfg, model_cfg, 1, peaks[0] - 1) is None
+    pairs = replace(cfg, train=replace(cfg.train, task="dpo"))  # a micro-batch of whole pairs: even
+    assert plan.fitting_micro_batch(pairs, model_cfg, 1, (peaks[2] + peaks[3]) / 2) == (sizes[1], peaks[1])

@@ -67,6 +67,7 @@ from ember.parallel.dist import run_ranks
 from ember.parallel.pipeline import microbatches, stage_layers, stage_model, virtual_stages
 from ember.train.layout import check_layout
 from ember.train.start import resolve_model_config
+from ember.train.tasks import task_class
 from ember.train.trainer import scratch_trainer
 
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "mlp.w1", "mlp.w3")  # split by output rows
@@ -265,12 +266,14 @@ def predict(cfg, model_cfg, world_size: int) -> list[dict]:
 
 
 def fitting_micro_batch(cfg, model_cfg, world_size: int, budget: float) -> tuple[int, int] | None:
-    """The largest micro-batch (a divisor of a rank's rows, so the global batch is unchanged) whose
-    predicted peak fits in ``budget`` bytes on every rank, and that peak; None when one row does
-    not fit. The peak grows with the rows, so a binary search over the divisors: a few traces."""
+    """The largest micro-batch (a divisor of a rank's rows, so the global batch is unchanged, of
+    whole examples: a DPO pair is two rows) whose predicted peak fits in ``budget`` bytes on every
+    rank, and that peak; None when none fits. The peak grows with the rows, so a binary search
+    over the divisors: a few traces."""
     dp = check_layout(cfg, world_size, model_cfg).dp
     per_rank = cfg.train.batch_tokens // cfg.train.seq_len // dp
-    sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    whole = task_class(cfg.train.task).rows_per_example
+    sizes = [d for d in range(1, per_rank + 1) if per_rank % d == 0 and d % whole == 0]
     lo, hi, best = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2

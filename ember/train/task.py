@@ -39,6 +39,7 @@ class Task:
     tokens = True  # a language task: a tokenizer, and train.batch_tokens counts tokens (else images)
     best = "val_loss"  # the validation metric, lower better, that picks the best model (train.keep_best)
     whole_graph = False  # loss() traces to one graph (fixed shapes, no host reads): train.compile_scope=model
+    rows_per_example = 1  # a micro-batch holds whole examples of this many rows (a preference pair: 2)
 
     @classmethod
     def check_layout(cls, cfg, world_size: int, dp: int) -> None:

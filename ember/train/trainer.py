@@ -192,14 +192,14 @@ def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     return total
 
 
-def _find_nonfinite_module(model, task, batch, autocast) -> str:
+def _find_nonfinite_module(model, task, batch, autocast, attention) -> str:
     """Re-run the micro-batch, forward and backward, with every module output, gradient at a
     module output and parameter gradient checked in the order they are computed
     (``ember.train.recorder.Recorder``); say where the first non-finite one is."""
     model.zero_grad(set_to_none=True)  # the failed step's gradients would be seen again
     rec = Recorder(unwrap(model), keep=False)
     try:
-        with autocast:  # as in training, so an overflow reproduces
+        with autocast, attention():  # as in training (precision, attention backend): the overflow reproduces
             loss, _ = task.loss(model, batch)
         if rec.first is None:
             loss.backward()
@@ -695,7 +695,7 @@ class Trainer:
             return
         module = "not located under pipeline parallel"
         if getattr(self.model, "schedule", None) is None:
-            module = _find_nonfinite_module(self.model, self.task, batch, self.autocast)
+            module = _find_nonfinite_module(self.model, self.task, batch, self.autocast, self.attention)
         raise NonFiniteError(
             f"step {step}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip. With the statistics of what "

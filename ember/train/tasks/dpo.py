@@ -316,6 +316,7 @@ class DPOTask(SFTTask):
     adapters off), and SFT's task accuracy on held-out problems at each evaluation."""
 
     name = "dpo"
+    rows_per_example = 2  # a chosen and a rejected row
     reference_on_resume = True
     shards_params = False
 

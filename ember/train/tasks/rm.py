@@ -92,6 +92,7 @@ class RMTask(SFTTask):
     and ``pair_accuracy`` on the held-out ``pairs`` at each evaluation."""
 
     name = "rm"
+    rows_per_example = 2  # a chosen and a rejected row
 
     def __init__(self, tokenizer, pairs: list[Pair]):
         super().__init__(False, tokenizer)
