@@ -266,7 +266,7 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     argv = [
         "quickstart",
         "--minutes",
-        "0.1",
+        "0.05",
         "--out",
         str(tmp_path / "runs"),
         "--data-dir",
@@ -289,6 +289,7 @@ def test_quickstart_runs_end_to_end(tmp_path, capsys):
     assert (run / "samples.md").read_text().count("## ") == 4
     report = (run / "report.md").read_text()
     assert "plots/loss.png" in report and (run / "plots" / "loss.png").is_file()
+    argv[argv.index("0.05")] = "0.01"  # (a step or two is enough to see the run replaced)
     assert main(argv) == 0  # again: data reused, run replaced
     assert "reusing" in capsys.readouterr().out
 

@@ -52,13 +52,18 @@ def serve(scheduler: Scheduler, requests, sampling) -> list:
     return [handles[i].completion() for i in range(len(requests))]
 
 
+@pytest.fixture(scope="module")
+def greedy_alone(engine) -> list:
+    """workload(0)'s answers from the batch-1 engine, each request alone (once for both pools)."""
+    return [engine.generate([prompt], Sampling(new, temperature=0))[0] for _, prompt, new in workload(0)]
+
+
 @pytest.mark.parametrize("num_blocks", [2000, 40], ids=["roomy", "preempting"])
-def test_greedy_answers_equal_the_batch1_engine(engine, num_blocks):
+def test_greedy_answers_equal_the_batch1_engine(engine, greedy_alone, num_blocks):
     requests = workload(0)
     scheduler = Scheduler(engine, num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_seqs=32)
     got = serve(scheduler, requests, lambda i, new: Sampling(new, temperature=0))
-    for (_, prompt, new), answer in zip(requests, got, strict=True):
-        [alone] = engine.generate([prompt], Sampling(new, temperature=0))
+    for answer, alone in zip(got, greedy_alone, strict=True):
         assert answer.token_ids == alone.token_ids and answer.finish_reason == alone.finish_reason
     if num_blocks == 40:
         assert scheduler.preemptions > 0
