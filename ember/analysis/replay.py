@@ -106,7 +106,7 @@ def determinism(cfg, steps: int = 3, perturb=None, worlds: tuple[int, int] = (1,
     """Train ``cfg`` twice for ``steps`` steps, recording every tensor; the first step and tensor
     where the second run differs from the first. ``perturb(trainer)``: a test's non-determinism,
     installed in the second run only. ``worlds``: the two runs' world sizes; other than (1, 1) each
-    run is a torchrun launch (one thread per rank) recorded by ``record_rank``. With the
+    run is recorded by ``record_rank`` (a torchrun launch of one thread per rank; one rank here). With the
     ``worlds`` and the ``seconds`` it took."""
     started = time.perf_counter()
     if worlds != (1, 1):
@@ -266,13 +266,22 @@ def record_rank(cfg, steps: int, out: Path) -> None:
 
 
 def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
-    """``record_rank`` on ``world`` ranks under torchrun (this module's ``__main__``), its records
-    in one order whatever the world size: micro-batches by their index in the global batch, then
-    rank 0's whole tensors."""
+    """``record_rank`` on ``world`` ranks under torchrun (this module's ``__main__``; one rank
+    runs in this process, with the one thread a rank gets: no process group either way), its
+    records in one order whatever the world size: micro-batches by their index in the global
+    batch, then rank 0's whole tensors."""
     with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
-        config = Path(tmp) / "config.yaml"
-        config.write_text(config_to_yaml(cfg))
-        run_ranks(world, str(config), str(steps), tmp, module="ember.analysis.replay", what="the run")
+        if world == 1:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                record_rank(cfg, steps, Path(tmp))
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            config = Path(tmp) / "config.yaml"
+            config.write_text(config_to_yaml(cfg))
+            run_ranks(world, str(config), str(steps), tmp, module="ember.analysis.replay", what="the run")
         ranks = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(world)]
     steps_in_order = []
     for s in range(steps):
