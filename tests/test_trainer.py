@@ -281,38 +281,16 @@ def test_refuses_to_overwrite_an_existing_run(tiny_cfg):
 # ---------------------------------------------------------------- 2 processes (gloo)
 
 
-def _torchrun(tmp_path, name, *overrides, data_dir, nproc=2):
-    cmd = [
-        sys.executable,
-        "-m",
-        "ember",
-        "train",
-        "tiny",
-        "--nproc",
-        str(nproc),
-        f"data.dir={data_dir}",
-        "data.val_fraction=0.1",
-        f"run.out_dir={tmp_path}",
-        f"run.name={name}",
-        "train.device=cpu",
-        "train.report=false",
-        *DET,
-        *overrides,
-    ]
-    proc = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return losses(tmp_path / name)
-
-
 @pytest.mark.slow
 def test_two_ranks_match_one_process(tiny_cfg, tmp_path):
     """DDP and FSDP2 on 2 ranks, with AdamW and with Muon, and an image classifier (a CNN, SGD,
     augmented digits), in one torchrun launch (tests/legs.py), each equal to one process. Muon:
     DDP ranks orthogonalise the same averaged gradients; FSDP2
-    ranks gather each matrix, orthogonalise it and keep their rows."""
+    ranks gather each matrix, orthogonalise it and keep their rows. Then the FSDP2 run's step-3
+    checkpoint resumes in one process, with the losses the two ranks had."""
     from tests.test_pp import _launch_legs
 
-    optimizers = {"adamw": ["train.max_steps=5"], "muon": [*MUON, "train.max_steps=4"]}
+    optimizers = {"adamw": ["train.max_steps=6", "train.ckpt_every=3"], "muon": [*MUON, "train.max_steps=4"]}
     common = [*DET, "train.eval_every=0", f"run.out_dir={tmp_path}"]
     want = {}
     for opt, o in optimizers.items():
@@ -335,24 +313,12 @@ def test_two_ranks_match_one_process(tiny_cfg, tmp_path):
         assert sorted(got) == sorted(w) == list(range(1, len(w) + 1)), name
         assert all(abs(got[s] - w[s]) <= 1e-5 for s in w), (name, got, w)
 
-
-@pytest.mark.slow
-def test_fsdp_checkpoint_resumes_at_world_size_one(tiny_cfg, tmp_path):
-    data_dir = tiny_cfg().data.dir
-    got = _torchrun(
-        tmp_path,
-        "fs",
-        "train.max_steps=6",
-        "train.ckpt_every=3",
-        "train.eval_every=0",
-        "parallel.data=fsdp",
-        data_dir=data_dir,
-    )
-    rd = tmp_path / "fs"
+    rd = tmp_path / "adamw-fsdp"  # FSDP2's sharded checkpoint, resumed at world size one
+    got = losses(rd)
     shutil.rmtree(rd / "checkpoints" / "step-000006")
-    cfg = tiny_cfg(*DET, "train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.resume=auto")
-    cfg.run.out_dir, cfg.run.name = str(tmp_path), "fs"
     (rd / "metrics.jsonl").write_text("")
+    cfg = tiny_cfg(*DET, "train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "train.resume=auto")
+    cfg.run.out_dir, cfg.run.name = str(tmp_path), "adamw-fsdp"
     train(cfg)
     resumed = losses(rd)
     assert sorted(resumed) == [4, 5, 6]
