@@ -125,3 +125,21 @@ def test_from_hf_rejects_other_models():
     config.hidden_act = "gelu"
     with pytest.raises(ConfigError, match="hidden_act"):
         from_hf(transformers.LlamaForCausalLM(config))
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "field", "needs"),
+    [
+        ("gpt2", transformers.GPT2Config(activation_function="relu"), "GPT-2 config activation_function='relu'", "'gelu_new'"),  # noqa: E501
+        ("llama", transformers.LlamaConfig(mlp_bias=True), "Llama config mlp_bias=True", "False"),
+        ("mixtral", transformers.MixtralConfig(sliding_window=64), "Mixtral config sliding_window=64", "None"),  # noqa: E501
+        ("mamba", transformers.MambaConfig(use_conv_bias=False), "Mamba config use_conv_bias=False", "True"),
+        ("bert", transformers.BertConfig(is_decoder=True), "BERT config is_decoder=True", "False"),
+    ],
+)  # fmt: skip
+def test_each_family_names_the_field_it_cannot_map(family, config, field, needs):
+    from ember.model.hf import IMPORTS
+
+    with pytest.raises(ConfigError) as e:
+        IMPORTS[family](config)
+    assert str(e.value) == f"{field} has no ember equivalent (ember needs {needs})"

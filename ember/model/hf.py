@@ -406,18 +406,21 @@ def to_hf(model: GPT) -> PreTrainedModel:
     return hf.train(model.training)
 
 
+def _check_mappable(family: str, fields: dict[str, tuple[Any, tuple]]) -> None:
+    """A ConfigError for the first field of a transformers config that ember has no equivalent
+    of (``fields``: name -> (its value, the values ember maps))."""
+    for key, (value, allowed) in fields.items():
+        if value not in allowed:
+            raise ConfigError(f"{family} config {key}={value!r} has no ember equivalent (ember needs {allowed[0]!r})")  # fmt: skip # noqa: E501
+
+
 def _config_from_gpt2(config: Any) -> ModelConfig:
-    unsupported = {
+    _check_mappable("GPT-2", {
         "activation_function": (config.activation_function, ("gelu_new", "gelu_pytorch_tanh")),
         "scale_attn_weights": (config.scale_attn_weights, (True,)),
         "scale_attn_by_inverse_layer_idx": (config.scale_attn_by_inverse_layer_idx, (False,)),
         "add_cross_attention": (getattr(config, "add_cross_attention", False), (False,)),
-    }
-    for key, (value, allowed) in unsupported.items():
-        if value not in allowed:
-            raise ConfigError(
-                f"GPT-2 config {key}={value!r} has no ember equivalent (ember needs {allowed[0]!r})"
-            )
+    })  # fmt: skip
     return ModelConfig(
         vocab_size=config.vocab_size,
         n_layer=config.n_layer,
@@ -439,15 +442,12 @@ def _config_from_gpt2(config: Any) -> ModelConfig:
 def _config_from_llama(config: Any) -> ModelConfig:
     rope_type, theta = _rope(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    problems = {
-        "hidden_act": (config.hidden_act, "silu"),
-        "rope_type": (rope_type, "default"),
-        "head_dim": (head_dim, config.hidden_size // config.num_attention_heads),
-        "mlp_bias": (getattr(config, "mlp_bias", False), getattr(config, "attention_bias", False)),
-    }
-    for key, (value, want) in problems.items():
-        if value != want:
-            raise ConfigError(f"Llama config {key}={value!r} has no ember equivalent (ember needs {want!r})")
+    _check_mappable("Llama", {
+        "hidden_act": (config.hidden_act, ("silu",)),
+        "rope_type": (rope_type, ("default",)),
+        "head_dim": (head_dim, (config.hidden_size // config.num_attention_heads,)),
+        "mlp_bias": (getattr(config, "mlp_bias", False), (getattr(config, "attention_bias", False),)),
+    })  # fmt: skip
     return ModelConfig(
         vocab_size=config.vocab_size,
         n_layer=config.num_hidden_layers,
@@ -469,10 +469,8 @@ def _config_from_llama(config: Any) -> ModelConfig:
 
 
 def _config_from_mixtral(config: Any) -> ModelConfig:
-    for key, want in (("sliding_window", None), ("router_jitter_noise", 0.0)):
-        if getattr(config, key, want) not in (want, 0):
-            value = getattr(config, key)
-            raise ConfigError(f"Mixtral config {key}={value!r} has no ember equivalent (ember needs {want})")
+    wants = {"sliding_window": None, "router_jitter_noise": 0.0}
+    _check_mappable("Mixtral", {key: (getattr(config, key, want), (want, 0)) for key, want in wants.items()})
     return replace(
         _config_from_llama(config),
         mlp="moe",
@@ -483,15 +481,12 @@ def _config_from_mixtral(config: Any) -> ModelConfig:
 
 
 def _config_from_mamba(config: Any) -> ModelConfig:
-    problems = {
-        "hidden_act": (config.hidden_act, "silu"),
-        "intermediate_size": (config.intermediate_size, int(config.expand) * config.hidden_size),
-        "time_step_rank": (config.time_step_rank, dt_rank(config.hidden_size)),
-        "use_conv_bias": (config.use_conv_bias, True),
-    }
-    for key, (value, want) in problems.items():
-        if value != want:
-            raise ConfigError(f"Mamba config {key}={value!r} has no ember equivalent (ember needs {want!r})")
+    _check_mappable("Mamba", {
+        "hidden_act": (config.hidden_act, ("silu",)),
+        "intermediate_size": (config.intermediate_size, (int(config.expand) * config.hidden_size,)),
+        "time_step_rank": (config.time_step_rank, (dt_rank(config.hidden_size),)),
+        "use_conv_bias": (config.use_conv_bias, (True,)),
+    })  # fmt: skip
     return ModelConfig(
         vocab_size=config.vocab_size,
         n_layer=config.num_hidden_layers,
@@ -513,14 +508,11 @@ def _config_from_mamba(config: Any) -> ModelConfig:
 
 
 def _config_from_bert(config: Any) -> ModelConfig:
-    problems = {
-        "hidden_act": (config.hidden_act, "gelu"),
-        "position_embedding_type": (getattr(config, "position_embedding_type", "absolute"), "absolute"),
-        "is_decoder": (getattr(config, "is_decoder", False), False),
-    }
-    for key, (value, want) in problems.items():
-        if value != want:
-            raise ConfigError(f"BERT config {key}={value!r} has no ember equivalent (ember needs {want!r})")
+    _check_mappable("BERT", {
+        "hidden_act": (config.hidden_act, ("gelu",)),
+        "position_embedding_type": (getattr(config, "position_embedding_type", "absolute"), ("absolute",)),
+        "is_decoder": (getattr(config, "is_decoder", False), (False,)),
+    })  # fmt: skip
     return ModelConfig(
         vocab_size=config.vocab_size,
         n_layer=config.num_hidden_layers,
