@@ -8,7 +8,7 @@ builds its own mesh in the one process group; a run that fails stops the launch.
 The ranks are forked from this process after torch and ember are imported (4 s of CPU a
 process on the 2-core machine), with the environment torchrun would give them (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): what the tests compare is the layouts, and
-``ember train --nproc`` keeps its own torchrun tests (test_trainer, test_grpo, test_mamba,
+``ember train --nproc`` keeps its own torchrun tests (test_grpo, test_mamba,
 test_hangs). One rank failing kills the others; a rank dies with this process (PDEATHSIG).
 """
 

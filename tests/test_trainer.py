@@ -99,7 +99,12 @@ def test_sigkill_mid_run_resumes_from_last_commit(tiny_cfg, tmp_path):
         "train.report=false",
     ]
     ref = [a for a in args[1:] if not a.startswith(("run.out_dir=", "train.ckpt_every="))]
-    train(load_config("tiny", [*ref, f"run.out_dir={tmp_path / 'ref'}", "train.ckpt_every=10"]))  # (here)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (here, with the one thread of the processes below)
+    try:
+        train(load_config("tiny", [*ref, f"run.out_dir={tmp_path / 'ref'}", "train.ckpt_every=10"]))
+    finally:
+        torch.set_num_threads(threads)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ember", "train", *args],
         env=_child_env(),

@@ -525,7 +525,7 @@ def print_plan(cfg, predicted: list[dict], measured: list[dict] | None, flops: f
     print(f"FLOPs per step: {flops:.3e} (6N + attention, × {t.batch_tokens:,} tokens){step_s}")
     if fits is not None:
         gib, found = fits
-        line = f"train.micro_batch={found[0]}, predicted peak {mib(found[1])} MiB" if found else "not one row"
+        line = f"train.micro_batch={found[0]}, predicted peak {mib(found[1])} MiB" if found else "none"
         print(f"largest micro-batch whose predicted peak fits in {gib:g} GiB: {line}")
     if measured is None:
         return

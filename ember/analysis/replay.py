@@ -21,12 +21,15 @@ and the parameters, whole.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import os
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -266,18 +269,21 @@ def record_rank(cfg, steps: int, out: Path) -> None:
 
 
 def _launch(cfg, steps: int, world: int) -> list[list[tuple]]:
-    """``record_rank`` on ``world`` ranks under torchrun (this module's ``__main__``; one rank
-    runs in this process, with the one thread a rank gets: no process group either way), its
-    records in one order whatever the world size: micro-batches by their index in the global
-    batch, then rank 0's whole tensors."""
+    """``record_rank`` on ``world`` ranks under torchrun (this module's ``__main__``; one rank on
+    the CPU runs in this process, as torchrun would run it: one thread, rank 0 of 1, no process
+    group), its records in one order whatever the world size: micro-batches by their index in
+    the global batch, then rank 0's whole tensors. (On CUDA a lone rank is launched too, so that
+    this process holds no GPU memory beside the other run's rank 0.)"""
     with tempfile.TemporaryDirectory(prefix="ember-determinism-") as tmp:
-        if world == 1:
+        if world == 1 and not wants_cuda(cfg.train.device):
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                record_rank(cfg, steps, Path(tmp))
+                with mock.patch.dict(os.environ, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}):
+                    record_rank(cfg, steps, Path(tmp))
             finally:
                 torch.set_num_threads(threads)
+                gc.collect()  # (the trainer's scaler and model hold each other)
         else:
             config = Path(tmp) / "config.yaml"
             config.write_text(config_to_yaml(cfg))
