@@ -2,8 +2,10 @@
 ``python tests/legs.py N LEGS.json``. The file maps names to the overrides of the ``tiny``
 preset (a training run each), to ``{"config": ..., "overrides": [...]}`` (a training run of
 another preset), or to ``{"config": ..., "overrides": [...], "plan": OUT}``: ``ember plan``'s
-prediction and its measurement of a few steps, which rank 0 writes to OUT as JSON. Each run
-builds its own mesh in the one process group; a run that fails stops the launch.
+prediction and its measurement of a few steps, which rank 0 writes to OUT as JSON, or to
+``{"config": ..., "overrides": [...], "nan": PARAMETER, "out": OUT}``: a run whose PARAMETER
+holds a NaN on every rank, whose NonFiniteError rank 0 writes to OUT. Each run builds its own
+mesh in the one process group; a run that fails stops the launch.
 
 The ranks are forked from this process after torch and ember are imported (4 s of CPU a
 process on the 2-core machine), with the environment torchrun would give them (RANK,
@@ -22,10 +24,13 @@ import socket
 import sys
 import time
 import traceback
+from pathlib import Path
+
+import torch
 
 from ember.config import load_config
 from ember.parallel.dist import barrier, destroy_distributed, get_rank
-from ember.train.trainer import Trainer
+from ember.train.trainer import NonFiniteError, Trainer
 
 
 def run_legs(legs: dict) -> None:
@@ -33,6 +38,17 @@ def run_legs(legs: dict) -> None:
         for leg in legs.values():
             if isinstance(leg, list):
                 Trainer(load_config("tiny", ["train.report=false", *leg])).run()
+            elif "nan" in leg:
+                trainer = Trainer(load_config(leg["config"], leg["overrides"]))
+                weight = trainer.model.get_parameter(leg["nan"])
+                with torch.no_grad():
+                    (weight.to_local() if hasattr(weight, "to_local") else weight)[0, 0] = float("nan")
+                try:
+                    trainer.run()
+                    raise AssertionError(f"{leg['nan']} held a NaN and the run did not stop")
+                except NonFiniteError as e:
+                    if get_rank() == 0:
+                        Path(leg["out"]).write_text(str(e), encoding="utf-8")
             elif "plan" not in leg:
                 Trainer(load_config(leg["config"], leg["overrides"])).run()
             else:

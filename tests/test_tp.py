@@ -2,7 +2,8 @@
 process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout and GQA, with
 the GPT-2 layout and tied embeddings, with Muon, with sequence and loss parallel; FSDP2 x TP2 and HSDP
 2 x 2 on 4 ranks); checkpoints move between layouts (TP2 -> 1 process, 1 -> TP2, TP2 -> DDP2,
-FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes;
+FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes; a NaN
+weight stops a TP run with the module named;
 impossible layouts fail before launch. The layouts of one world size run in one torchrun launch
 (tests/legs.py)."""
 
@@ -82,7 +83,12 @@ def test_tensor_parallel_matches_one_process_and_checkpoints_move_between_layout
         (rd / "model").rename(rd / "model-saved")  # (the TP run's, read by ember eval below)
         shutil.rmtree(rd / "checkpoints" / "step-000006")
         (rd / "metrics.jsonl").write_text("")
-    _launch_legs(tmp_path, 2, moves(2, 1, "train.resume=auto"))
+    tp2_sp_lp = [*TWO["tp2-sp-lp"][1], "run.name=tp2-nan", "train.report=false"]
+    nan = {"config": "tiny", "nan": "layers.1.attention.wq.weight", "out": str(tmp_path / "nan.txt"),
+           "overrides": [*common, *tp2_sp_lp]}  # fmt: skip
+    _launch_legs(tmp_path, 2, moves(2, 1, "train.resume=auto") | {"tp2-nan": nan})
+    # the non-finite guard replays the step on sharded outputs and logits, and names the module
+    assert "step 1: loss or gradient norm is not finite; first non-finite output: layers.1.attention.wq." in (tmp_path / "nan.txt").read_text()  # fmt: skip # noqa: E501
     for overrides in moves(1, 1, "train.resume=auto").values():
         train(tiny_cfg(*overrides))
     for run in MOVES:

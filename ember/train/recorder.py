@@ -18,8 +18,14 @@ import math
 import torch
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (tensor parallel): looking at it needs no collective,
+    which a hook that one rank stops calling would leave the others waiting in."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def stats(t: torch.Tensor) -> dict:
-    t = t.detach().float()
+    t = _local(t).detach().float()
     finite = t[torch.isfinite(t)]
     return {"shape": list(t.shape), "nonfinite": int((~torch.isfinite(t)).sum()),
             "absmax": finite.abs().max().item() if finite.numel() else math.nan,
@@ -47,7 +53,7 @@ class Recorder:
             return
         if self.keep:
             self.events.append((phase, name, t.detach().clone()))
-        elif self.first is None and not torch.isfinite(t).all():
+        elif self.first is None and not torch.isfinite(_local(t)).all():
             self.first = {"phase": phase, "name": name, "tensor": stats(t), "before": fed or self.previous}
         self.previous = {"phase": phase, "name": name, **stats(t)} if not self.keep else None
 

@@ -192,17 +192,18 @@ def clip_grad_norm(params, max_norm: float, pipeline=None) -> torch.Tensor:
     return total
 
 
-def _find_nonfinite_module(model, task, batch, autocast, attention) -> str:
+def _find_nonfinite_module(model, task, batch, autocast, attention, loss_parallel) -> str:
     """Re-run the micro-batch, forward and backward, with every module output, gradient at a
     module output and parameter gradient checked in the order they are computed
     (``ember.train.recorder.Recorder``); say where the first non-finite one is."""
     model.zero_grad(set_to_none=True)  # the failed step's gradients would be seen again
     rec = Recorder(unwrap(model), keep=False)
     try:
-        with autocast, attention():  # as in training (precision, attention backend): the overflow reproduces
-            loss, _ = task.loss(model, batch)
-        if rec.first is None:
-            loss.backward()
+        with loss_parallel():  # as in training (precision, attention backend, split logits' loss)
+            with autocast, attention():
+                loss, _ = task.loss(model, batch)
+            if rec.first is None:
+                loss.backward()
     finally:
         rec.close()
         model.zero_grad(set_to_none=True)
@@ -695,7 +696,8 @@ class Trainer:
             return
         module = "not located under pipeline parallel"
         if getattr(self.model, "schedule", None) is None:
-            module = _find_nonfinite_module(self.model, self.task, batch, self.autocast, self.attention)
+            contexts = (self.autocast, self.attention, self.loss_parallel)
+            module = _find_nonfinite_module(self.model, self.task, batch, *contexts)
         raise NonFiniteError(
             f"step {step}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip. With the statistics of what "
