@@ -3,7 +3,8 @@ process's within 1e-5 over 5 steps on the same data (TP2 with the Llama layout a
 the GPT-2 layout and tied embeddings, with Muon, with sequence and loss parallel; FSDP2 x TP2 and HSDP
 2 x 2 on 4 ranks); checkpoints move between layouts (TP2 -> 1 process, 1 -> TP2, TP2 -> DDP2,
 FSDP2 x TP2 -> 1) with the same losses; `ember eval` reads the weights a TP run writes; a NaN
-weight stops a TP run with the module named;
+weight stops a TP run with the module named, and `ember analyze RUN nonfinite` replays a TP
+run's step in one process;
 impossible layouts fail before launch. The layouts of one world size run in one torchrun launch
 (tests/legs.py)."""
 
@@ -52,6 +53,7 @@ def test_tensor_parallel_matches_one_process_and_checkpoints_move_between_layout
     """Every parity layout of one world size runs in one torchrun launch (tests/legs.py), beside
     the runs whose checkpoints then move; the moves resume in one more launch or in this
     process: three launches where one per layout and move took seven."""
+    from ember.analysis.replay import nonfinite
     from tests.test_pp import _launch_legs
 
     want = {}
@@ -74,6 +76,8 @@ def test_tensor_parallel_matches_one_process_and_checkpoints_move_between_layout
             got = losses(tmp_path / name)
             assert sorted(got) == [1, 2, 3, 4, 5], name
             assert all(abs(got[s] - want[tuple(model)][s]) <= 1e-5 for s in got), (name, got, want)
+    replayed = nonfinite(tmp_path / "tp2-sp-lp", 3)  # `ember analyze RUN nonfinite` of a TP run, alone
+    assert replayed["step"] == 3 and replayed["first_nonfinite"] is None
     for overrides in moves(1, 0).values():
         train(tiny_cfg(*overrides))
 

@@ -46,8 +46,9 @@ from ember.train.trainer import scratch_trainer
 
 def nonfinite(run_dir, step: int | None, inject=None) -> dict:
     """Replay step ``step`` of the run from its last committed checkpoint before it (or from the
-    start) and name the first non-finite tensor. ``inject(trainer)``: a test's fault, installed
-    before the replayed step."""
+    start) and name the first non-finite tensor: in this process, whatever the run's layout (its
+    checkpoints move between layouts; the step's global batch is the same on one device).
+    ``inject(trainer)``: a test's fault, installed before the replayed step."""
     if step is None:
         raise EmberError("nonfinite replays one step: give --step S (the step the run stopped at)")
     if step < 1:
@@ -62,10 +63,11 @@ def nonfinite(run_dir, step: int | None, inject=None) -> dict:
         )
     if step > last:
         raise EmberError(f"--step {step} is beyond {run_dir}, which trained to step {last}; give 1 to {last}")
-    cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"))  # record it, do not stop on it
+    # record it, do not stop on it; on one device (the layout's defaults: tp = pp = 1, ...)
+    cfg = replace(cfg, train=replace(cfg.train, nonfinite="skip"), parallel=type(cfg.parallel)())
     before = [p for s, p, done in checkpoint_steps(Path(run_dir) / "checkpoints") if done and s < step]
     resume = str(before[-1].resolve()) if before else "never"
-    # (only cadences and the non-finite policy differ from the run's config)
+    # (only cadences, the layout and the non-finite policy differ from the run's config)
     with scratch_trainer(cfg, resume=resume, resume_allow_changes=True) as trainer:
         batches = trainer.loader.iterate(trainer.step)
         while trainer.step < step - 1:
