@@ -123,6 +123,7 @@ def test_tensor_parallel_matches_one_process_and_checkpoints_move_between_layout
             "needs model.pos=rope",
         ),
         (["--nproc", "4", "parallel.data=fsdp"], "does not split into micro-batches of 4 on 4 rank(s)"),
+        (["--nproc", "2", "parallel.tp=2", "train.compile=true"], "compile=false, or model.pos=learned"),
         (
             ["--nproc", "2", "parallel.tp=2", "parallel.loss_parallel=true", "train.z_loss=1e-4"],
             "set train.z_loss=0",
