@@ -82,6 +82,10 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss
         plan["norm"] = SequenceParallel()
     plan = {name: how for name, how in plan.items() if getattr(model, name) is not None}  # (a pipeline stage)
     parallelize_module(model, mesh, plan)
+    if model.tok_embeddings is not None:  # the blocks get a copy, not the DTensor's own local tensor:
+        # a compiled block (train.compile) whose input is that alias hands its gradient back to the
+        # redistribution behind it as a plain tensor (torch 2.13; with RoPE, where nothing is added to it)
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     if tied:
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():

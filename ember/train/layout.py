@@ -125,8 +125,6 @@ def _check_tensor_parallel(cfg, world_size: int, m, task) -> None:
         )
     if cfg.parallel.loss_parallel and (t.z_loss or m.logit_softcap):
         raise ConfigError("parallel.loss_parallel computes plain cross-entropy on split logits: set train.z_loss=0 and model.logit_softcap=0")  # fmt: skip # noqa: E501
-    if t.compile and m.pos == "rope":  # (docs/parallel.md, "Not yet")
-        raise ConfigError("train.compile with parallel.tp and model.pos=rope fails in the backward on torch 2.13 (a DTensor redistribution in the head is handed a plain gradient): set train.compile=false, or model.pos=learned")  # fmt: skip # noqa: E501
     if cfg.parallel.sequence_parallel and m.pos != "rope":
         raise ConfigError("parallel.sequence_parallel needs model.pos=rope: learned positions are added to the whole sequence")  # fmt: skip # noqa: E501
     unsupported = (
