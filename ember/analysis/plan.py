@@ -63,7 +63,7 @@ from ember.data.prepare import prepare
 from ember.errors import EmberError
 from ember.model.gpt import GPT, layer_mixers, mlp_hidden_size
 from ember.model.mamba import dt_rank
-from ember.parallel.dist import run_ranks
+from ember.parallel.dist import local, run_ranks
 from ember.parallel.pipeline import microbatches, stage_layers, stage_model, virtual_stages
 from ember.train.layout import check_layout
 from ember.train.start import resolve_model_config
@@ -297,7 +297,7 @@ def step_flops(model_cfg, cfg) -> float:
 
 def _storages(tensors) -> dict[int, int]:
     """Bytes by storage of ``tensors`` (None skipped; a DTensor's local shard)."""
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    tensors = [local(t) for t in tensors if t is not None]
     return {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
 
 

@@ -151,6 +151,11 @@ def run_ranks(nproc: int, *args: str, module: str = "ember", what: str = "the ru
     raise EmberError(f"{what} on {nproc} rank(s) failed (exit {proc.returncode}):\n" + "\n".join(shown))
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a plain tensor as it is): reading it takes no collective."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def destroy_distributed() -> None:
     global _ENV
     if dist.is_available() and dist.is_initialized():

@@ -82,10 +82,6 @@ def apply_tp(model: torch.nn.Module, mesh, sequence_parallel: bool = False, loss
         plan["norm"] = SequenceParallel()
     plan = {name: how for name, how in plan.items() if getattr(model, name) is not None}  # (a pipeline stage)
     parallelize_module(model, mesh, plan)
-    if model.tok_embeddings is not None:  # the blocks get a copy, not the DTensor's own local tensor:
-        # a compiled block (train.compile) whose input is that alias hands its gradient back to the
-        # redistribution behind it as a plain tensor (torch 2.13; with RoPE, where nothing is added to it)
-        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     if tied:
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
@@ -168,6 +164,11 @@ def apply_layout(model: torch.nn.Module, env, cfg) -> torch.nn.Module:
         apply_activation_checkpointing(model)
     if cfg.train.compile and not cfg.train.compiles_step:
         apply_compile(model, cfg.train.compile_mode)
+        if env.tp > 1 and getattr(model, "tok_embeddings", None) is not None:  # (not a later stage)
+            # the blocks get a copy, not the DTensor's own local tensor: a compiled block whose input
+            # is that alias hands its gradient back to the redistribution behind it as a plain
+            # tensor (torch 2.13; with RoPE, where nothing is added to the embedding's output)
+            model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     if env.dp_size > 1:
         if cfg.parallel.data == "fsdp":
             return apply_fsdp(model, env.dp_mesh, cfg.train.precision)  # a 2-D dp_mesh: HSDP

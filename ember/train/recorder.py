@@ -17,15 +17,14 @@ import math
 
 import torch
 
+from ember.parallel.dist import local
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (tensor parallel): looking at it needs no collective,
-    which a hook that one rank stops calling would leave the others waiting in."""
-    return t.to_local() if hasattr(t, "to_local") else t
+# (tensors are read through ``local``: a DTensor's shard, no collective in a hook that one rank
+# stops calling once it has found its first non-finite tensor, which would leave the others waiting)
 
 
 def stats(t: torch.Tensor) -> dict:
-    t = _local(t).detach().float()
+    t = local(t).detach().float()
     finite = t[torch.isfinite(t)]
     return {"shape": list(t.shape), "nonfinite": int((~torch.isfinite(t)).sum()),
             "absmax": finite.abs().max().item() if finite.numel() else math.nan,
@@ -53,7 +52,7 @@ class Recorder:
             return
         if self.keep:
             self.events.append((phase, name, t.detach().clone()))
-        elif self.first is None and not torch.isfinite(_local(t)).all():
+        elif self.first is None and not torch.isfinite(local(t)).all():
             self.first = {"phase": phase, "name": name, "tensor": stats(t), "before": fed or self.previous}
         self.previous = {"phase": phase, "name": name, **stats(t)} if not self.keep else None
 
