@@ -2,18 +2,19 @@
 # The checks and benchmarks that wait for a GPU, ready for one lent machine (its image has
 # torch + CUDA, transformers and peft, and it cannot download; ember itself comes by PYTHONPATH):
 #
-# A session lent a GPU has 15 minutes of device time in all, the machine's start (1-2 min)
-# included, and a warm machine goes back 30 s after a call: two calls back to back, then
-# give_back. In order of what is still unmeasured (carry .gpu: Liger-Kernel and torchao, below):
+# A session lent a GPU has 15 minutes of device time in all, the machine's start included (about
+# 30 s on 2026-11-26), and a warm machine goes back 30 s after a call: two calls back to back,
+# then give_back. What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
-#   bash benchmarks/gpu.sh all            # 1st call, issue 29: env train decode serve fp8-loss (<= 9 min)
-#   DEADLINE=250 bash benchmarks/gpu.sh kernels-test kernels   # 2nd call at once, issue 28 (<= 4 min)
+#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode fp8-loss (<= 9 min)
+#   DEADLINE=300 bash benchmarks/gpu.sh levers kernels-train   # 2nd call at once (<= 5 min)
 #
 # (`all`'s train stage holds issue 28's train.kernels row: ember against ember-triton, tokens/s
-# and peak memory in one script; `kernels-train` is the same through the CLI.)
-#
-# and in a later lease: `levers` (issue 29's levers one by one, and llama-small), `analyze`,
-# `lora`, `plan`, `parallel` (earlier issues' GPU checks, each <= 5 min).
+# and peak memory in one script; `kernels-train` is the same through the CLI.) The lease of
+# 2026-11-26 ran `all` (its serve stage then failed on its own arguments), `serve decode kernels`
+# and `kernels-test`: benchmarks/RESULTS.md, "One GPU, measured". In a later lease: `kernels`
+# again, `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU
+# checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
@@ -26,14 +27,14 @@
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
 #             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3)              (140 s)
+#             graphs against transformers' generate (issue 29 point 3)              (160 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
 #             and the caching allocator's peak                                      (240 s)
 #   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
 #   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py on CUDA: each kernel against
-#             its reference on the GPU itself (the CPU runs them under the interpreter)    (90 s)
+#             its reference on the GPU itself (the CPU runs them under the interpreter)   (150 s)
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
 #             lacks it), gpt2-small and llama-small shapes; kernels.json          (300 s)
@@ -53,7 +54,7 @@
 #             attention; then llama-small against LlamaForCausalLM; then the micro-batch
 #             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (100 s)
+#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (200 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -118,8 +119,8 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 140 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
-            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 3"
+        stage decode 160 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 2 --new-tokens 128 ${DECODE_ARGS:-}"
         ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
@@ -132,7 +133,7 @@ for what in "$@"; do
             --steps 30 --layouts single"
         ;;
     kernels-test)  # the kernels' own tests, on the GPU: the CPU runs them interpreted
-        stage kernels-test 90 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
+        stage kernels-test 150 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
             tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py -k 'not cpp'"
         ;;
     kernels)
@@ -159,14 +160,14 @@ for what in "$@"; do
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-whole"
         ;;
     serve)
-        stage serve 100 "$PY benchmarks/serve.py --device $DEV --model ${SCFG:-gpt2-small} --clients 1 16 64 256 \
-            --requests 256 --attention gather flex serve.max_seqs=256 serve.max_batch_tokens=2048 \
-            serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256]"
+        stage serve 200 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
+            serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] --device $DEV \
+            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention gather flex"
         ;;
-    all)  # issue 29 in one call: env, train, decode, serve, fp8-loss (<= 9 min together)
+    all)  # issue 29 in one call: env, serve, train, decode, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
-        DEADLINE=$DEADLINE bash "$SELF" env train decode serve fp8-loss || failed=1
-        summary env train decode serve fp8-loss
+        DEADLINE=$DEADLINE bash "$SELF" env serve train decode fp8-loss || failed=1
+        summary env serve train decode fp8-loss
         ;;
     *)
         echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers serve all" >&2
