@@ -153,11 +153,11 @@ for what in "$@"; do
         stage fp8-loss 100 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
     levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
-        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-whole \
+        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-block \
             ember-graphs ember-whole-graphs ember-flash ember-cudnn && \
-            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-whole && \
+            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-block && \
             $PY -m ember plan gpt2-small train.device=$DEV && \
-            $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-whole"
+            $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-block"
         ;;
     serve)
         stage serve 200 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \

@@ -10,17 +10,19 @@ Rows (tokens/s, MFU against 989 TFLOP/s, the H100/H200 dense bf16 peak, whatever
 - ``hf-eager``, ``hf-compiled``: ``GPT2LMHeadModel`` (or ``LlamaForCausalLM``; SDPA attention)
   holding ember's initial weights (``to_hf``), bf16 autocast, loss as ``LMTask.loss``, clip 1.0,
   fused AdamW: the step a transformers user writes; compiled is ``torch.compile`` of the model.
-- ``ember``: the preset's own step (``Trainer.train_step``: per-block compile, bf16,
-  clip, the non-finite guard on the device, fused AdamW) on the same batch; ``ember-triton``
+- ``ember``: the preset's own step (``Trainer.train_step``: on one GPU ``train.compile_scope=auto``
+  compiles forward and loss as one graph; bf16, clip, the non-finite guard on the device, fused
+  AdamW) on the same batch; ``ember-block`` compiles each block instead (the default until the
+  H200 measured the whole graph 24% faster: benchmarks/RESULTS.md); ``ember-triton``
   (``train.kernels=triton``: ember's norms, RoPE, attention and the fused linear + loss),
   ``ember-muon`` (``train.optimizer=muon``: batched bf16 Newton–Schulz), ``ember-fp8`` and
   ``ember-fp8-rowwise`` (``train.precision=fp8``: torchao float8 block linears). A row that
   cannot run on this machine says why (its ConfigError) instead of a number.
-- issue 29's levers, each one change from ``ember``: ``ember-whole`` (``train.compile_scope=model``:
-  forward and loss in one graph, so the fp32 cast of the logits fuses into the cross-entropy),
-  ``ember-graphs`` and ``ember-whole-graphs`` (``train.compile_mode=reduce-overhead``: CUDA
-  graphs), ``ember-flash`` and ``ember-cudnn`` (``train.sdpa``: one attention backend). Not in
-  the default rows: name them (``--rows``).
+- issue 29's levers: ``ember-whole`` (``train.compile_scope=model``, what ``auto`` picks on one
+  GPU: forward and loss in one graph, so the fp32 cast of the logits fuses into the
+  cross-entropy), ``ember-graphs`` and ``ember-whole-graphs`` (``train.compile_mode=reduce-overhead``:
+  CUDA graphs, per block or whole), ``ember-flash`` and ``ember-cudnn`` (``train.sdpa``: one
+  attention backend, on ``ember``). Not in the default rows: name them (``--rows``).
 
 Each row: ``--warmup`` steps (compilation), then ``--steps`` steps timed between two
 ``torch.cuda.synchronize()`` calls; tokens/s = steps × B × T / seconds; peak GiB is the caching
@@ -53,18 +55,19 @@ ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
     "hf-eager": None,
     "hf-compiled": None,
     "ember": [],
+    "ember-block": ["train.compile=true", "train.compile_scope=block"],  # the default before the H200
     "ember-triton": ["train.kernels=triton"],
     "ember-muon": ["train.optimizer=muon"],
     "ember-fp8": ["train.precision=fp8"],
     "ember-fp8-rowwise": ["train.precision=fp8-rowwise"],
-    # issue 29's levers, each against "ember" (per-block compile, SDPA's own choice of backend):
+    # issue 29's levers (ember-flash, ember-cudnn: one change from "ember"):
     "ember-whole": ["train.compile=true", "train.compile_scope=model"],  # forward + loss: the CE fused in
-    "ember-graphs": ["train.compile=true", "train.compile_mode=reduce-overhead"],  # per-block CUDA graphs
+    "ember-graphs": ["train.compile=true", "train.compile_scope=block", "train.compile_mode=reduce-overhead"],  # fmt: skip # noqa: E501
     "ember-whole-graphs": ["train.compile=true", "train.compile_scope=model", "train.compile_mode=reduce-overhead"],  # fmt: skip # noqa: E501
     "ember-flash": ["train.sdpa=flash"],
     "ember-cudnn": ["train.sdpa=cudnn"],
 }
-DEFAULT = ["ember", "hf-compiled", "ember-whole", "ember-triton", "ember-fp8", "ember-muon", "hf-eager"]
+DEFAULT = ["ember", "hf-compiled", "ember-block", "ember-triton", "ember-fp8", "ember-muon", "hf-eager"]
 CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_size=512",
        "model.max_seq_len=32", "train.precision=fp32", "train.compile=false"]  # fmt: skip
 

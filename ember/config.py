@@ -242,7 +242,7 @@ class TrainConfig(_Section, key="train"):
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
     precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler; fp8(-rowwise): torchao float8 block linears (CUDA sm89+)", choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"))  # fmt: skip # noqa: E501
     compile: bool = opt(False, "torch.compile each block, or the whole step (compile_scope)")
-    compile_scope: str = opt("block", "model: one graph of forward and loss (one device)", choices=("block", "model"))  # fmt: skip # noqa: E501
+    compile_scope: str = opt("auto", "block: each block; model: forward + loss in one graph (one device); auto: model on one CUDA device where the loss traces whole, else block", choices=("auto", "block", "model"))  # fmt: skip # noqa: E501
     compile_mode: str = opt("default", "reduce-overhead: CUDA graphs", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"))  # fmt: skip # noqa: E501
     sdpa: str = opt("auto", "PyTorch's attention backend: flash, cudnn, efficient (CUDA), math", choices=("auto", "flash", "cudnn", "efficient", "math"))  # fmt: skip # noqa: E501
     kernels: str = opt("torch", "triton: ember.kernels (norm, RoPE, attn, CE)", choices=("torch", "triton"))
@@ -278,13 +278,13 @@ class TrainConfig(_Section, key="train"):
         super().__post_init__()
         message = "train.qlora=true adapts a frozen NF4 base with LoRA; give it train.lora_rank (e.g. 8)"
         _require(not self.qlora or self.lora_rank > 0, "train.qlora", message)
-        key = "train.compile_scope" if self.compile_scope != "block" else "train.compile_mode"
-        unset = self.compile_scope == "block" and self.compile_mode == "default"
+        key = "train.compile_scope" if self.compile_scope != "auto" else "train.compile_mode"
+        unset = self.compile_scope == "auto" and self.compile_mode == "default"
         _require(self.compile or unset, key, f"{key} shapes torch.compile: set train.compile=true")
 
     @property
     def compiles_step(self) -> bool:
-        """The task's forward and loss compiled as one graph (else each block, if any)."""
+        """The task's forward and loss asked to compile as one graph (``auto``: layout.compile_scope)."""
         return self.compile and self.compile_scope == "model"
 
 

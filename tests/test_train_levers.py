@@ -21,7 +21,7 @@ import ember.train.trainer as trainer_module
 from ember.config import load_config
 from ember.errors import ConfigError
 from ember.run import read_metrics
-from ember.train.layout import check_layout
+from ember.train.layout import check_layout, compile_scope
 from ember.train.optim import Muon, orthogonalize, orthogonalize_all
 from ember.train.start import check_fp8, fp8_filter
 from ember.train.trainer import NonFiniteError, Trainer
@@ -257,6 +257,25 @@ def test_whole_step_compile_matches_eager(tiny_cfg):
     with pytest.raises(ConfigError, match="with 2 micro-batches a step they would be lost"):
         check_layout(tiny_cfg(*whole), world_size=1)
     check_layout(tiny_cfg(*whole[:2]), world_size=1)  # accumulation is fine without CUDA graphs
+
+
+@pytest.mark.parametrize(
+    "overrides, device, ranks, scope",
+    [
+        ((), "cuda", 1, "model"),  # the H200's +24%: the default on one GPU
+        ((), "cpu", 1, "block"),  # a CPU: the whole graph's longer compile buys nothing there
+        ((), "cuda", 2, "block"),  # ranks: each block
+        (("train.activation_checkpointing=true",), "cuda", 1, "block"),
+        (("train.task=mlm", "model.causal=false", "model.head=mlm"), "cuda", 1, "block"),  # a host read
+        (("train.compile_scope=block",), "cuda", 1, "block"),
+        (("train.compile_scope=model",), "cpu", 1, "model"),
+        (("train.compile=false",), "cuda", 1, ""),
+    ],
+)
+def test_compile_scope_auto_compiles_the_whole_step_on_one_gpu(tiny_cfg, overrides, device, ranks, scope):
+    """``train.compile_scope=auto`` (the default) resolved: the task's forward and loss in one
+    graph on one CUDA device when its loss traces whole, each block everywhere else."""
+    assert compile_scope(tiny_cfg("train.compile=true", *overrides).train, device, ranks) == scope
 
 
 def test_sdpa_backend_is_chosen_and_refused_where_it_cannot_run(tiny_cfg):

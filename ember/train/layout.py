@@ -29,6 +29,21 @@ class Layout:
     grad_accum: int  # micro-steps of accumulation per rank
 
 
+def compile_scope(t, device_type: str, world_size: int) -> str:
+    """What ``train.compile`` compiles: ``model`` (the task's forward and loss as one graph),
+    ``block`` (each block) or ``""`` (nothing). ``auto`` takes the whole model on one CUDA
+    device when the task's loss traces to one graph and no block is recomputed: gpt2-small's
+    step on an H200 ran 24% faster that way at half the peak memory, the fp32 logits fused
+    into the loss (benchmarks/RESULTS.md, "One GPU, measured"). Elsewhere each block: ranks
+    need it, and a CPU pays the longer compile of a whole graph for no such gain."""
+    if not t.compile:
+        return ""
+    if t.compile_scope != "auto":
+        return t.compile_scope
+    whole = device_type == "cuda" and world_size == 1 and task_class(t.task).whole_graph
+    return "model" if whole and not t.activation_checkpointing else "block"
+
+
 def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
     """The layout of ``cfg`` on ``world_size`` ranks, or a ConfigError that says why it cannot
     run (``model_cfg``: the resolved model config, when the vocabulary is known)."""

@@ -76,7 +76,7 @@ from ember.report.report import write_report
 from ember.run import export_weights, latest_checkpoint
 from ember.train.checkpoint import load_checkpoint, save_checkpoint
 from ember.train.dynamics import Dynamics
-from ember.train.layout import check_layout
+from ember.train.layout import check_layout, compile_scope
 from ember.train.metrics import MetricsLog, ProgressBar, peak_flops, peak_memory_mb
 from ember.train.optim import build_optimizer, lr_at
 from ember.train.recorder import Recorder
@@ -274,7 +274,8 @@ class Trainer:
             apply_fp8(model, t)
         self.frozen = None  # a reference copy of the starting weights, if the task keeps one
         task.prepare(self, model)
-        self.model = parallelize(model, env, cfg)
+        scope = compile_scope(t, env.device.type, env.world_size)  # train.compile_scope=auto resolved
+        self.model = parallelize(model, env, replace(cfg, train=replace(t, compile_scope=scope or "auto")))
         self.loss_parallel = contextlib.nullcontext
         if env.tp > 1 and cfg.parallel.loss_parallel:  # forward and backward of the loss on split logits
             self.loss_parallel = loss_parallel
@@ -289,7 +290,7 @@ class Trainer:
         self.step_metrics: dict[str, torch.Tensor] = {}  # the task's own, per step (DPO's rewards, ...)
         self.task, self.loader, self.val_loader = task.build(self, model)
         self.compiled_loss = None  # train.compile_scope=model: the task's forward + loss in one graph
-        if t.compiles_step:
+        if scope == "model":
             self.compiled_loss = torch.compile(self.task.loss, mode=compile_mode(t.compile_mode))
         self._resume()
         # a finished run resumed again: nothing to train, and nothing in its directory changes
