@@ -22,7 +22,7 @@ from ember.config import load_config
 from ember.errors import ConfigError
 from ember.run import read_metrics
 from ember.train.layout import check_layout, compile_scope
-from ember.train.optim import Muon, orthogonalize, orthogonalize_all
+from ember.train.optim import Muon, orthogonalize
 from ember.train.start import check_fp8, fp8_filter
 from ember.train.trainer import NonFiniteError, Trainer
 
@@ -158,23 +158,51 @@ def test_stop_on_the_device_keeps_the_weights_the_bad_step_started_from(tiny_cfg
 
 
 def test_batched_newton_schulz_equals_per_matrix():
+    """CUDA's road (``batched``: same-shape matrices as one stack, the AdamW group in torch's fused
+    kernel) against the CPU's per-parameter road, on the CPU: the same update within fp32 rounding,
+    a skipped step leaves everything as it was, and the batched step's launches do not grow with
+    the number of matrices."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n = getattr(self, "n", 0) + (not func.is_view)  # a launch on a GPU (a view is none)
+            return func(*args, **(kwargs or {}))
+
     torch.manual_seed(0)
     shapes = [(64, 96), (64, 96), (96, 64), (96, 64), (96, 64), (32, 32), (48, 80)]
-    grads = [torch.randn(s) for s in shapes]
-    per_matrix = orthogonalize_all(grads, 5, torch.float32, batched=False)
-    batched = orthogonalize_all(grads, 5, torch.float32, batched=True)
-    for g, a, b in zip(grads, per_matrix, batched, strict=True):
-        assert torch.equal(a, orthogonalize(g))  # unbatched is the old path, bit for bit
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # fp32 bmm vs mm: rounding only
-    params = [torch.nn.Parameter(g.clone()) for g in grads]
-    twin = [torch.nn.Parameter(g.clone()) for g in grads]
-    for ps, flag in ((params, True), (twin, False)):
-        opt = Muon(ps, lr=0.02, ns_batched=flag)
-        for p in ps:
-            p.grad = p.detach().sin()
-        opt.step()
-    for p, q in zip(params, twin, strict=True):
+    stack = torch.randn(3, 96, 64)
+    torch.testing.assert_close(orthogonalize(stack), torch.stack([orthogonalize(g) for g in stack]), rtol=0, atol=1e-5)  # fmt: skip # noqa: E501
+
+    def model(n: int):  # n copies of the shapes, and vectors for the AdamW group
+        mats = [torch.nn.Parameter(torch.randn(s)) for s in shapes * n]
+        vecs = [torch.nn.Parameter(torch.randn(s[0])) for s in shapes * n]
+        return mats, vecs
+
+    def step(mats, vecs, batched, found=None, steps=2):
+        opt = Muon([{"params": mats}, {"params": vecs, "use_muon": False}], lr=0.02, batched=batched)
+        for _ in range(steps):
+            for p in mats + vecs:
+                p.grad = p.detach().sin()
+            if found is not None:
+                opt.found_inf = found
+            with (count := Count()):
+                opt.step()
+        return count.n  # the last step's (the first also makes the state)
+
+    (a, av), (b, bv) = model(1), model(1)
+    for p, q in zip(a + av, b + bv, strict=True):
+        q.data.copy_(p)
+    step(a, av, batched=True)
+    step(b, bv, batched=False)
+    for p, q in zip(a + av, b + bv, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    (c, cv) = model(1)
+    before = [p.detach().clone() for p in c + cv]
+    step(c, cv, batched=True, found=torch.ones(()))
+    assert all(torch.equal(p, q) for p, q in zip(c + cv, before, strict=True))  # skipped, on the device
+    two, four, per_param = step(*model(2), True), step(*model(4), True), step(*model(4), False)
+    assert four == two < per_param / 4, (two, four, per_param)
 
 
 def test_fp8_is_refused_before_any_work(tiny_cfg, monkeypatch):
