@@ -5,12 +5,16 @@
 
 Each row times one op, forward and backward (the int8 product: forward only, it is a decode op),
 with ``triton.testing.do_bench`` on CUDA (median ms of repeated runs after warm-up, caches
-flushed). Memory-bound ops report the fraction of the device's nominal HBM bandwidth their bytes
-reach (the bytes each op must move at least: docs/kernels.md); attention and the fused linear
-cross-entropy are compute-bound and report TFLOP/s. "vs eager" is eager's time over this row's
-(> 1: faster). Fused linear cross-entropy also reports the allocator's peak over the call. On
-a CPU the Triton kernels run under the interpreter: times mean nothing there, the run only
-shows that every row works.
+flushed), each call launched from Python. Memory-bound ops are also timed replayed from a CUDA
+graph ("graph ms", ``do_bench_cudagraph``): on these shapes their launches from Python take
+longer than their kernels (the H200 lease of 2026-11-26: 0.15-0.9 ms for ops whose bytes take
+25-50 µs), so the graph's time is the kernel's own. They report the fraction of the device's
+nominal HBM bandwidth their bytes reach in that time (the bytes each op must move at least:
+docs/kernels.md); attention and the fused linear cross-entropy are compute-bound and report
+TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
+Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
+Triton kernels run under the interpreter: times mean nothing there, the run only shows that
+every row works.
 """
 
 from __future__ import annotations
@@ -48,6 +52,21 @@ def bench(fn, device: str) -> float:
     start = time.perf_counter()
     fn()
     return 1e3 * (time.perf_counter() - start)
+
+
+def bench_graph(fn, device: str) -> float | str:
+    """Median ms of ``fn()`` replayed from a CUDA graph: the kernels' own time, without the
+    host's launches (a memory-bound op on these shapes takes tens of µs, its launches from
+    Python hundreds); the reason instead where ``fn`` cannot be captured, "" off CUDA."""
+    if device != "cuda":
+        return ""
+    import triton.testing
+
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception as err:  # noqa: BLE001 -- a row that cannot be captured says why
+        torch.cuda.synchronize()
+        return "failed: " + str(err).splitlines()[0][:40]
 
 
 def fwd_bwd(op, inputs, grad=None):
@@ -234,7 +253,8 @@ def main() -> None:
         name, hbm, dtype = "CPU (Triton interpreted: times are meaningless)", None, torch.float32
         shapes = {"tiny": dict(N=64, C=32, V=101, B=2, T=32, H=4, Hkv=2, hd=16)}
     print(f"kernels on {name}, {dtype}, torch {torch.__version__}, liger {'yes' if liger() else 'absent'}")
-    rows, header = [], ["op", "shape", "impl", "ms", "bound", "vs eager", "peak MiB"]
+    header = ["op", "shape", "impl", "ms", "graph ms", "bound", "vs eager", "graph vs eager", "peak MiB"]
+    rows = []
     seen = set()
     for label, shape in shapes.items():
         groups = list(cases(shape, dtype, device))
@@ -244,30 +264,37 @@ def main() -> None:
             if (op, where) in seen or (label == "hd128" and op != "attention"):
                 continue
             seen.add((op, where))
-            base = None
+            base = base_graph = None
             for impl, fn in impls.items():
                 try:
                     ms = bench(fn, device)
                 except Exception as err:  # a peer that does not run here is a row, not a crash
                     why = "failed: " + str(err).splitlines()[0][:60]
-                    rows.append([op, f"{label} {where}", impl, why, "", "", ""])
+                    rows.append([op, f"{label} {where}", impl, why, "", "", "", "", ""])
                     continue
+                # memory-bound rows also from a CUDA graph; the bound is then the graph's
+                graph = bench_graph(fn, device) if nbytes else ""
+                own = graph if isinstance(graph, float) else ms
                 base = ms if impl in ("eager", "sdpa") else base
+                base_graph = graph if impl == "eager" and isinstance(graph, float) else base_graph
                 if nbytes:
-                    rate = nbytes / (ms * 1e-3)  # bytes/s
+                    rate = nbytes / (own * 1e-3)  # bytes/s
                     bound = f"{rate / hbm:.0%} of HBM" if hbm else f"{rate / 1e9:.1f} GB/s"
                 else:
                     bound = f"{flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s"
                 mem = peak_mb(fn, device) if op == "linear_cross_entropy" else math.nan
                 vs = f"{base / ms:.2f}x" if base else ""
+                vs_graph = f"{base_graph / graph:.2f}x" if base_graph and isinstance(graph, float) else ""
                 rows.append(
                     [
                         op,
                         f"{label} {where}",
                         impl,
                         f"{ms:.3f}",
+                        f"{graph:.3f}" if isinstance(graph, float) else graph,
                         bound,
                         vs,
+                        vs_graph,
                         "" if math.isnan(mem) else f"{mem:,.0f}",
                     ]
                 )
