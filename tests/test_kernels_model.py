@@ -77,3 +77,20 @@ def test_triton_kernels_refuse_layouts_they_cannot_serve(tiny_cfg):
         check_layout(tiny_cfg("train.kernels=triton", "parallel.tp=2"), 2)
     with pytest.raises(ConfigError, match="without train.qat"):
         check_layout(tiny_cfg("train.kernels=triton", "train.qat=int8-weight"), 1)
+
+
+def test_the_cli_chooses_the_interpreter_before_torch_imports_triton():
+    """``ember train tiny train.kernels=triton`` on a CPU with no TRITON_INTERPRET set: a model
+    module's torch imports pull in triton (torch.utils.flop_counter), so ember.model imports
+    ember.kernels first, which sets it; before, the run stopped with "triton was imported
+    before ember.kernels"."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the kernels run compiled: there is no interpreter to choose")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import ember.model.vision, sys; from ember.kernels import triton_ready; print('triton' in sys.modules, triton_ready('cpu'))"  # fmt: skip # noqa: E501
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True (True, '')", out.stdout + out.stderr
