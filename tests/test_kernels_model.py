@@ -55,19 +55,27 @@ def test_compiled_block_traces_through_the_kernels():
 
 def test_tiny_training_with_triton_kernels_matches_torch(tiny_cfg):
     """20 steps of `ember train tiny`: the loss with train.kernels=triton (norms, RoPE,
-    attention, fused linear + cross-entropy with z-loss) within 1e-4 of train.kernels=torch."""
+    attention, fused linear + cross-entropy with z-loss) within 1e-4 of train.kernels=torch,
+    eager, and over 6 steps with the whole step compiled."""
     # the interpreter spends milliseconds on each program: a one-layer tiny on 2 rows of 8 tokens
     common = ["train.precision=fp32", "train.deterministic=true", "train.max_steps=20", "train.eval_every=0",
               "train.z_loss=1e-4", "train.seq_len=8", "train.batch_tokens=16", "train.micro_batch=2",
               "train.eval_windows=2", "model.n_layer=1"]  # fmt: skip
-    curves = []
-    for kind in ("torch", "triton"):
-        cfg = tiny_cfg(*common, f"run.name={kind}", f"train.kernels={kind}")
+    # and the kernels inside one compiled graph of forward and loss: what train.compile_scope=auto
+    # gives train.kernels=triton on one GPU (dynamo traces the custom ops, inductor calls them)
+    # (6 steps: a compile, then interpreted kernels called from inductor's code)
+    whole = ("train.kernels=triton", "train.compile=true", "train.compile_scope=model", "train.max_steps=6")
+    legs = {"torch": ("train.kernels=torch",), "triton": ("train.kernels=triton",)}
+    legs |= {"torch6": ("train.kernels=torch", "train.max_steps=6"), "whole6": whole}
+    curves = {}
+    for name, kind in legs.items():
+        cfg = tiny_cfg(*common, f"run.name={name}", *kind)
         train(cfg)
-        rows = read_metrics(f"{cfg.run.out_dir}/{kind}")
-        curves.append({r["step"]: r["loss"] for r in rows if "loss" in r})
-    assert sorted(curves[0]) == sorted(curves[1]) and len(curves[0]) >= 4
-    assert all(abs(curves[0][s] - curves[1][s]) < 1e-4 for s in curves[0]), curves
+        rows = read_metrics(f"{cfg.run.out_dir}/{name}")
+        curves[name] = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    for a, b in (("torch", "triton"), ("torch6", "whole6")):
+        assert sorted(curves[a]) == sorted(curves[b]) and len(curves[a]) >= 4
+        assert all(abs(curves[a][s] - curves[b][s]) < 1e-4 for s in curves[a]), (curves[a], curves[b])
 
 
 def test_triton_kernels_refuse_layouts_they_cannot_serve(tiny_cfg):
