@@ -187,29 +187,21 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_one(self, group: dict, p, found, dtype) -> None:
         """The update of one matrix (or one stack of experts, each matrix on its own)."""
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         buf = self.state[p]["momentum_buffer"]
-        new_buf = buf.lerp(p.grad, 1 - mu)
-        moment = p.grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
+        orth = lambda m: _orthogonalize_any(m, group["ns_steps"], dtype)  # noqa: E731
+        new_buf, new = _muon_update(group, p, p.grad, buf, orth)
         _commit(buf, new_buf, found)
-        update = _orthogonalize_any(moment, group["ns_steps"], dtype)
-        rows, cols = p.shape[-2:]
-        _commit(p, p.mul(1 - lr * wd).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5), found)
+        _commit(p, new, found)
 
     def _muon_stack(self, group: dict, params: list, found, dtype) -> None:
         """``_muon_one`` for same-shape matrices at once, on their stack: the same arithmetic
         element by element, one Newton–Schulz chain (``baddbmm``) instead of one per matrix."""
-        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
         bufs = [self.state[p]["momentum_buffer"] for p in params]
-        grad, buf = torch.stack([p.grad for p in params]), torch.stack(bufs)
-        new_buf = buf.lerp(grad, 1 - mu)
-        moment = grad.lerp_(new_buf, mu) if group["nesterov"] else new_buf
-        torch._foreach_copy_(bufs, (new_buf if found is None else torch.where(found, buf, new_buf)).unbind(0))
-        update = orthogonalize(moment, group["ns_steps"], dtype)
-        rows, cols = params[0].shape
-        weight = torch.stack(params)
-        new = weight.mul(1 - lr * wd).add_(update, alpha=-lr * max(1.0, rows / cols) ** 0.5)
-        torch._foreach_copy_(params, (new if found is None else torch.where(found, weight, new)).unbind(0))
+        buf, weight = torch.stack(bufs), torch.stack(params)
+        orth = lambda m: orthogonalize(m, group["ns_steps"], dtype)  # noqa: E731
+        new_buf, new = _muon_update(group, weight, torch.stack([p.grad for p in params]), buf, orth)
+        torch._foreach_copy_(bufs, _kept(buf, new_buf, found).unbind(0))
+        torch._foreach_copy_(params, _kept(weight, new, found).unbind(0))
 
     def _adamw(self, group: dict, params: list, found) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -261,9 +253,25 @@ class Muon(torch.optim.Optimizer):
         )
 
 
+def _muon_update(group: dict, weight, grad, buf, orthogonalize_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Muon's arithmetic (the class docstring) on one matrix or a stack of same-shape ones:
+    the new momentum buffer and the new weight, neither committed yet."""
+    lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+    new_buf = buf.lerp(grad, 1 - mu)
+    moment = grad.lerp(new_buf, mu) if group["nesterov"] else new_buf
+    rows, cols = weight.shape[-2:]
+    scale = lr * max(1.0, rows / cols) ** 0.5
+    return new_buf, weight.mul(1 - lr * wd).add_(orthogonalize_fn(moment), alpha=-scale)
+
+
+def _kept(old: torch.Tensor, new: torch.Tensor, found) -> torch.Tensor:
+    """``new``, or ``old`` where the step is skipped (``found``, on the device; NaN never leaks)."""
+    return new if found is None else torch.where(found, old, new)
+
+
 def _commit(old: torch.Tensor, new: torch.Tensor, found) -> None:
-    """``old ← new``, or keep ``old`` where the step is skipped (``found``, on the device)."""
-    old.copy_(new if found is None else torch.where(found, old, new))
+    """``old ← new``, or keep ``old`` where the step is skipped."""
+    old.copy_(_kept(old, new, found))
 
 
 # ---------------------------------------------------------------- groups

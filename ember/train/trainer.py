@@ -274,8 +274,9 @@ class Trainer:
             apply_fp8(model, t)
         self.frozen = None  # a reference copy of the starting weights, if the task keeps one
         task.prepare(self, model)
-        scope = compile_scope(t, env.device.type, env.world_size)  # train.compile_scope=auto resolved
-        self.model = parallelize(model, env, replace(cfg, train=replace(t, compile_scope=scope or "auto")))
+        scope = compile_scope(t, env.device.type, env.world_size)  # "model", "block" or "" (no compile)
+        resolved = replace(cfg, train=replace(t, compile_scope=scope)) if scope else cfg
+        self.model = parallelize(model, env, resolved)
         self.loss_parallel = contextlib.nullcontext
         if env.tp > 1 and cfg.parallel.loss_parallel:  # forward and backward of the loss on split logits
             self.loss_parallel = loss_parallel
