@@ -161,7 +161,7 @@ for what in "$@"; do
         ;;
     serve)
         stage serve 200 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
-            serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] --device $DEV \
+            serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention gather flex"
         ;;
     all)  # issue 29 in one call: env, serve, train, decode, fp8-loss (<= 9 min together)

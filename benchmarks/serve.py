@@ -178,6 +178,8 @@ def device_main(args) -> None:
             [c] = batch1.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
             reference.append(c.token_ids)
         sequential = sum(len(t) for t in reference) / (time.perf_counter() - start)
+    print(f"batch-1 engine{' (CUDA graphs)' if batch1.graphs else ''}, one request after another: "
+          f"{sequential:,.0f} output tok/s ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     rows, equal_all = [], True
     for attention in args.attention:
         buckets = tuple(serve.decode_buckets) if attention == "flex" else None
@@ -186,6 +188,7 @@ def device_main(args) -> None:
                               prefix_caching=serve.prefix_caching, paged_attention=attention,
                               decode_buckets=buckets)  # fmt: skip
         level = {c: requests[: max(args.per_level, c)] for c in args.clients}
+        start = time.perf_counter()
         for clients in args.clients:  # warm-up: the very run, untimed (flex compiled, graphs captured)
             serve_level(scheduler, level[clients], clients)
             scheduler.blocks.block_of.clear(), scheduler.blocks.key_of.clear()  # no prefix-cache hits after
@@ -202,11 +205,12 @@ def device_main(args) -> None:
                          f"{statistics.median(itl):.1f} / {pct(itl, 0.99):.1f}" if itl else "",
                          f"{got['kv']:.1%}", f"{got['peak']:.0%}", f"{rate / sequential:.2f}x",
                          f"{same}/{len(got['done'])}"])  # fmt: skip
+            print(f"{attention}, {clients} clients: {rate:,.0f} output tok/s, {rate / sequential:.2f}x "
+                  f"sequential, {same}/{len(got['done'])} equal ({time.perf_counter() - start:.0f} s "
+                  "since the warm-up began)", flush=True)  # fmt: skip
         graphs = scheduler.graphs and (sorted(scheduler.graphs.graphs) or "none (no CUDA, or failed)")
         print(f"{attention}: {scheduler.preemptions} preemptions, {scheduler.blocks.num_blocks} blocks of "
               f"{serve.block_size}; decode buckets {buckets}, CUDA graphs: {graphs or 'off'}")  # fmt: skip
-    print(f"batch-1 engine{' (CUDA graphs)' if batch1.graphs else ''}, one request after another: "
-          f"{sequential:,.0f} output tok/s")  # fmt: skip
     print_table(["attention", "clients", "requests", "output tok/s", "TTFT ms p50 / p99", "ITL ms p50 / p99",
                  "KV used", "KV peak", "x sequential", "= batch-1"], rows)  # fmt: skip
     if not equal_all:
