@@ -14,7 +14,15 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 
 from ember.errors import EmberError
-from ember.infer.paged import BlockManager, FlexPagedKVCache, PagedKVCache, PagedSequence, bucket
+from ember.infer.paged import (
+    FLEX_RECOMPILES,
+    BlockManager,
+    FlexPagedKVCache,
+    PagedKVCache,
+    PagedSequence,
+    bucket,
+    compile_flex,
+)
 from ember.infer.sampling import Sampling
 from ember.infer.scheduler import Scheduler
 from tests.test_engine import LAYOUTS, tiny_model
@@ -125,6 +133,38 @@ def test_decode_padded_to_a_bucket_equals_the_unpadded_step():
         t.step([(i, 1) for i in range(5)])  # unpadded again
     assert t.worst < 1e-5
     assert bucket(5) == 16 and bucket(17) == 32 and bucket(64) == 64
+
+
+def test_compiled_flex_compiles_once_per_query_bucket():
+    """The compiled kernel's cache: one compilation per query bucket, whether the row fills its
+    bucket or is padded to it (a row that fills it used to reach FlexAttention with transposed
+    strides: a second compilation per bucket), and past dynamo's recompile limit (8 by default;
+    here lowered to 2 around the calls) every bucket still compiles: beyond the limit dynamo runs
+    FlexAttention eagerly over the whole pool, what an H100 showed at 64 clients. The backend
+    counts frames and runs them eagerly."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    kernel = compile_flex(backend=counter)
+    model = tiny_model(max_seq_len=256, n_layer=1)  # (a packed row is one sequence to it)
+    blocks = BlockManager(num_blocks=80, block_size=8)
+    cache = FlexPagedKVCache(blocks, flex=kernel, max_seqs=8)
+    buckets, rng = [16, 32, 64, 128, 256], random.Random(0)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=2):
+        for Q in buckets:
+            for tokens in (Q, Q // 2 + 1):  # fills its bucket, then is padded to it
+                per = -(-tokens // 8)  # in up to 8 fresh sequences of at most 32 tokens
+                lengths = [min(per, tokens - k) for k in range(0, tokens, per)]  # random ids: no cache hits
+                seqs = [PagedSequence([rng.randrange(3, 64) for _ in range(n)]) for n in lengths]
+                for seq in seqs:
+                    blocks.admit(seq)
+                step(model, cache, blocks, [(seq, len(seq.tokens)) for seq in seqs])
+                assert cache.tiles[2] == Q
+                for seq in seqs:
+                    blocks.release(seq)
+    assert counter.frame_count == len(buckets), counter.frame_count
+    assert FLEX_RECOMPILES >= 8 + len(buckets)
 
 
 def test_scheduler_flex_and_buckets_equal_gather_with_preemptions(engine):  # noqa: F811

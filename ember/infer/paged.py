@@ -329,16 +329,27 @@ KV_TILE = 128  # FlexAttention's sparse block (queries and pool slots): its CUDA
 
 def flex_kernel():
     """FlexAttention compiled (the fused kernel; on a CPU inductor's C++ template), once per process.
-    Static shapes, padded to ``bucket`` lengths: a few kernels serve every step."""
+    Static shapes, padded to ``bucket`` lengths: one kernel per query bucket serves every step.
+    Those buckets (16 to ``max_batch_tokens``: 8 at 2,048) may outnumber dynamo's default of 8
+    compilations per function, past which it would run FlexAttention eagerly, materializing the
+    scores over the whole pool (an H100, 2026-11-27: 0.4x the batch-1 engine at 64 clients), so
+    the calls raise that limit to ``FLEX_RECOMPILES``."""
     global _FLEX
     if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=False)  # dynamic: inductor's CPU template fails (2.13)
+        _FLEX = compile_flex()
     return _FLEX
 
 
+def compile_flex(backend: str | Callable = "inductor") -> Callable:
+    """``flex_kernel``'s function, under another ``backend`` too (tests count its compilations)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False, backend=backend)  # dynamic: CPU template fails
+    return torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILES)(compiled)
+
+
 _FLEX = None
+FLEX_RECOMPILES = 32  # query buckets 16 .. 16 * 2**31 tokens
 
 
 def bucket(n: int) -> int:
@@ -440,7 +451,9 @@ class FlexPagedKVCache(PagedKVCache):
         if self._block_mask is None:  # once per forward, shared by the layers
             self._block_mask = self.block_mask()
         flex, T, gqa = self.flex or flex_kernel(), q.size(2), q.size(1) != k.size(1)
-        q = F.pad(q, (0, 0, 0, self.tiles[2] - T))  # (1, n_head, Q, hd): the bucket's length
+        # (1, n_head, Q, hd): the bucket's length, contiguous (a pad of 0 would keep the transposed
+        # strides of q, and each stride is one more compiled kernel)
+        q = F.pad(q, (0, 0, 0, self.tiles[2] - T)).contiguous()
         out = flex(q, keys[None], values[None], block_mask=self._block_mask, enable_gqa=gqa)
         return out[:, :, :T]
 
