@@ -3,31 +3,34 @@
 # torch + CUDA, transformers and peft, and it cannot download; ember itself comes by PYTHONPATH):
 #
 # A session lent a GPU has 15 minutes of device time in all, the machine's start included (about
-# 30 s on 2026-11-26), and a warm machine goes back 30 s after a call: two calls back to back,
-# then give_back. What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
+# 30 s), and a warm machine goes back 30 s after a call: two calls back to back, then give_back.
+# What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode fp8-loss (<= 9 min)
 #   DEADLINE=300 bash benchmarks/gpu.sh levers kernels-train   # 2nd call at once (<= 5 min)
 #
-# (`all`'s train stage holds issue 28's train.kernels row: ember against ember-triton, tokens/s
-# and peak memory in one script; `kernels-train` is the same through the CLI.) The lease of
-# 2026-11-26 ran `all` (its serve stage then failed on its own arguments), `serve decode kernels`
-# and `kernels-test`: benchmarks/RESULTS.md, "One GPU, measured". In a later lease: `kernels`
-# again, `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU
-# checks, each <= 5 min).
+# (`levers` holds issue 28's train.kernels row: ember against ember-triton, tokens/s and peak
+# memory in one script; `kernels-train` is the same through the CLI.) The leases so far:
+# 2026-11-26, an H200: `all` (its serve stage then failed on its own arguments), `serve decode
+# kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
+# FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
+# then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
+# GPU, measured". Next: `all`, then `levers kernels-train`; later `kernels` (its graph column),
+# `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks,
+# each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
 # so a call stays inside the device's 10 minutes a command with its logs; a stage with under
 # 20 s left is skipped and says so. The script exits 1 if any stage failed or was skipped.
 # `all` ends by writing $OUT/summary.md: the device, then each stage's tables and findings.
-#   env       nvidia-smi, torch, transformers, peft versions                         (30 s)
+#   env       nvidia-smi, torch, transformers, peft versions                         (45 s)
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
 #             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3)              (160 s)
+#             graphs against transformers' generate (issue 29 point 3)              (130 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -45,16 +48,18 @@
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
-#   train     benchmarks/gpu_train.py: ember's gpt2-small step against transformers' GPT-2
-#             (eager, compiled), and ember whole-step compiled, kernels=triton, muon, fp8
-#             (issue 29 pt 1-2; each row printed as it ends, with its wall time)          (160 s)
+#   train     benchmarks/gpu_train.py: ember's gpt2-small step (the preset's road) against
+#             transformers' compiled GPT-2, and Muon (issue 29 pt 1; each row printed as it
+#             ends, with its wall time)                                                  (120 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
-#             same seed and batches; the last 20 steps' mean loss of each (issue 29 pt 2)  (100 s)
-#   levers    gpu_train.py's lever rows: whole-step compile, CUDA graphs, flash and cuDNN
-#             attention; then llama-small against LlamaForCausalLM; then the micro-batch
+#             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
+#             step 20 (issue 29 pt 2)                                                    (150 s)
+#   levers    gpu_train.py's lever rows: per-block against whole-step compile, kernels=triton,
+#             CUDA graphs, flash and cuDNN attention, transformers eager; Muon at 4 micro-
+#             batches a step; then llama-small against LlamaForCausalLM; then the micro-batch
 #             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (200 s)
+#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (170 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,7 +111,7 @@ summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's 
 for what in "$@"; do
     case $what in
     env)
-        stage env 30 "nvidia-smi; $PY -c 'import torch, transformers as t, peft; \
+        stage env 45 "nvidia-smi; $PY -c 'import torch, transformers as t, peft; \
             print(torch.__version__, torch.cuda.get_device_name(), t.__version__, peft.__version__)'"
         ;;
     analyze)
@@ -119,8 +124,8 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 160 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
-            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 2 --new-tokens 128 ${DECODE_ARGS:-}"
+        stage decode 130 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
+            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 1 --new-tokens 128 ${DECODE_ARGS:-}"
         ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
@@ -147,20 +152,21 @@ for what in "$@"; do
         done
         ;;
     train)
-        stage train 160 "$PY benchmarks/gpu_train.py --device $DEV"
+        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --rows ember hf-compiled ember-muon"
         ;;
-    fp8-loss)  # issue 29 point 2's other half: the loss after 300 steps within 1% of bf16's
-        stage fp8-loss 100 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
+    fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
+        stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
     levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
         stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-block \
-            ember-graphs ember-whole-graphs ember-flash ember-cudnn && \
+            ember-triton ember-whole-graphs ember-flash ember-cudnn hf-eager && \
+            $PY benchmarks/gpu_train.py --device $DEV --accum 4 --rows ember ember-muon && \
             $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-block && \
             $PY -m ember plan gpt2-small train.device=$DEV && \
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-block"
         ;;
     serve)
-        stage serve 200 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
+        stage serve 170 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention gather flex"
         ;;

@@ -73,9 +73,10 @@ CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_siz
 
 
 def config(args, overrides: list[str]):
-    """``--model`` at one micro-batch of ``--batch`` rows (no accumulation), or its CPU shrink."""
+    """``--model`` at ``--accum`` micro-batches of ``--batch`` rows a step, or its CPU shrink."""
     shape = [f"train.seq_len={args.seq_len}", f"train.micro_batch={args.batch}", "train.max_steps=1000000",
-             f"train.batch_tokens={args.batch * args.seq_len}", f"train.device={args.device}"]  # fmt: skip
+             f"train.batch_tokens={args.accum * args.batch * args.seq_len}",
+             f"train.device={args.device}"]  # fmt: skip
     cfg = load_config(args.model, [*shape, *(CPU if args.device == "cpu" else []), *overrides])
     if args.device == "cpu":
         cfg = replace(cfg, data=load_config("tiny").data)  # a corpus prepared in seconds
@@ -113,6 +114,8 @@ def ember_row(args, overrides, x, y) -> tuple[float, float]:
 
 
 def hf_row(args, compiled: bool, x, y) -> tuple[float, float]:
+    if args.accum > 1:
+        raise EmberError("--accum times ember's rows only (transformers' step here has no accumulation)")
     with scratch_trainer(config(args, ["train.compile=false"])) as trainer:  # ember's initial weights
         model = to_hf(trainer.model.float().cpu()).to(args.device).train()
         flops_per_token = trainer.flops_per_token
@@ -133,33 +136,43 @@ def hf_row(args, compiled: bool, x, y) -> tuple[float, float]:
     return timed(step, args), flops_per_token
 
 
-def losses_row(args, overrides) -> list[float]:
+def losses_row(args, overrides) -> tuple[list[float], float]:
     """``--loss-steps`` steps of the config on its own data (the trainer's loader and seed, the
-    schedule of a run that long): each step's loss."""
+    schedule of a run that long): each step's loss, and the seconds per step after the first 20
+    (compilation and warm-up), loader included."""
     cfg = config(args, [*overrides, f"train.max_steps={args.loss_steps}", "train.warmup_steps=20"])
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with scratch_trainer(cfg) as trainer:
         batches = trainer.loader.iterate()
-        losses = torch.stack([trainer.advance(batches)[0] for _ in range(args.loss_steps)])
-        return losses.float().tolist()
+        losses = [trainer.advance(batches)[0] for _ in range(20)]
+        sync()
+        start = time.perf_counter()
+        losses += [trainer.advance(batches)[0] for _ in range(args.loss_steps - 20)]
+        sync()
+        per_step = (time.perf_counter() - start) / max(args.loss_steps - 20, 1)
+        return torch.stack(losses).float().tolist(), per_step
 
 
 def compare_losses(args) -> None:
     """Issue 29's fp8 bar: the mean loss of the last 20 of ``--loss-steps`` steps against the
     first row's (bf16, ``ember``), same seed and batches."""
-    base = base_row = None
+    base = base_row = base_s = None
     for row in args.rows:
         if ROWS[row] is None:
             print(f"{row}: --loss-steps compares ember's rows", flush=True)
             continue
         try:
-            losses = losses_row(args, ROWS[row])
+            losses, per_step = losses_row(args, ROWS[row])
         except EmberError as e:
             print(f"{row}: refused: {e}", flush=True)
             continue
         tail = sum(losses[-20:]) / len(losses[-20:])
-        base, base_row = (tail, row) if base is None else (base, base_row)
+        base, base_row, base_s = (tail, row, per_step) if base is None else (base, base_row, base_s)
         print(f"{row}: loss {losses[0]:.4f} -> {tail:.4f} (mean of the last 20 of {len(losses)} steps), "
-              f"{100 * (tail / base - 1):+.2f}% against {base_row}", flush=True)  # fmt: skip
+              f"{100 * (tail / base - 1):+.2f}% against {base_row}; "
+              f"{args.batch * args.seq_len / per_step:,.0f} tokens/s after step 20 "
+              f"({base_s / per_step:.2f}x)",
+              flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -169,6 +182,8 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=DEFAULT, choices=list(ROWS), help=f"default: {' '.join(DEFAULT)}")  # fmt: skip # noqa: E501
     parser.add_argument("--batch", type=int, default=None, help="rows per step (cuda 16, cpu 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="(cuda 1024, cpu 32)")
+    parser.add_argument("--accum", type=int, default=1,
+                        help="micro-batches per optimizer step, ember's rows (Muon's step amortized)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (cuda 20, cpu 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (cuda 5, cpu 1)")
     parser.add_argument("--loss-steps", type=int, default=0,
@@ -182,13 +197,14 @@ def main() -> None:
             setattr(args, key, on_cuda if cuda else on_cpu)
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name() if cuda else cpu_model()
-    print(f"{args.model}{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}, "
+    print(f"{args.model}{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}"
+          f"{f' × {args.accum} micro-batches' if args.accum > 1 else ''}, "
           f"{args.steps} steps after {args.warmup}; torch {torch.__version__}")  # fmt: skip
     if args.loss_steps:
         return compare_losses(args)
     vocab = config(args, []).model.vocab_size
     g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, vocab, (args.batch, args.seq_len), generator=g) for _ in range(2))
+    x, y = (torch.randint(0, vocab, (args.accum * args.batch, args.seq_len), generator=g) for _ in range(2))
     x, y = x.to(args.device), y.to(args.device)
     flops_per_token, results = None, {}
     peaks = {}  # row: the caching allocator's peak over the row (CUDA)
@@ -207,7 +223,7 @@ def main() -> None:
             results[row] = f"failed: {type(e).__name__}: {e}"
         took = f"(the row took {time.perf_counter() - began:.0f} s with its compilation)"
         if isinstance(results[row], float):  # as it comes, so a stage cut at its limit keeps it
-            tps = args.batch * args.seq_len / results[row]
+            tps = args.accum * args.batch * args.seq_len / results[row]
             mfu = f", MFU {100 * flops_per_token * tps / PEAK_FLOPS:.1f}%" if cuda else ""
             peaks[row] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
             peak = f", peak {peaks[row]:.1f} GiB" if cuda else ""
@@ -222,7 +238,7 @@ def main() -> None:
         if isinstance(s, str):
             table.append([row, s[:110], "", "", "", ""])
             continue
-        tps = args.batch * args.seq_len / s
+        tps = args.accum * args.batch * args.seq_len / s
         mfu = f"{100 * flops_per_token * tps / PEAK_FLOPS:.1f}%" if cuda else ""
         peak = f"{peaks[row]:.1f}" if peaks.get(row) is not None else ""
         table.append([row, f"{tps:,.0f}", f"{s * 1e3:.1f}", mfu, peak, f"{base / s:.2f}x" if base else ""])
