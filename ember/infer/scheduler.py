@@ -83,7 +83,9 @@ class DecodeGraphs:
         ids = torch.zeros(1, B, dtype=torch.long)
         ids[0, : len(work)] = torch.tensor([r.seq.tokens[r.seq.computed] for r, _ in work])
         planned = [ids.to(cache.slots.device), cache.slots, cache.positions, *cache.mask, *cache.tiles[:2]]
-        static = self.static.setdefault(B, [t.clone() for t in planned])
+        if B not in self.static:  # the bucket's buffers, made once
+            self.static[B] = [t.clone() for t in planned]
+        static = self.static[B]
         for buffer, t in zip(static, planned, strict=True):
             buffer.copy_(t)
         cache.slots, cache.positions, cache.mask = static[1], static[2], tuple(static[3:6])
