@@ -29,11 +29,13 @@ Without ``--run``, on a device (issue 29's GPU serving check; ``--device cpu`` i
 a seeded model of that shape (random weights, ``init_std`` 0.1 so greedy ids are not ties) is
 served in this process: the scheduler is stepped directly, with C closed-loop clients (a
 client submits its next request when its last finishes), so no HTTP stack is needed on the GPU
-machine. Per level: output tokens/s, TTFT and ITL p50/p99 (a token's time is the end of the
-step that made it), KV slots used of those held, the peak share of the pool in use, the ratio to
-the batch-1 engine's tokens/s over the same requests one after another (its decode steps in
-CUDA graphs on a GPU), and whether every greedy completion equals the batch-1 engine's (fp32;
-the script exits 1 if one differs).
+machine. A level serves max(--per-level, --waves x C) of the requests (all of them at most): with
+a single wave, C requests started together, the rate would mostly measure the longest answers'
+tail, when few sequences are left in flight. Per level: output tokens/s, TTFT and ITL p50/p99
+(a token's time is the end of the step that made it), KV slots used of those held, the peak
+share of the pool in use, the ratio to the batch-1 engine's tokens/s over all the requests one
+after another (its decode steps in CUDA graphs on a GPU), and whether every greedy completion
+equals the batch-1 engine's (fp32; the script exits 1 if one differs).
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ def device_main(args) -> None:
                               max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                               prefix_caching=serve.prefix_caching, paged_attention=attention,
                               decode_buckets=buckets)  # fmt: skip
-        level = {c: requests[: max(args.per_level, c)] for c in args.clients}
+        level = {c: requests[: max(args.per_level, args.waves * c)] for c in args.clients}
         start = time.perf_counter()
         for clients in args.clients:  # warm-up: the very run, untimed (flex compiled, graphs captured)
             serve_level(scheduler, level[clients], clients)
@@ -225,7 +227,10 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, help="without --run (gpt2-small on cuda, tiny on cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=("gather", "flex"))
-    parser.add_argument("--per-level", type=int, default=32, help="without --run: per level")
+    parser.add_argument("--per-level", type=int, default=32, help="without --run: at least this many a level")
+    parser.add_argument("--waves", type=int, default=4,
+                        help="without --run: a level of C clients serves waves x C requests (--requests at "
+                        "most), so C stay in flight most of the time, not one wave and its tail")  # fmt: skip
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seed", type=int, default=0)
