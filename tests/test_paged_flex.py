@@ -167,8 +167,32 @@ def test_compiled_flex_compiles_once_per_query_bucket():
     assert FLEX_RECOMPILES >= 8 + len(buckets)
 
 
+def test_padded_steps_equal_unpadded_ones(engine):  # noqa: F811
+    """Every step of the scheduler's graph road (decode-only steps padded to a batch bucket, mixed
+    steps of prompt chunks and decodes to a token bucket, logits picked by index) against the
+    same step unpadded with a mask (``Scheduler._forward``), on the same cache: the same logits
+    within 1e-5. The second forward rewrites the same keys into the same slots."""
+    s = Scheduler(engine, num_blocks=60, block_size=8, max_batch_tokens=40, max_seqs=8,
+                  paged_attention="flex", decode_buckets=(1, 2, 4))  # fmt: skip
+    s.cache.flex, padded, kinds = flex_attention, s.graphs, []
+
+    def both(work):
+        logits, plain = padded(work), s._forward(work)
+        kinds.append((padded.shape(work), all(n == 1 for _, n in work)))
+        assert logits.shape == plain.shape and (logits - plain).abs().max() < 1e-5
+        return logits
+
+    s.graphs = both
+    rng = random.Random(2)  # 6 requests of up to 50 prompt tokens arriving one a step: chunks beside decodes
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 50))] for _ in range(6)]
+    requests = [(i, prompt, rng.randint(1, 12)) for i, prompt in enumerate(prompts)]
+    serve(s, requests, lambda i, new: Sampling(new, temperature=0))
+    assert any(d for _, d in kinds) and any(not d for _, d in kinds)  # both roads taken
+    assert {L for L, d in kinds if not d} >= {16, 32, 64} and {L for L, d in kinds if d} <= {1, 2, 4, 8, 16}
+
+
 def test_scheduler_flex_and_buckets_equal_gather_with_preemptions(engine):  # noqa: F811
-    """The scheduler over the flex cache, with decode steps padded to buckets (CUDA graphs'
+    """The scheduler over the flex cache, with every step padded to a bucket (CUDA graphs'
     shapes; captured only on CUDA), in a pool small enough to preempt: every greedy answer equals
     the gather cache's, token for token, and every block is free at the end."""
     rng = random.Random(1)  # 8 requests of up to 30 + 16 tokens, a pool of 7 blocks of 8: preemptions

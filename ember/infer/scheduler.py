@@ -44,7 +44,14 @@ import torch
 
 from ember.errors import EmberError
 from ember.infer.engine import Completion, Engine, Row, sample_next
-from ember.infer.paged import PAGED_ATTENTION, BlockManager, FlexPagedKVCache, PagedSequence, blocks_for
+from ember.infer.paged import (
+    PAGED_ATTENTION,
+    BlockManager,
+    FlexPagedKVCache,
+    PagedSequence,
+    blocks_for,
+    bucket,
+)
 from ember.infer.sampling import Sampling
 from ember.model.gpt import layer_mixers
 
@@ -55,63 +62,79 @@ def top_logprobs(logp: torch.Tensor, k: int) -> dict[int, float]:
     return dict(zip(indices.tolist(), values.tolist(), strict=True))
 
 
-class DecodeGraphs:
-    """Decode-only steps padded to a few batch sizes (``buckets``) and, on CUDA, replayed from one
-    CUDA graph per bucket (gpt-fast, vLLM): a decode step of a small model is mostly kernel
-    launches, which a graph replays at once. Needs the flex cache: its shapes depend on the
-    bucket alone, where the gather's follow the longest sequence. A graph records kernels on a
-    GPU stream and replays them on the same buffers, so everything it reads lives in buffers
-    kept per bucket (ids, and the cache's plan, copied in before each replay); a CPU has no such
-    streams, so there the same padded step runs eagerly, which is what tests/test_paged_flex.py
-    checks. Capture happens on a bucket's first use, after two warm-up forwards of that very
-    batch (they rewrite the same keys into the same slots, so they change nothing)."""
+class StepGraphs:
+    """Steps padded to a few shapes and, on CUDA, replayed from one CUDA graph per shape (gpt-fast,
+    vLLM): a step of a small model is mostly kernel launches, which a graph replays at once.
+    A decode-only step of S sequences is padded to the next of ``buckets`` (batch sizes); any
+    other step (prompt chunks among the decodes) to its FlexAttention bucket of tokens (a power of
+    two, at least 16), and each sequence's logits are picked from its last token by index, not by
+    a mask, so the step has no shape that depends on the data. Needs the flex cache: its shapes
+    depend on the bucket alone, where the gather's follow the longest sequence. A graph records
+    kernels on a GPU stream and replays them on the same buffers, so everything it reads lives in
+    buffers kept per shape (ids, the picked positions, and the cache's plan, copied in before
+    each replay); a CPU has no such streams, so there the same padded step runs eagerly, which is
+    what tests/test_paged_flex.py checks. Capture happens on a shape's first use, after two
+    warm-up forwards of that very batch (they rewrite the same keys into the same slots, so they
+    change nothing)."""
 
     def __init__(
         self, model: torch.nn.Module, cache: FlexPagedKVCache, buckets: tuple[int, ...], capture: bool
     ):
         self.model, self.cache, self.buckets, self.capture = model, cache, sorted(buckets), capture
-        self.static: dict[int, list[torch.Tensor]] = {}  # bucket -> ids, then the cache's planned tensors
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> graph, its logits
+        self.static: dict[int, list[torch.Tensor]] = {}  # tokens fed -> ids, rows, picked, the cache's plan
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens fed -> graph, logits
 
-    def fits(self, work: list[tuple[Request, int]]) -> bool:
-        return all(n == 1 for _, n in work) and len(work) <= self.buckets[-1]
+    def shape(self, work: list[tuple[Request, int]]) -> int:
+        """The tokens ``work`` is padded to: a decode bucket, or the flex bucket of its tokens."""
+        if all(n == 1 for _, n in work) and len(work) <= self.buckets[-1]:
+            return next(b for b in self.buckets if b >= len(work))
+        return bucket(sum(n for _, n in work))
 
     def __call__(self, work: list[tuple[Request, int]]) -> torch.Tensor:
-        """Logits (len(work), V) of one decode step of ``work``'s sequences, padded to a bucket."""
-        B, cache = next(b for b in self.buckets if b >= len(work)), self.cache
-        cache.plan([(r.seq, 1) for r, _ in work], pad_to=B)
-        ids = torch.zeros(1, B, dtype=torch.long)
-        ids[0, : len(work)] = torch.tensor([r.seq.tokens[r.seq.computed] for r, _ in work])
-        planned = [ids.to(cache.slots.device), cache.slots, cache.positions, *cache.mask, *cache.tiles[:2]]
-        if B not in self.static:  # the bucket's buffers, made once
-            self.static[B] = [t.clone() for t in planned]
-        static = self.static[B]
+        """Logits (len(work), V) of each sequence's last fed token, from one step padded to ``shape``."""
+        L, cache = self.shape(work), self.cache
+        K = min(L, cache.rows)  # rows of logits: a sequence has one, and fewer than cache.rows run
+        cache.plan([(r.seq, n) for r, n in work], pad_to=L)
+        fed = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
+        ids, picked = torch.zeros(1, L, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+        ids[0, : len(fed)] = torch.tensor(fed)
+        picked[: len(work)] = torch.tensor([n for _, n in work]).cumsum(0) - 1  # each sequence's last token
+        device = cache.slots.device
+        planned = [ids.to(device), picked.to(device), cache.slots, cache.positions, *cache.mask]
+        planned += cache.tiles[:2]
+        if L not in self.static:  # the shape's buffers, made once
+            self.static[L] = [torch.zeros(K, dtype=torch.long, device=device), *(t.clone() for t in planned)]
+        rows, *static = self.static[L]
         for buffer, t in zip(static, planned, strict=True):
             buffer.copy_(t)
-        cache.slots, cache.positions, cache.mask = static[1], static[2], tuple(static[3:6])
-        cache.tiles = (static[6], static[7], cache.tiles[2])
-        cache.extend(B)  # copy-on-writes now: a replay would not see them
+        cache.slots, cache.positions, cache.mask = static[2], static[3], tuple(static[4:7])
+        cache.tiles = (static[7], static[8], cache.tiles[2])
+        cache.extend(L)  # copy-on-writes now: a replay would not see them
+
+        def forward() -> torch.Tensor:
+            return self.model(static[0], cache=cache, keep=(rows, static[1]))  # (K, V)
+
         if not self.capture:
-            return self.model(static[0], cache=cache)[0, : len(work)]
-        if B not in self.graphs:
+            return forward()[: len(work)]
+        if L not in self.graphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.model(static[0], cache=cache)
+                    forward()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
-                    logits = self.model(static[0], cache=cache)
+                    logits = forward()
             except RuntimeError as e:  # untested on this GPU stack: serve on, padded and eager, and say so
-                warnings.warn(f"CUDA graph capture failed, decode steps run eagerly: {e}", stacklevel=2)
+                warnings.warn(f"CUDA graph capture failed, steps run eagerly: {e}", stacklevel=2)
                 self.capture = False
-                return self.model(static[0], cache=cache)[0, : len(work)]
-            self.graphs[B] = (graph, logits)
-        graph, logits = self.graphs[B]
+                return forward()[: len(work)]
+            self.graphs[L] = (graph, logits)
+        graph, logits = self.graphs[L]
         graph.replay()
-        return logits[0, : len(work)].clone()  # the buffer is overwritten by the next replay
+        return logits[: len(work)].clone()  # the buffer is overwritten by the next replay
 
 
 @dataclass(eq=False)
@@ -172,10 +195,10 @@ class Scheduler:
             choices = ", ".join(PAGED_ATTENTION)
             raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
         self.cache = PAGED_ATTENTION[paged_attention](self.blocks, engine.device, max_seqs=max_seqs)
-        self.graphs = None  # decode steps padded to ``decode_buckets`` (CUDA graphs on a GPU): flex only
+        self.graphs = None  # steps padded to fixed shapes (CUDA graphs on a GPU): flex, with decode_buckets
         if decode_buckets and paged_attention == "flex":
             capture = torch.device(engine.device).type == "cuda"
-            self.graphs = DecodeGraphs(engine.model, self.cache, decode_buckets, capture)
+            self.graphs = StepGraphs(engine.model, self.cache, decode_buckets, capture)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
@@ -278,8 +301,7 @@ class Scheduler:
         work = self._schedule()
         if not work:
             return []
-        forward = self.graphs if self.graphs and self.graphs.fits(work) else self._forward
-        logits = forward(work).float()  # (len(work), V)
+        logits = (self.graphs or self._forward)(work).float()  # (len(work), V)
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
         answers = []  # (request, its logits) of every sequence that samples a token now

@@ -469,12 +469,17 @@ class GPT(nn.Module):
         self.tie_weights()
 
     def forward(
-        self, idx: Tensor, cache: KVCache | None = None, keep: Tensor | None = None, hidden: bool = False
+        self,
+        idx: Tensor,
+        cache: KVCache | None = None,
+        keep: Tensor | tuple[Tensor, Tensor] | None = None,
+        hidden: bool = False,
     ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, vocab_size) in fp32. With a ``cache``, idx
         continues the sequences it holds, at the positions it gives (a cache is sized to at
         most max_seq_len tokens by whoever builds it: the engine checks prompts). ``keep``, a
-        (B, T) bool mask: only those positions' logits, (N, vocab_size) (module docstring).
+        (B, T) bool mask, or a pair of (N,) row and position indices (no host sync: a CUDA graph
+        replays it): only those positions' logits, (N, vocab_size) (module docstring).
         ``hidden``: the final norm's output instead of logits, for a loss that fuses the head."""
         T = idx.size(1) if self.tok_embeddings is not None else idx.size(1) * self.stream_shards
         if T > self.cfg.max_seq_len and cache is None:  # a cache gives positions: a packed row may be longer
