@@ -15,7 +15,7 @@
 # kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
 # FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
-# GPU, measured". Next: `all`, then `levers kernels-train`; later `kernels` (its graph column),
+# GPU, measured". Next: `all`, then `levers kernels-train`; later `autotune`, `kernels` (its graph column),
 # `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks,
 # each <= 5 min).
 #
@@ -58,6 +58,8 @@
 #             CUDA graphs, flash and cuDNN attention, transformers eager; Muon at 4 micro-
 #             batches a step; then llama-small against LlamaForCausalLM; then the micro-batch
 #             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
+#   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
+#             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
 #             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (170 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
@@ -165,6 +167,9 @@ for what in "$@"; do
             $PY -m ember plan gpt2-small train.device=$DEV && \
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-block"
         ;;
+    autotune)  # one more lever: inductor's max-autotune picks each GEMM's kernel by timing (slow to compile)
+        stage autotune 300 "$PY benchmarks/gpu_train.py --device $DEV --rows ember ember-autotune"
+        ;;
     serve)
         stage serve 170 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
@@ -176,7 +181,7 @@ for what in "$@"; do
         summary env serve train decode fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers serve all" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers autotune serve all" >&2
         exit 2
         ;;
     esac

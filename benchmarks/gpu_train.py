@@ -64,6 +64,7 @@ ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
     "ember-whole": ["train.compile=true", "train.compile_scope=model"],  # forward + loss: the CE fused in
     "ember-graphs": ["train.compile=true", "train.compile_scope=block", "train.compile_mode=reduce-overhead"],  # fmt: skip # noqa: E501
     "ember-whole-graphs": ["train.compile=true", "train.compile_scope=model", "train.compile_mode=reduce-overhead"],  # fmt: skip # noqa: E501
+    "ember-autotune": ["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs"],  # minutes
     "ember-flash": ["train.sdpa=flash"],
     "ember-cudnn": ["train.sdpa=cudnn"],
 }
