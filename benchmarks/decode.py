@@ -374,9 +374,13 @@ def run_model(
     for spec in args.quant:
         quantized = quantize(copy.deepcopy(ours), spec)
         variants |= {f"ember {spec.label}{m}": (quantized, c, g) for m, c, g in modes + graphed[1:]}
+    if args.graphs:  # Engine.lookahead's lever: read each token back before queueing the next step
+        variants["ember compiled graphs, lookahead 1"] = (ours, True, True)
     compile_seconds = {}  # the first call compiles and captures
     for who, (model, compile, graphs) in list(variants.items())[1:]:
-        calls["1", who] = ember_generate(Engine(model, tokenizer, compile=compile, graphs=graphs), prompts[:1], args.new_tokens)  # fmt: skip # noqa: E501
+        one = Engine(model, tokenizer, compile=compile, graphs=graphs)
+        one.lookahead = 1 if who.endswith("lookahead 1") else one.lookahead
+        calls["1", who] = ember_generate(one, prompts[:1], args.new_tokens)
         if compile or graphs:
             compile_seconds[who] = timed(calls["1", who], device)
 

@@ -495,6 +495,25 @@ def test_stops_on_a_stop_string_across_tokens_and_excludes_it(tok):
     assert f.finish_reason == "length" and len(f.token_ids) == 5
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["cache", "graphed-wrapper"])
+def test_lookahead_generates_what_one_token_at_a_time_does(tok, graphs):
+    """``generate`` with ``lookahead`` k (CUDA's default 8: k steps between reads of the device)
+    against k = 1: the same completions for mixed-length prompts, greedy, seeded sampling, a stop
+    string and a length that k does not divide; and an end id inside a chunk ends its row there
+    while the row beside it goes on."""
+    model, prompts = tiny_model(vocab_size=320), ["The quick", "A", "def main():"]
+    one, ahead = Engine(model, tok, graphs=graphs), Engine(model, tok, graphs=graphs)
+    assert one.lookahead == 1  # a CPU: nothing to overlap
+    ahead.lookahead = 5
+    samplings = [Sampling(13, temperature=0), Sampling(13, temperature=0.9, seed=3), Sampling(12, stop=["e"])]
+    for sampling in samplings:
+        assert one.generate(prompts, sampling) == ahead.generate(prompts, sampling)
+    engine = scripted_engine(tok, "the lazy dog", then=[tok.eos_id] + [5] * 64)
+    engine.lookahead = 4
+    [c] = engine.generate(["The"], Sampling(30))
+    assert c.text == "the lazy dog" and c.finish_reason == "eos" and c.token_ids == tok.encode("the lazy dog")
+
+
 def test_stream_pieces_join_to_the_text_and_never_split_characters(tok):
     text = "Héllo wörld 😀 café\n\nrest"
     engine = scripted_engine(tok, text)

@@ -271,33 +271,40 @@ class _Stream:
         # The last sampled token is never fed back, hence the - 1.
         slots = engine.cache_slots(self.next_input.size(1) + max_new_tokens - 1)
         self.cache = engine.cache_type(slots, pad, engine.device)
+        self.left = max_new_tokens  # forwards still allowed: each samples one more token per row
 
     @property
     def done(self) -> bool:
         return all(r.finish_reason is not None for r in self.rows)
 
     @torch.inference_mode()
-    def step(self, temperature: float, top_k: int | None, top_p: float | None) -> list[int]:
-        """One forward (the prefill on the first call) and one sampled id per row."""
+    def step(self, temperature: float, top_k: int | None, top_p: float | None, k: int = 1) -> list[list[int]]:
+        """Up to ``k`` forwards (the prefill on the first call), each sampling one id per row and
+        feeding it to the next on the device; the ids are read back once, (rows, k'): in between
+        the host queues work without waiting for the device."""
         model = self.engine.model
         was_training = model.training  # eval() walks every module: toggle only when needed
         if was_training:
             model.eval()
+        drawn = []
         try:
-            forward = self.engine.decode if self.cache.k or self.cache.states else model  # prefill: eager
-            logits = forward(self.next_input, cache=self.cache)[:, -1]  # (B, V)
+            for _ in range(min(k, self.left)):
+                forward = self.engine.decode if self.cache.k or self.cache.states else model  # prefill: eager
+                logits = forward(self.next_input, cache=self.cache)[:, -1]  # (B, V)
+                if self.inverse is not None:  # after the prefill of the distinct prompts: one row each
+                    logits = logits[self.inverse]
+                    self.cache.select(self.inverse)
+                    self.inverse = None
+                if self.engine.n_valid < logits.size(-1):  # ids beyond the tokenizer's vocabulary
+                    logits[:, self.engine.n_valid :] = float("-inf")
+                next_ids = sample_next(logits, temperature, top_k, top_p, [r.generator for r in self.rows])
+                self.next_input = next_ids[:, None]  # (B, 1)
+                drawn.append(next_ids)
+                self.left -= 1
         finally:
             if was_training:
                 model.train()
-        if self.inverse is not None:  # after the prefill of the distinct prompts: one row each
-            logits = logits[self.inverse]
-            self.cache.select(self.inverse)
-            self.inverse = None
-        if self.engine.n_valid < logits.size(-1):  # ids beyond the tokenizer's vocabulary
-            logits[:, self.engine.n_valid :] = float("-inf")
-        next_ids = sample_next(logits, temperature, top_k, top_p, [r.generator for r in self.rows])
-        self.next_input = next_ids[:, None]  # (B, 1)
-        return next_ids.tolist()
+        return torch.stack(drawn, 1).tolist()
 
 
 def _held_back(text: str, stop: Sequence[str]) -> int:
@@ -331,6 +338,7 @@ def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
     return torch.compile(step, fullgraph=True, options={"guard_filter_fn": inputs_only})
 
 
+LOOKAHEAD = 8  # Engine.lookahead on CUDA
 GRAPH_SLOTS = 128  # graphed caches round up to a multiple of this: one graph serves many lengths
 GRAPH_WARMUP = 3  # eager steps before a capture (PyTorch's CUDA graphs notes: allocator, cuBLAS, autotuning)
 
@@ -454,6 +462,10 @@ class Engine:
         self.n_valid = min(getattr(tokenizer, "vocab_size", vocab_size), vocab_size)
         self.end_turn_id = tokenizer.hf.token_to_id(END_TURN) if hasattr(tokenizer, "hf") else None
         self.graphs = graphs
+        # generate() samples this many tokens between reads of the device (gpt-fast reads none):
+        # on a GPU the host queues the next steps while the device runs, and a row that ends
+        # inside them wastes at most lookahead - 1 steps; a CPU has nothing to overlap
+        self.lookahead = LOOKAHEAD if self.device.type == "cuda" else 1
         self.cache_type = StaticKVCache if compile or graphs else KVCache
         step = _compiled_step(model) if compile else model
         self.decode = GraphedDecode(step) if graphs else step
@@ -515,10 +527,12 @@ class Engine:
     def _decode(self, stream: _Stream, sampling: Sampling, lazy: bool) -> Iterator[tuple[int, str]]:
         """Step the stream; yield (row, text piece) whenever a row's text grows."""
         s, ends = sampling, self.ends(sampling.ignore_eos)
+        k = self.lookahead if lazy else 1  # a stream's reader waits for each token
         while not stream.done:
-            for row, token in zip(stream.rows, stream.step(s.temperature, s.top_k, s.top_p), strict=True):
-                if piece := row.push(token, self.tokenizer, ends, s.stop, s.max_new_tokens, lazy):
-                    yield row.row, piece
+            for row, tokens in zip(stream.rows, stream.step(s.temperature, s.top_k, s.top_p, k), strict=True):
+                for token in tokens:  # a row that has ended takes no more
+                    if piece := row.push(token, self.tokenizer, ends, s.stop, s.max_new_tokens, lazy):
+                        yield row.row, piece
 
     def generator(self, sampling: Sampling, i: int) -> torch.Generator | None:
         """Row i's own sampler, seeded ``seed + i``; None when greedy."""
