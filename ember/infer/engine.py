@@ -343,6 +343,22 @@ GRAPH_SLOTS = 128  # graphed caches round up to a multiple of this: one graph se
 GRAPH_WARMUP = 3  # eager steps before a capture (PyTorch's CUDA graphs notes: allocator, cuBLAS, autotuning)
 
 
+def cuda_graph(fn: Callable[[], Tensor], warmup: int, device=None) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """``fn`` run ``warmup`` times on a side stream (it compiles, autotunes and fills the caching
+    allocator there), then captured in a CUDA graph: the graph and the output tensor its replays
+    write. Every tensor ``fn`` reads must stay at its address for the replays."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @dataclass
 class _Graphed:
     """One batch size and cache length: the static cache, input ids and logits a CUDA graph
@@ -394,15 +410,9 @@ class GraphedDecode:
         static.v = {layer: torch.zeros_like(t) for layer, t in cache.v.items()}
         g = self.graphed[B, cache.max_len] = _Graphed(static, torch.zeros_like(idx))
         if idx.is_cuda:  # CUDA-only: a graph records kernel launches on a CUDA stream; a CPU has neither
-            side = torch.cuda.Stream(idx.device)
-            side.wait_stream(torch.cuda.current_stream(idx.device))
-            with torch.cuda.stream(side):  # compiles, autotunes and fills the allocator before capture
-                for _ in range(min(GRAPH_WARMUP, cache.max_len)):  # from slot 0: bind overwrites all
-                    self.step(g.idx, static)
-            torch.cuda.current_stream(idx.device).wait_stream(side)
-            g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph):  # records, runs nothing: pos is not advanced
-                g.logits = self.step(g.idx, static)
+            # warm-up from slot 0 (bind overwrites all); the capture runs nothing: pos is not advanced
+            step = lambda: self.step(g.idx, static)  # noqa: E731
+            g.graph, g.logits = cuda_graph(step, min(GRAPH_WARMUP, cache.max_len), idx.device)
         return g
 
     @staticmethod

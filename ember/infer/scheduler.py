@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ember.errors import EmberError
-from ember.infer.engine import Completion, Engine, Row, sample_next
+from ember.infer.engine import Completion, Engine, Row, cuda_graph, sample_next
 from ember.infer.paged import (
     PAGED_ATTENTION,
     BlockManager,
@@ -117,21 +117,12 @@ class StepGraphs:
         if not self.capture:
             return forward()[: len(work)]
         if L not in self.graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    forward()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
-                    logits = forward()
+                self.graphs[L] = cuda_graph(forward, 2, device)
             except RuntimeError as e:  # untested on this GPU stack: serve on, padded and eager, and say so
                 warnings.warn(f"CUDA graph capture failed, steps run eagerly: {e}", stacklevel=2)
                 self.capture = False
                 return forward()[: len(work)]
-            self.graphs[L] = (graph, logits)
         graph, logits = self.graphs[L]
         graph.replay()
         return logits[: len(work)].clone()  # the buffer is overwritten by the next replay
