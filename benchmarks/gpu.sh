@@ -40,7 +40,8 @@
 #             its reference on the GPU itself (the CPU runs them under the interpreter)   (150 s)
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
-#             lacks it), gpt2-small and llama-small shapes; kernels.json          (300 s)
+#             lacks it), gpt2-small and llama-small shapes; kernels.json; then --host, each
+#             wrapper's host time with the launches stubbed, ember's against Liger's  (300 s)
 #             (here, once: pip download liger-kernel torchao==0.18.0 --no-deps -d /tmp/lg
 #              --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 &&
 #              for w in /tmp/lg/*.whl; do unzip -qo $w -d .gpu; done && rm -rf .gpu/test &&
@@ -144,7 +145,8 @@ for what in "$@"; do
             tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py -k 'not cpp'"
         ;;
     kernels)
-        stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json"
+        stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json && \
+            $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-train)
         for k in torch triton; do

@@ -15,6 +15,15 @@ TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or f
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
 Triton kernels run under the interpreter: times mean nothing there, the run only shows that
 every row works.
+
+    .venv/bin/python benchmarks/kernels.py --host [--device cpu]  # the wrappers' own host time
+
+``--host`` times what a call costs the host besides its launches: every Triton launch (ember's
+and Liger's) is replaced by a no-op, and each op runs forward and backward on a small input,
+ember's through its plain road (``ember.kernels.kernel_op``), ember's through the registered
+custom op (the road torch.compile takes), Liger's (where installed) and torch eager, in µs a call.
+On a GPU a memory-bound op at training sizes is host-bound when launched from Python (above),
+so this is the part of its time that is the wrapper's.
 """
 
 from __future__ import annotations
@@ -234,12 +243,84 @@ def e_(t):
     return t.element_size()
 
 
+def host_main(device: str) -> None:
+    """--host: µs of host time per forward and backward, Triton launches stubbed out (docstring)."""
+    import triton.runtime.interpreter as interpreter
+    import triton.runtime.jit as jit
+    from printing import cpu_model, print_table
+
+    from ember.kernels import norm, rope, softmax
+
+    for kind in (jit.JITFunction, interpreter.InterpretedFunction):
+        kind.__getitem__ = lambda self, grid: lambda *args, **kwargs: None
+    lg = liger()
+    f32 = dict(dtype=torch.float32, device=device)
+    x, w, b, q, k = (param(*s, **f32) for s in [(64, 768), (768,), (768,), (1, 4, 16, 64), (1, 2, 16, 64)])
+    angles = torch.rand(16, 32, device=device)
+    cos, sin = angles.cos()[None, None], angles.sin()[None, None]
+    full = torch.cat((cos, cos), -1)[0], torch.cat((sin, sin), -1)[0]
+    rms = ln = norm._norm.op
+    turn = rope._rope.op
+    ops = {  # op -> {impl: (fn, inputs)}
+        "rms_norm": {
+            "eager": (lambda x, w: F.rms_norm(x, (768,), w, 1e-5), (x, w)),
+            "ember": (lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
+            "ember, registered op": (lambda x, w: rms(x, None, w, None, 1e-5, True)[0], (x, w)),
+            "liger": (lambda x, w: lg.liger_rms_norm(x, w, 1e-5, in_place=False), (x, w)),
+        },
+        "layer_norm": {
+            "eager": (lambda x, w, b: F.layer_norm(x, (768,), w, b, 1e-5), (x, w, b)),
+            "ember": (lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), (x, w, b)),
+            "ember, registered op": (lambda x, w, b: ln(x, None, w, b, 1e-5, False)[0], (x, w, b)),
+            "liger": (lambda x, w, b: lg.liger_layer_norm(x, w, b, 1e-5), (x, w, b)),
+        },
+        "softmax": {
+            "eager": (lambda x: torch.softmax(x, -1), (x,)),
+            "ember": (softmax.softmax, (x,)),
+            "ember, registered op": (softmax._softmax.op, (x,)),
+            "liger": (lambda x: lg.liger_softmax(x), (x,)),
+        },
+        "rope_qk": {
+            "eager": (lambda q, k: (apply_rotary(q, (cos, sin)), apply_rotary(k, (cos, sin))), (q, k)),
+            "ember": (lambda q, k: rope.rope_qk(q, k, cos, sin), (q, k)),
+            "ember, registered op": (lambda q, k: turn(q, k, cos, sin, False), (q, k)),
+            "liger": (lambda q, k: lg.liger_rope(q, k, *full), (q, k)),
+        },
+    }
+    rows = []
+    for op, impls in ops.items():
+        us = {}
+        for impl, (fn, inputs) in impls.items():
+            if impl == "liger" and lg is None:
+                continue
+            run = fwd_bwd(fn, inputs)
+            for _ in range(100):
+                run()
+            times = []
+            for _ in range(7):  # the median of 7 rounds of 300 calls
+                start = time.perf_counter()
+                for _ in range(300):
+                    run()
+                times.append((time.perf_counter() - start) / 300 * 1e6)
+            us[impl] = sorted(times)[3]
+        for impl, t in us.items():
+            vs = f"{us['liger'] / t:.2f}x" if "liger" in us else ""
+            rows.append([op, impl, f"{t:.0f}", vs])
+    where = torch.cuda.get_device_name() if device == "cuda" else cpu_model()
+    print(f"host µs per forward + backward, launches stubbed; {where}, torch {torch.__version__}, "
+          f"liger {'yes' if lg else 'absent'}")  # fmt: skip
+    print_table(["op", "impl", "host µs", "Liger's / this"], rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--host", action="store_true", help="the wrappers' host time, launches stubbed out")
     args = parser.parse_args()
     device = args.device
+    if args.host:
+        return host_main(device)
     if device == "cuda":
         name = torch.cuda.get_device_name()
         hbm = next((v for k, v in HBM.items() if k in name), None)

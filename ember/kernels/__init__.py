@@ -2,11 +2,13 @@
 
     from ember.kernels import triton_ready
     ok, why = triton_ready(x.device)      # may this tensor's device run our Triton kernels?
+    norm = kernel_op("norm", launch, fake, setup_context, backward)   # how each op is registered
 
 Each kernel file holds the kernel, its ``torch.library.custom_op`` registration with a fake
-(meta) implementation and an autograd formula, and the plain-PyTorch reference the tests hold
-it to. ``train.kernels=triton`` swaps them into the model (``ember.model.gpt.GPT.set_kernels``);
-docs/kernels.md gives each one's bytes, FLOPs and roofline bound.
+(meta) implementation and an autograd formula (``kernel_op``), and the plain-PyTorch reference
+the tests hold it to. ``train.kernels=triton`` swaps them into the model
+(``ember.model.gpt.GPT.set_kernels``); docs/kernels.md gives each one's bytes, FLOPs and roofline
+bound.
 
 On a machine without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
 numpy underneath): far too slow to train with, exact enough to test every kernel on a CPU.
@@ -16,9 +18,11 @@ imports triton.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +37,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def triton_ready(device: torch.device | str) -> tuple[bool, str]:
     """(True, "") when Triton kernels can run on ``device``, else (False, the reason)."""
-    device = torch.device(device)
+    return _ready(device.type if isinstance(device, torch.device) else torch.device(device).type)
+
+
+@functools.cache  # every launch asks: the answer depends on the device's type alone
+def _ready(kind: str) -> tuple[bool, str]:
+    device = torch.device(kind)
     if not HAS_TRITON:
         return False, "Triton is not installed (pip install 'ember[kernels]')"
     if device.type == "cpu" and LATE:
@@ -47,3 +56,52 @@ def triton_ready(device: torch.device | str) -> tuple[bool, str]:
         False,
         f"Triton kernels run on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests); not on {device}",
     )
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n: triton.next_power_of_2 without its wrapper's ~8 us of host time."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """The CUDA device's streaming multiprocessors (torch asks the driver's table on every call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def kernel_op(name: str, fn: Callable, fake: Callable, setup_context: Callable | None = None,
+              backward: Callable | None = None) -> Callable:
+    """Register ``fn`` as the custom op ``ember::<name>``, with ``fake`` for tracing and, given
+    ``backward``, torch.library's autograd formula (``setup_context``, ``backward``); -> the
+    function to call it by, whose ``.op`` is the registered op.
+
+    That function calls the registered op inside torch.compile (which traces through it without
+    a graph break) and on fake, meta or other subclassed tensors. On plain tensors outside
+    compile it calls ``fn`` under a plain ``torch.autograd.Function`` with the same
+    ``setup_context`` and ``backward``, as Liger-Kernel writes its ops: the dispatcher's road
+    (schema, redispatch, the generated autograd wrapper) costs the host ~0.1 ms more per forward
+    and backward (``benchmarks/kernels.py --host``), as long as a memory-bound kernel's whole
+    run on a GPU at training sizes. A backward formula that calls another of these functions
+    gets the same choice, by its tensors: fake while compile traces it, plain in eager."""
+    op = torch.library.custom_op(f"ember::{name}", fn, mutates_args=())
+    op.register_fake(fake)
+    plain = fn
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+
+        def forward(ctx, *args):  # (not the setup_context style: its apply binds a signature each call)
+            out = fn(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        methods = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+        plain = type(name, (torch.autograd.Function,), methods).apply
+
+    def call(*args):
+        x = args[0]
+        if torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta:
+            return op(*args)
+        return plain(*args)
+
+    call.op = op
+    return call

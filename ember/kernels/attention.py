@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import INTERPRET, triton_ready
+from ember.kernels import INTERPRET, kernel_op, triton_ready
 
 HEAD_DIMS = (16, 32, 64, 128)
 
@@ -304,11 +304,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tup
     return o, lse
 
 
-_attention = torch.library.custom_op("ember::flash_attention", _forward, mutates_args=())
-
-
-@_attention.register_fake
-def _(q, k, v, causal, scale):
+def _forward_fake(q, k, v, causal, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -331,13 +327,11 @@ def _backward_impl(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: 
     return dq, dk, dv
 
 
-_attention_backward = torch.library.custom_op("ember::flash_attention_backward", _backward_impl,
-                                              mutates_args=())
-
-
-@_attention_backward.register_fake
-def _(do, q, k, v, o, lse, causal, scale):
+def _backward_fake(do, q, k, v, o, lse, causal, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_attention_backward = kernel_op("flash_attention_backward", _backward_impl, _backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -350,23 +344,7 @@ def _backward(ctx, do, _dlse):
     return dq, dk, dv, None, None
 
 
-_attention.register_autograd(_backward, setup_context=_setup)
-
-
-class _Eager(torch.autograd.Function):
-    """The same forward and backward without the custom op's Python dispatch (~0.1 ms a call on
-    an H200's host, as long as the gpt2-small forward kernel), for eager mode."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        o, lse = _forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        return *_backward_impl(do, *ctx.saved_tensors, ctx.causal, ctx.scale), None, None
+_attention = kernel_op("flash_attention", _forward, _forward_fake, _setup, _backward)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
@@ -381,9 +359,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
         raise ValueError(f"flash_attention takes head dims {HEAD_DIMS} and one dtype; got {hd}, "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     scale = hd**-0.5 if scale is None else float(scale)
-    if torch.compiler.is_compiling():  # the registered op: traced through its fake and autograd formula
-        return _attention(q, k, v, causal, scale)[0]
-    return _Eager.apply(q, k, v, causal, scale)
+    return _attention(q, k, v, causal, scale)[0]
 
 
 def flash_attention_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,

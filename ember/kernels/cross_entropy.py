@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ember.kernels import kernel_op
+
 _CHUNK_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}  # one chunk's logits, in bytes
 
 
@@ -85,8 +87,7 @@ def _chunk_rows(n: int, v: int, elem: int, device: torch.device) -> int:
     return min(n, 1 << (rows.bit_length() - 1))  # a power of two, at most n
 
 
-@torch.library.custom_op("ember::linear_cross_entropy", mutates_args=())
-def _lce(
+def _lce_launch(
     x: Tensor,
     weight: Tensor,
     target: Tensor,
@@ -140,8 +141,7 @@ def _lce(
     return loss_rows.sum() * inv_n[0], gx, gw.to(weight.dtype)
 
 
-@_lce.register_fake
-def _(x, weight, target, z_loss, softcap, ignore_index, chunk_rows, grad_x, grad_w):
+def _lce_fake(x, weight, target, z_loss, softcap, ignore_index, chunk_rows, grad_x, grad_w):
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (
         x.new_empty((), dtype=acc),
@@ -164,7 +164,7 @@ def _backward(ctx, g_loss, _gx, _gw):
     return dx, dw, None, None, None, None, None, None, None
 
 
-_lce.register_autograd(_backward, setup_context=_setup)
+_lce = kernel_op("linear_cross_entropy", _lce_launch, _lce_fake, _setup, _backward)
 
 
 def linear_cross_entropy(

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ember.kernels import triton_ready
+from ember.kernels import kernel_op, pow2, sm_count, triton_ready
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _launch_args(x: Tensor) -> dict:
     ok, why = triton_ready(x.device)
     if not ok:
         raise RuntimeError(why)
-    block = triton.next_power_of_2(x.size(-1))
+    block = pow2(x.size(-1))
     if block > 65536:
         raise ValueError(f"the norm kernels hold a row in registers: {x.size(-1)} columns is too many")
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
@@ -109,8 +109,7 @@ def _outputs(x: Tensor, residual: Tensor | None, rms: bool) -> tuple[Tensor, Ten
     return x.new_empty(x.shape), h, x.new_empty(0 if rms else M, dtype=_acc(x)), x.new_empty(M, dtype=_acc(x))
 
 
-@torch.library.custom_op("ember::norm", mutates_args=())
-def _norm(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
+def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
           rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x (..., N) -> y (..., N), h = x + residual (..., N), mean and rstd (rows,) in fp32 (fp64 for
     fp64 x), kept for the backward; h is empty without a residual, mean for rms."""
@@ -122,29 +121,27 @@ def _norm(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tenso
     return out
 
 
-_norm.register_fake(lambda x, residual, weight, bias, eps, rms: _outputs(x, residual, rms))
-
-
-@torch.library.custom_op("ember::norm_backward", mutates_args=())
-def _norm_backward(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
+def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
                    rstd: Tensor, rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """-> dx (..., N); dw, db (N,) in fp32 (fp64), zeros without a weight or a bias."""
     h, dy, dh, w = (t.contiguous() if t is not None else None for t in (h, dy, dh, weight))
     M, N = rstd.numel(), h.size(-1)
-    sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 2
+    sms = sm_count(h.get_device()) if h.is_cuda else 2
     programs = min(M, 4 * sms)  # each sums its rows' dw, db: (programs, N) partials, summed below
     dw, db = (h.new_empty(programs if has else 0, N, dtype=_acc(h)) for has in (w is not None, has_bias))
     dx = h.new_empty(h.shape)
     _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
-                           db if has_bias else None, M, N, triton.cdiv(M, programs), RMS=rms,
+                           db if has_bias else None, M, N, -(-M // programs), RMS=rms,
                            HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias, **_launch_args(h))
     return dx, dw.sum(0), db.sum(0)
 
 
-@_norm_backward.register_fake
-def _(dy, dh, h, weight, mean, rstd, rms, has_bias):
+def _norm_backward_fake(dy, dh, h, weight, mean, rstd, rms, has_bias):
     sums = h.new_empty(h.size(-1), dtype=_acc(h))
     return h.new_empty(h.shape), sums, torch.empty_like(sums)
+
+
+_norm_backward = kernel_op("norm_backward", _norm_backward_launch, _norm_backward_fake)
 
 
 def _setup(ctx, inputs, output):
@@ -161,7 +158,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     return dx, dx if ctx.has_r else None, dw, db, None, None
 
 
-_norm.register_autograd(_backward, setup_context=_setup)
+_norm = kernel_op("norm", _norm_launch, lambda x, r, weight, bias, eps, rms: _outputs(x, r, rms), _setup,
+                  _backward)
 
 
 def _eps(eps: float | None, x: Tensor) -> float:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import triton_ready
+from ember.kernels import kernel_op, pow2, triton_ready
 
 
 @triton.jit
@@ -54,8 +54,7 @@ def _rope_kernel(Q, K, QO, KO, COS, SIN, T, H, HK, sqb, sqh, sqt, skb, skh, skt,
     tl.store(o + HALF, (x2 * cos + x1 * sin).to(KO.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("ember::rope", mutates_args=())
-def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> tuple[Tensor, Tensor]:
+def _rope_launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> tuple[Tensor, Tensor]:
     """q (B, H, T, hd), k (B, Hkv, T, hd), cos/sin (T, hd/2), (1, T, hd/2), (1, 1, T, hd/2) or (B, 1, T, hd/2)
     -> q, k turned by +angle (-angle with inverse), contiguous."""
     ok, why = triton_ready(q.device)
@@ -68,18 +67,13 @@ def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> tupl
     qo, ko = q.new_empty(q.shape), k.new_empty(k.shape)
     half = hd // 2
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
-    block_h, block_d = triton.next_power_of_2(H), triton.next_power_of_2(half)
-    block_t = max(1, min(triton.next_power_of_2(T), 4096 // (block_h * block_d)))  # ~4k elements a tile
-    _rope_kernel[(B, triton.cdiv(T, block_t))](
+    block_h, block_d = pow2(H), pow2(half)
+    block_t = max(1, min(pow2(T), 4096 // (block_h * block_d)))  # ~4k elements a tile
+    _rope_kernel[(B, -(-T // block_t))](
         q, k, qo, ko, cos, sin, T, H, HK, *q.stride()[:3], *k.stride()[:3], scb, cos.stride(1),
         INVERSE=inverse, ACC=acc, HALF=half, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return qo, ko
-
-
-@_rope.register_fake
-def _(q, k, cos, sin, inverse):
-    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _setup(ctx, inputs, output):
@@ -93,7 +87,8 @@ def _backward(ctx, dq, dk):
     return dq, dk, None, None, None
 
 
-_rope.register_autograd(_backward, setup_context=_setup)
+_rope = kernel_op("rope", _rope_launch, lambda q, k, *_: (q.new_empty(q.shape), k.new_empty(k.shape)), _setup,
+                  _backward)
 
 
 def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import triton_ready
+from ember.kernels import kernel_op, pow2, triton_ready
 
 _MAX_BLOCK = 8192  # columns one program holds at once; longer rows loop
 
@@ -79,39 +79,33 @@ def _launch(kernel, *tensors: Tensor) -> Tensor:
     shape, N = tensors[0].shape, tensors[0].size(-1)
     rows = [t.reshape(-1, N).contiguous() for t in tensors]  # (R, N)
     out = torch.empty_like(rows[0])
-    block = min(triton.next_power_of_2(N), _MAX_BLOCK)
+    block = min(pow2(N), _MAX_BLOCK)
     acc = tl.float64 if out.dtype == torch.float64 else tl.float32
     kernel[(out.size(0),)](*rows, out, N, ACC=acc, BLOCK=block, ONE_BLOCK=N <= block,
                            num_warps=min(16, max(4, block // 512)))
     return out.view(shape)
 
 
-@torch.library.custom_op("ember::softmax", mutates_args=())
-def softmax(x: Tensor) -> Tensor:
-    """Softmax over the last dim of x (..., N) -> (..., N), x's dtype."""
+def _softmax_launch(x: Tensor) -> Tensor:
     return _launch(_softmax_fwd, x)
 
 
-@torch.library.custom_op("ember::softmax_backward", mutates_args=())
-def _softmax_backward(y: Tensor, dy: Tensor) -> Tensor:
+def _softmax_backward_launch(y: Tensor, dy: Tensor) -> Tensor:
     return _launch(_softmax_bwd, y, dy)
-
-
-@softmax.register_fake
-def _(x):
-    return x.new_empty(x.shape)
-
-
-@_softmax_backward.register_fake
-def _(y, dy):
-    return y.new_empty(y.shape)
 
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(output)
 
 
-softmax.register_autograd(lambda ctx, dy: _softmax_backward(ctx.saved_tensors[0], dy), setup_context=_setup)
+_softmax_backward = kernel_op("softmax_backward", _softmax_backward_launch, lambda y, _: y.new_empty(y.shape))
+_softmax = kernel_op("softmax", _softmax_launch, lambda x: x.new_empty(x.shape), _setup,
+                     lambda ctx, dy: _softmax_backward(ctx.saved_tensors[0], dy))
+
+
+def softmax(x: Tensor) -> Tensor:
+    """Softmax over the last dim of x (..., N) -> (..., N), x's dtype."""
+    return _softmax(x)
 
 
 def softmax_ref(x: Tensor) -> Tensor:
