@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/decode.py [--model NAME ...] [--new-tokens N] [--reps N]
                                           [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
-                                          [--no-graphs] [--peak-bandwidth GB/s]
+                                          [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
@@ -501,7 +501,44 @@ def run_model(
             f"target (issue 29): int8-weight faster than {args.dtype} at batch 1: {verdict} "
             f"({fast} {result[f'1 {fast}'][0]:,.0f} tok/s vs {best_plain} {fp32_best:,.0f})"
         )
+    if args.anatomy:
+        anatomy(best_plain, calls["1", best_plain], args.new_tokens, device)
     return result
+
+
+def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device) -> None:
+    """One call of ``generate`` under torch.profiler: per token, the kernels the device ran and
+    their summed time against the wall time, and the costliest kernels. A device busy for most
+    of the wall is bound by its kernels (their count times the shortest a kernel takes, and
+    their bytes); a device idle for most of it waits on the host. On a CPU, the aten ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        start = time.perf_counter()
+        generate()
+        sync(device)
+        wall = time.perf_counter() - start
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        kernels = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    busy = sum(e.time_range.elapsed_us() for e in kernels)
+    per = {}
+    for e in kernels:
+        n, t = per.get(e.name, (0, 0.0))
+        per[e.name] = n + 1, t + e.time_range.elapsed_us()
+    short = statistics.median(e.time_range.elapsed_us() for e in kernels) if kernels else 0.0
+    print(
+        f"anatomy of {who}, one call of {new_tokens} tokens: {len(kernels) / new_tokens:.0f} "
+        f"{'kernels' if cuda else 'top-level aten ops'} a token, {busy / new_tokens:.0f} µs of them a token "
+        f"(median {short:.1f} µs each) in {wall * 1e6 / new_tokens:.0f} µs of wall: the device busy "
+        f"{busy * 1e-6 / wall:.0%} of the time"
+    )
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:8]
+    print_table(["kernel", "calls a token", "µs a token", "share"],
+                [[name[:70], f"{n / new_tokens:.1f}", f"{t / new_tokens:.1f}", f"{t / max(busy, 1e-9):.0%}"]
+                 for name, (n, t) in top])  # fmt: skip
 
 
 def tps_of(seconds: list[float], args: argparse.Namespace) -> float:
@@ -536,6 +573,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-graphs", dest="graphs", action="store_false", help="no graph-captured (Engine graphs=True) rows"
+    )
+    parser.add_argument(
+        "--anatomy",
+        action="store_true",
+        help="profile the fastest unquantized batch-1 row: kernels a token, their time against the wall, "
+        "the costliest (where the time goes)",
     )
     parser.add_argument(
         "--peak-bandwidth", type=float, metavar="GB/s", help="nominal GPU memory bandwidth (default by name)"
