@@ -98,7 +98,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from printing import cpu_model, print_table
+from printing import cpu_model, print_table, profiled
 
 from ember.config import ModelConfig
 from ember.data.sources import open_source
@@ -511,24 +511,14 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
     their summed time against the wall time, and the costliest kernels. A device busy for most
     of the wall is bound by its kernels (their count times the shortest a kernel takes, and
     their bytes); a device idle for most of it waits on the host. On a CPU, the aten ops."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        start = time.perf_counter()
-        generate()
-        sync(device)
-        wall = time.perf_counter() - start
-    if cuda:
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    else:
-        kernels = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-    busy = sum(e.time_range.elapsed_us() for e in kernels)
-    per = {}
-    for e in kernels:
-        n, t = per.get(e.name, (0, 0.0))
-        per[e.name] = n + 1, t + e.time_range.elapsed_us()
-    short = statistics.median(e.time_range.elapsed_us() for e in kernels) if kernels else 0.0
+    kernels, wall = profiled(generate, cuda)
+    busy = sum(t for _, t in kernels)
+    per: dict[str, tuple[int, float]] = {}
+    for name, t in kernels:
+        n, total = per.get(name, (0, 0.0))
+        per[name] = n + 1, total + t
+    short = statistics.median(t for _, t in kernels) if kernels else 0.0
     print(
         f"anatomy of {who}, one call of {new_tokens} tokens: {len(kernels) / new_tokens:.0f} "
         f"{'kernels' if cuda else 'top-level aten ops'} a token, {busy / new_tokens:.0f} µs of them a token "

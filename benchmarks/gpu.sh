@@ -52,7 +52,8 @@
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
 #   train     benchmarks/gpu_train.py: ember's gpt2-small step (the preset's road) against
 #             transformers' compiled GPT-2, and Muon (issue 29 pt 1; each row printed as it
-#             ends, with its wall time)                                                  (120 s)
+#             ends, with its wall time; each ember row's anatomy: device time by kind of
+#             kernel, and the MFU its GEMMs alone would give)                             (120 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
@@ -106,7 +107,7 @@ summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's 
         for s in "$@"; do
             [ "$s" = env ] && continue
             echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
-            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU' "$OUT/$s.log" 2>/dev/null
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs' "$OUT/$s.log" 2>/dev/null
         done
     } >"$OUT/summary.md"
     echo "== summary: $OUT/summary.md"
@@ -157,7 +158,7 @@ for what in "$@"; do
         done
         ;;
     train)
-        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --rows ember hf-compiled ember-muon"
+        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --anatomy --rows ember hf-compiled ember-muon"
         ;;
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"

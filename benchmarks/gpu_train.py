@@ -28,7 +28,10 @@ Each row: ``--warmup`` steps (compilation), then ``--steps`` steps timed between
 ``torch.cuda.synchronize()`` calls; tokens/s = steps × B × T / seconds; peak GiB is the caching
 allocator's peak over the row (``ember`` against ``ember-triton``: issue 28's train.kernels row).
 The ember rows step through ``train_step`` with the guard on the device (as ``Trainer.run``
-does), so their loop never waits for the GPU between steps. With ``--device cpu`` the shapes shrink (2 layers,
+does), so their loop never waits for the GPU between steps. ``--anatomy`` then profiles three
+more steps of each ember row: the device's time a step by kind of kernel (GEMM, attention,
+inductor's fused kernels, optimizer, other), how busy it was, and the MFU the GEMMs' rate alone
+would give: where a row's time goes on the way to the 45% target. With ``--device cpu`` the shapes shrink (2 layers,
 d_model 64, 4 × 32 tokens, fp32, no compile) and the tiny corpus supplies the tokenizer: it
 checks that every row builds and steps, not speed.
 """
@@ -41,7 +44,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from printing import cpu_model, print_table
+from printing import cpu_model, print_table, profiled
 
 from ember.config import load_config
 from ember.data.manifest import read_manifest
@@ -102,7 +105,42 @@ def timed(step, args) -> float:
     return (time.perf_counter() - start) / args.steps
 
 
-def ember_row(args, overrides, x, y) -> tuple[float, float]:
+KINDS = {  # kernel name (lower case) -> what it does, first match
+    "GEMM": ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas", "matmul", "_mm_"),
+    "attention": ("flash", "fmha", "cudnn", "attention", "attn"),
+    "optimizer": ("multi_tensor", "adam", "foreach", "newton", "muon"),
+    "fused by inductor (triton_)": ("triton_",),
+}
+
+
+def anatomy(row: str, step, args, flops_per_token: float) -> None:
+    """--anatomy: three steps under torch.profiler, the device's time a step by kind of kernel,
+    how busy it was, and the GEMMs' own rate: what stands between the row and its MFU target."""
+    cuda, steps = args.device == "cuda", 3
+
+    def three():
+        for _ in range(steps):
+            step()
+
+    kernels, wall = profiled(three, cuda)
+    kinds: dict[str, list[float]] = {}
+    for name, t in kernels:
+        kind = next((k for k, keys in KINDS.items() if any(key in name.lower() for key in keys)), "other")
+        kinds.setdefault(kind, []).append(t)
+    busy, ms = sum(t for _, t in kernels), lambda us: us / steps / 1e3
+    print(f"anatomy of {row}: {len(kernels) / steps:.0f} kernels a step, {ms(busy):.1f} ms of them a step "
+          f"in {wall / steps * 1e3:.1f} ms of wall (the device busy {busy * 1e-6 / wall:.0%})")  # fmt: skip
+    rows = [[kind, f"{len(ts) / steps:.0f}", f"{ms(sum(ts)):.2f}", f"{sum(ts) / busy:.0%}"]
+            for kind, ts in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))]  # fmt: skip
+    print_table(["kind", "kernels a step", "ms a step", "share of device time"], rows)
+    flops = flops_per_token * args.accum * args.batch * args.seq_len
+    if cuda and kinds.get("GEMM"):
+        rate = flops / (ms(sum(kinds["GEMM"])) * 1e-3)
+        print(f"the step's {flops / 1e12:.1f} TFLOP in the GEMMs' time alone: {rate / 1e12:.0f} TFLOP/s, "
+              f"an MFU of {100 * rate / PEAK_FLOPS:.0f}% if every other kernel were gone")  # fmt: skip
+
+
+def ember_row(args, overrides, x, y, row: str = "ember") -> tuple[float, float]:
     with scratch_trainer(config(args, overrides)) as trainer:
         trainer.deferred = True  # the guard on the device, as in Trainer.run
 
@@ -111,7 +149,10 @@ def ember_row(args, overrides, x, y) -> tuple[float, float]:
             trainer.train_step([x, y])
             trainer.step += 1
 
-        return timed(step, args), trainer.flops_per_token
+        seconds = timed(step, args)
+        if args.anatomy:
+            anatomy(row, step, args, trainer.flops_per_token)
+        return seconds, trainer.flops_per_token
 
 
 def hf_row(args, compiled: bool, x, y) -> tuple[float, float]:
@@ -187,6 +228,8 @@ def main() -> None:
                         help="micro-batches per optimizer step, ember's rows (Muon's step amortized)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (cuda 20, cpu 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (cuda 5, cpu 1)")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="after each ember row: 3 steps profiled, the device's time by kind of kernel")
     parser.add_argument("--loss-steps", type=int, default=0,
                         help="instead: train the rows this many steps on real data, compare the final losses")
     args = parser.parse_args()
@@ -217,7 +260,7 @@ def main() -> None:
             if ROWS[row] is None:
                 results[row], flops_per_token = hf_row(args, row == "hf-compiled", x, y)
             else:
-                results[row], flops_per_token = ember_row(args, ROWS[row], x, y)
+                results[row], flops_per_token = ember_row(args, ROWS[row], x, y, row)
         except EmberError as e:  # a lever this machine cannot run: say why
             results[row] = f"refused: {e}"
         except Exception as e:  # noqa: BLE001 -- a row that breaks is a finding; the next rows still run
