@@ -31,9 +31,9 @@ The ember rows step through ``train_step`` with the guard on the device (as ``Tr
 does), so their loop never waits for the GPU between steps. ``--anatomy`` then profiles three
 more steps of each ember row: the device's time a step by kind of kernel (GEMM, attention,
 inductor's fused kernels, optimizer, other), how busy it was, and the MFU the GEMMs' rate alone
-would give: where a row's time goes on the way to the 45% target. With ``--device cpu`` the shapes shrink (2 layers,
-d_model 64, 4 × 32 tokens, fp32, no compile) and the tiny corpus supplies the tokenizer: it
-checks that every row builds and steps, not speed.
+would give: where a row's time goes on the way to the 45% target. With ``--device cpu`` the
+shapes shrink (2 layers, d_model 64, 4 × 32 tokens, fp32, no compile) and the tiny corpus
+supplies the tokenizer: it checks that every row builds and steps, not speed.
 """
 
 from __future__ import annotations

@@ -171,6 +171,7 @@ def test_eager_calls_skip_the_dispatcher_and_equal_the_registered_op():
     op's, bit for bit (the same launches), and the registered op is what compile and fakes get."""
     from ember.kernels.attention import _attention
     from ember.kernels.cross_entropy import _lce
+    from ember.kernels.int8 import int8_linear
     from ember.kernels.norm import _norm
     from ember.kernels.rope import _rope
     from ember.kernels.softmax import _softmax
@@ -180,9 +181,11 @@ def test_eager_calls_skip_the_dispatcher_and_equal_the_registered_op():
     qa, ka, va = leaves(torch.float32, (1, 2, 5, 16), (1, 1, 5, 16), (1, 1, 5, 16))
     head, = leaves(torch.float32, (11, 37))
     target = torch.tensor([1, 4, 10], device=DEVICE)
+    q8, s8 = torch.randint(-127, 128, (9, 37), dtype=torch.int8, device=DEVICE), torch.rand(9, device=DEVICE)
     cases = [(_norm, (x, r, w, b, 1e-5, False)), (_norm, (x, None, w, None, 1e-6, True)),
              (_rope, (q, k, cos, sin, False)), (_softmax, (x,)), (_attention, (qa, ka, va, True, 0.25)),
-             (_lce, (x, head, target, 0.0, 0.0, -100, 2, True, True))]  # fmt: skip
+             (_lce, (x, head, target, 0.0, 0.0, -100, 2, True, True)),
+             (int8_linear, (x, q8, s8))]  # fmt: skip
     for call, inputs in cases:
         ours = call(*inputs)
         first = ours[0] if isinstance(ours, tuple) else ours

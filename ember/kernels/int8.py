@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import INTERPRET  # (its import sets TRITON_INTERPRET before any kernel is decorated)
+from ember.kernels import INTERPRET, kernel_op  # (sets TRITON_INTERPRET before a kernel is decorated)
 
 # (BLOCK_N, BLOCK_K, warps): few outputs per program so that small N still fills the SMs
 _CONFIGS = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)]
@@ -59,8 +59,7 @@ def int8_linear_ref(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return ((x.float() @ q.float().t()) * s.float()).to(x.dtype)
 
 
-@torch.library.custom_op("ember::int8_linear", mutates_args=())
-def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
+def _int8_launch(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     """(x @ q.T) * s for x (M, K), q (N, K) int8, s (N,); (M, N) in x's dtype."""
     x, q, s = x.contiguous(), q.contiguous(), s.float().contiguous()
     (m, k), n = x.shape, q.size(0)
@@ -72,8 +71,7 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return y
 
 
-@int8_linear.register_fake
-def _(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
+def _int8_fake(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return x.new_empty(x.size(0), q.size(0))
 
 
@@ -86,4 +84,4 @@ def _backward(ctx, dy: Tensor):
     return (dy * s.to(dy.dtype)) @ q.to(dy.dtype), None, None
 
 
-int8_linear.register_autograd(_backward, setup_context=_setup)
+int8_linear = kernel_op("int8_linear", _int8_launch, _int8_fake, _setup, _backward)

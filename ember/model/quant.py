@@ -158,7 +158,7 @@ def _own_int8(device_type: str) -> bool:
 
         ok = triton_ready("cuda")[0]
         if ok:
-            import ember.kernels.int8  # noqa: F401  (registers torch.ops.ember.int8_linear)
+            import ember.kernels.int8  # noqa: F401  (registers torch.ops.ember.int8_linear, int8_linear)
         return ok
     if device_type == "cpu":
         from ember.kernels.cpu import cpp_ready
@@ -239,7 +239,10 @@ class QuantLinear(nn.Module):
         if self.spec.scheme == "int8-dynamic":
             y = self._dynamic(x2)
         elif self.spec.scheme == "int8-weight" and x2.size(0) <= FAST_ROWS and _own_int8(x2.device.type):
-            op = torch.ops.ember.int8_linear if x2.is_cuda else torch.ops.ember_cpu.int8_linear
+            if x2.is_cuda:  # (the call skips the dispatcher in eager: ember.kernels.kernel_op)
+                from ember.kernels.int8 import int8_linear as op
+            else:
+                op = torch.ops.ember_cpu.int8_linear
             y = op(x2, self.weight_q, self.weight_scale).to(x2.dtype)
         elif self._packed is not None and x2.size(0) <= FAST_ROWS and x2.device.type == "cpu":
             y = self._kernel(x2)
