@@ -58,8 +58,9 @@
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
 #   levers    gpu_train.py's lever rows: per-block against whole-step compile, kernels=triton,
-#             CUDA graphs, flash and cuDNN attention, transformers eager; Muon at 4 micro-
-#             batches a step; then llama-small against LlamaForCausalLM; then the micro-batch
+#             CUDA graphs, flash and cuDNN attention, transformers eager; Muon at the preset's
+#             524,288 tokens a step (32 micro-batches of 16, the proposed "<= 3%"); then
+#             llama-small against LlamaForCausalLM; then the micro-batch
 #             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
@@ -166,7 +167,7 @@ for what in "$@"; do
     levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
         stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-block \
             ember-triton ember-whole-graphs ember-flash ember-cudnn hf-eager && \
-            $PY benchmarks/gpu_train.py --device $DEV --accum 4 --rows ember ember-muon && \
+            $PY benchmarks/gpu_train.py --device $DEV --accum 32 --steps 5 --warmup 2 --rows ember ember-muon && \
             $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-block && \
             $PY -m ember plan gpt2-small train.device=$DEV && \
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-block"
