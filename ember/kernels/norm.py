@@ -110,7 +110,7 @@ def _outputs(x: Tensor, residual: Tensor | None, rms: bool) -> tuple[Tensor, Ten
 
 
 def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
-          rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x (..., N) -> y (..., N), h = x + residual (..., N), mean and rstd (rows,) in fp32 (fp64 for
     fp64 x), kept for the backward; h is empty without a residual, mean for rms."""
     y, h, mean, rstd = out = _outputs(x, residual, rms)
@@ -122,7 +122,7 @@ def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
 
 
 def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
-                   rstd: Tensor, rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          rstd: Tensor, rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """-> dx (..., N); dw, db (N,) in fp32 (fp64), zeros without a weight or a bias."""
     h, dy, dh, w = (t.contiguous() if t is not None else None for t in (h, dy, dh, weight))
     M, N = rstd.numel(), h.size(-1)
