@@ -123,7 +123,7 @@ def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
 
 def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tensor | None, mean: Tensor,
                           rstd: Tensor, rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """-> dx (..., N); dw, db (N,) in fp32 (fp64), zeros without a weight or a bias."""
+    """-> dx (..., N); dw, db (N,) in fp32 (fp64), empty without a weight or a bias."""
     h, dy, dh, w = (t.contiguous() if t is not None else None for t in (h, dy, dh, weight))
     M, N = rstd.numel(), h.size(-1)
     sms = sm_count(h.get_device()) if h.is_cuda else 2
@@ -133,12 +133,13 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
     _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
                            db if has_bias else None, M, N, -(-M // programs), RMS=rms,
                            HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias, **_launch_args(h))
-    return dx, dw.sum(0), db.sum(0)
+    return dx, dw.sum(0) if w is not None else dw.new_empty(0), db.sum(0) if has_bias else db.new_empty(0)
 
 
 def _norm_backward_fake(dy, dh, h, weight, mean, rstd, rms, has_bias):
-    sums = h.new_empty(h.size(-1), dtype=_acc(h))
-    return h.new_empty(h.shape), sums, torch.empty_like(sums)
+    N, acc = h.size(-1), _acc(h)
+    return h.new_empty(h.shape), h.new_empty(N if weight is not None else 0, dtype=acc), \
+        h.new_empty(N if has_bias else 0, dtype=acc)  # fmt: skip
 
 
 _norm_backward = kernel_op("norm_backward", _norm_backward_launch, _norm_backward_fake)
