@@ -105,9 +105,9 @@ def timed(step, args) -> float:
     return (time.perf_counter() - start) / args.steps
 
 
-KINDS = {  # kernel name (lower case) -> what it does, first match
-    "GEMM": ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas", "matmul", "_mm_"),
+KINDS = {  # kernel name (lower case) -> what it does, first match (attention's names hold "cutlass" too)
     "attention": ("flash", "fmha", "cudnn", "attention", "attn"),
+    "GEMM": ("gemm", "nvjet", "cutlass", "sm90_", "sm80_", "cublas", "matmul", "_mm_"),
     "optimizer": ("multi_tensor", "adam", "foreach", "newton", "muon"),
     "fused by inductor (triton_)": ("triton_",),
 }
