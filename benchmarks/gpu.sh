@@ -7,17 +7,18 @@
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode fp8-loss (<= 9 min)
-#   DEADLINE=300 bash benchmarks/gpu.sh levers kernels-train   # 2nd call at once (<= 5 min)
+#   DEADLINE=300 bash benchmarks/gpu.sh kernels-norms levers   # 2nd call at once (<= 5 min)
 #
-# (`levers` holds issue 28's train.kernels row: ember against ember-triton, tokens/s and peak
-# memory in one script; `kernels-train` is the same through the CLI.) The leases so far:
+# (`kernels-norms` is issue 28's host-bound rows against Liger after 2026-11-27's wrapper change;
+# `levers` ends with issue 28's train.kernels row, ember against ember-triton in one script;
+# `kernels-train` is the same through the CLI.) The leases so far:
 # 2026-11-26, an H200: `all` (its serve stage then failed on its own arguments), `serve decode
 # kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
 # FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
-# GPU, measured". Next: `all`, then `levers kernels-train`; later `autotune`, `kernels` (its graph column),
-# `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks,
-# each <= 5 min).
+# GPU, measured". Next: `all`, then `kernels-norms levers`; later `kernels-train`, `autotune`,
+# `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel`
+# (earlier issues' GPU checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
@@ -47,6 +48,8 @@
 #              --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 &&
 #              for w in /tmp/lg/*.whl; do unzip -qo $w -d .gpu; done && rm -rf .gpu/test &&
 #              echo /.gpu/ >> .git/info/exclude; torchao is train's fp8 rows: the image lacks it)
+#   kernels-norms  kernels.py --ops rms_norm layer_norm softmax rope_qk (launched and from graphs,
+#             against Liger), then --host                                           (120 s)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
@@ -57,11 +60,11 @@
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
-#   levers    gpu_train.py's lever rows: per-block against whole-step compile, kernels=triton,
-#             CUDA graphs, flash and cuDNN attention, transformers eager; Muon at the preset's
-#             524,288 tokens a step (32 micro-batches of 16, the proposed "<= 3%"); then
-#             llama-small against LlamaForCausalLM; then the micro-batch
-#             `ember plan` finds fits the card (64 rows on an H100)                       (300 s)
+#   levers    gpu_train.py's lever rows, the unmeasured first: CUDA graphs on the whole step,
+#             cuDNN and flash attention; 64 rows a micro-batch (what `ember plan` finds fits an
+#             H100); Muon at the preset's 524,288 tokens a step (32 micro-batches of 16, the
+#             proposed "<= 3%"); llama-small against LlamaForCausalLM; `ember plan`; then
+#             the rows measured before: per-block compile, kernels=triton, hf eager       (300 s)
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
@@ -151,6 +154,10 @@ for what in "$@"; do
         stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json && \
             $PY benchmarks/kernels.py --device $DEV --host"
         ;;
+    kernels-norms)  # issue 28 pt 5's rows against Liger that were host-bound: launched, from graphs, host
+        stage kernels-norms 120 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
+            rope_qk && $PY benchmarks/kernels.py --device $DEV --host"
+        ;;
     kernels-train)
         for k in torch triton; do
             stage kernels-train 150 "$PY benchmarks/parallel.py train.kernels=$k --config ${KCFG:-gpt2-small} \
@@ -164,13 +171,14 @@ for what in "$@"; do
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
-    levers)  # issue 29's levers one by one, gpt2-small then llama-small (each row prints as it ends)
-        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember ember-block \
-            ember-triton ember-whole-graphs ember-flash ember-cudnn hf-eager && \
+    levers)  # issue 29's levers one by one, the unmeasured first (each row prints as it ends)
+        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows ember ember-whole-graphs ember-cudnn \
+            ember-flash && \
+            $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember && \
             $PY benchmarks/gpu_train.py --device $DEV --accum 32 --steps 5 --warmup 2 --rows ember ember-muon && \
             $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-block && \
             $PY -m ember plan gpt2-small train.device=$DEV && \
-            $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember ember-block"
+            $PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember-block ember-triton hf-eager"
         ;;
     autotune)  # one more lever: inductor's max-autotune picks each GEMM's kernel by timing (slow to compile)
         stage autotune 300 "$PY benchmarks/gpu_train.py --device $DEV --rows ember ember-autotune"
@@ -186,7 +194,7 @@ for what in "$@"; do
         summary env serve train decode fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-train train fp8-loss levers autotune serve all" >&2
+        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss levers autotune serve all" >&2
         exit 2
         ;;
     esac

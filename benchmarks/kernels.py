@@ -17,6 +17,7 @@ Triton kernels run under the interpreter: times mean nothing there, the run only
 every row works.
 
     .venv/bin/python benchmarks/kernels.py --host [--device cpu]  # the wrappers' own host time
+    python benchmarks/kernels.py --ops rms_norm layer_norm softmax rope_qk  # some rows only
 
 ``--host`` times what a call costs the host besides its launches: every Triton launch (ember's
 and Liger's) is replaced by a no-op, and each op runs forward and backward on a small input,
@@ -317,6 +318,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--host", action="store_true", help="the wrappers' host time, launches stubbed out")
+    parser.add_argument("--ops", nargs="+", metavar="OP", help="only these rows (rms_norm layer_norm softmax "
+                        "rope_qk linear_cross_entropy attention int8_linear); default all")  # fmt: skip
     args = parser.parse_args()
     device = args.device
     if args.host:
@@ -343,6 +346,8 @@ def main() -> None:
             groups += list(int8_cases(shape, dtype, device))
         for op, where, impls, nbytes, flops in groups:
             if (op, where) in seen or (label == "hd128" and op != "attention"):
+                continue
+            if args.ops and op.split()[0] not in args.ops:
                 continue
             seen.add((op, where))
             base = base_graph = None
