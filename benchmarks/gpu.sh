@@ -68,7 +68,8 @@
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets (170 s)
+#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets; each
+#             path's 64-client anatomy (the device's busy share: host- or device-bound) (170 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -111,7 +112,7 @@ summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's 
         for s in "$@"; do
             [ "$s" = env ] && continue
             echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
-            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs' "$OUT/$s.log" 2>/dev/null
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|x sequential' "$OUT/$s.log" 2>/dev/null
         done
     } >"$OUT/summary.md"
     echo "== summary: $OUT/summary.md"
@@ -186,7 +187,7 @@ for what in "$@"; do
     serve)
         stage serve 170 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
-            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention gather flex"
+            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention gather flex --anatomy"
         ;;
     all)  # issue 29 in one call: env, serve, train, decode, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540

@@ -35,7 +35,9 @@ tail, when few sequences are left in flight. Per level: output tokens/s, TTFT an
 (a token's time is the end of the step that made it), KV slots used of those held, the peak
 share of the pool in use, the ratio to the batch-1 engine's tokens/s over all the requests one
 after another (its decode steps in CUDA graphs on a GPU), and whether every greedy completion
-equals the batch-1 engine's (fp32; the script exits 1 if one differs).
+equals the batch-1 engine's (fp32; the script exits 1 if one differs). ``--anatomy`` serves the
+64-client level once more under torch.profiler: the device's kernels per output token and its
+busy share of the wall, so a rate short of the target says whether the host or the device bounds it.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ import time
 from pathlib import Path
 
 import torch
-from printing import cpu_model, print_table
+from printing import cpu_model, print_table, profiled
 
 from ember.config import ModelConfig, load_config
 from ember.data.tokenizer import Tokenizer
@@ -155,6 +157,20 @@ def serve_level(scheduler: Scheduler, requests, clients: int, warm: bool = False
     return {"wall": wall, "done": done, "kv": used / max(held, 1), "peak": peak, "tokens": tokens}
 
 
+def anatomy(scheduler: Scheduler, attention: str, level: dict, clients: list[int], device) -> None:
+    """The 64-client level (or the largest) once more under torch.profiler: the device's kernels
+    per output token and its busy share of the wall, which says whether the host or the device
+    bounds the rate."""
+    c = 64 if 64 in clients else clients[-1]
+    got = {}
+    kernels, wall = profiled(lambda: got.update(serve_level(scheduler, level[c], c)), device.type == "cuda")
+    scheduler.blocks.block_of.clear(), scheduler.blocks.key_of.clear()
+    busy, tokens = sum(t for _, t in kernels) * 1e-6, got["tokens"]
+    print(f"anatomy of {attention} at {c} clients: {tokens:,} tokens in {wall:.2f} s under the profiler, "
+          f"{len(kernels) / tokens:.0f} kernels and {busy / tokens * 1e6:.0f} µs of them an output token: "
+          f"the device busy {busy / wall:.0%} of the wall")  # fmt: skip
+
+
 def device_main(args) -> None:
     """Issue 29's serving check in one process (module docstring)."""
     device = torch.device(args.device)
@@ -210,6 +226,8 @@ def device_main(args) -> None:
             print(f"{attention}, {clients} clients: {rate:,.0f} output tok/s, {rate / sequential:.2f}x "
                   f"sequential, {same}/{len(got['done'])} equal ({time.perf_counter() - start:.0f} s "
                   "since the warm-up began)", flush=True)  # fmt: skip
+        if args.anatomy:  # one more run of a level under the profiler: host- or device-bound?
+            anatomy(scheduler, attention, level, args.clients, device)
         graphs = scheduler.graphs and (sorted(scheduler.graphs.graphs) or "none (no CUDA, or failed)")
         print(f"{attention}: {scheduler.preemptions} preemptions, {scheduler.blocks.num_blocks} blocks of "
               f"{serve.block_size}; decode buckets {buckets}, CUDA graphs: {graphs or 'off'}")  # fmt: skip
@@ -232,6 +250,9 @@ def main() -> None:
                         help="without --run: a level of C clients serves waves x C requests (--requests at "
                         "most), so C stay in flight most of the time, not one wave and its tail")  # fmt: skip
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--anatomy", action="store_true",
+                        help="without --run: the 64-client level once more under torch.profiler, the "
+                        "device's busy share of the wall (host- or device-bound)")  # fmt: skip
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8765)
