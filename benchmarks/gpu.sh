@@ -68,7 +68,8 @@
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, gather vs flex paged attention, CUDA-graph buckets; each
+#             closed-loop clients, flex (unmeasured, so first) then gather paged attention,
+#             CUDA-graph buckets; each
 #             path's 64-client anatomy (the device's busy share: host- or device-bound) (170 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
@@ -187,7 +188,7 @@ for what in "$@"; do
     serve)
         stage serve 170 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
-            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention gather flex --anatomy"
+            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention flex gather --anatomy"
         ;;
     all)  # issue 29 in one call: env, serve, train, decode, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
