@@ -69,8 +69,8 @@
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
 #             closed-loop clients, flex (unmeasured, so first) then gather paged attention,
-#             CUDA-graph buckets; each
-#             path's 64-client anatomy (the device's busy share: host- or device-bound) (170 s)
+#             CUDA-graph buckets; each path's 64-client anatomy (the device's busy share:
+#             host- or device-bound)                                                     (170 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
