@@ -195,5 +195,10 @@ def test_eager_calls_skip_the_dispatcher_and_equal_the_registered_op():
         assert type(first.grad_fn).__name__.startswith("GeneratedBackwardFor"), call.op
         for a, b_ in zip(outputs_and_grads(call, inputs), outputs_and_grads(call.op, inputs), strict=True):
             assert (a is None and b_ is None) or torch.equal(a, b_), call.op
+    with torch.no_grad():  # no graph to record: the launch alone, the same numbers
+        for call, inputs in cases:
+            ours, theirs = call(*inputs), call.op(*inputs)
+            for a, b_ in zip(*(o if isinstance(o, tuple) else (o,) for o in (ours, theirs)), strict=True):
+                assert a.grad_fn is None and torch.equal(a, b_), call.op
     with torch.device("meta"):  # fakes and meta tensors take the registered op (and its fake)
         assert _softmax(torch.empty(2, 3)).is_meta

@@ -78,7 +78,8 @@ def kernel_op(name: str, fn: Callable, fake: Callable, setup_context: Callable |
     That function calls the registered op inside torch.compile (which traces through it without
     a graph break) and on fake, meta or other subclassed tensors. On plain tensors outside
     compile it calls ``fn`` under a plain ``torch.autograd.Function`` with the same
-    ``setup_context`` and ``backward``, as Liger-Kernel writes its ops: the dispatcher's road
+    ``setup_context`` and ``backward`` (``fn`` alone where grad mode is off, as in a backward
+    or at inference), as Liger-Kernel writes its ops: the dispatcher's road
     (schema, redispatch, the generated autograd wrapper) costs the host ~0.1 ms more per forward
     and backward (``benchmarks/kernels.py --host``), as long as a memory-bound kernel's whole
     run on a GPU at training sizes. A backward formula that calls another of these functions
@@ -101,7 +102,7 @@ def kernel_op(name: str, fn: Callable, fake: Callable, setup_context: Callable |
         x = args[0]
         if torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta:
             return op(*args)
-        return plain(*args)
+        return plain(*args) if torch.is_grad_enabled() else fn(*args)  # (no graph to record: the launch)
 
     call.op = op
     return call
