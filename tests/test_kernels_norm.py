@@ -200,5 +200,8 @@ def test_eager_calls_skip_the_dispatcher_and_equal_the_registered_op():
             ours, theirs = call(*inputs), call.op(*inputs)
             for a, b_ in zip(*(o if isinstance(o, tuple) else (o,) for o in (ours, theirs)), strict=True):
                 assert a.grad_fn is None and torch.equal(a, b_), call.op
+    g, = torch.autograd.grad(rms_norm(x, w).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):  # not a silently wrong second derivative
+        g.sum().backward()
     with torch.device("meta"):  # fakes and meta tensors take the registered op (and its fake)
         assert _softmax(torch.empty(2, 3)).is_meta
