@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/decode.py [--model NAME ...] [--new-tokens N] [--reps N]
                                           [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                           [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
+                                          [--variants compiled graphs compiled-graphs]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
@@ -370,11 +371,13 @@ def run_model(
     # batch-1 rows: who -> (model, compile, graphs); compiled: StaticKVCache, step under torch.compile
     modes = [("", False, False), (" compiled", True, False)]
     graphed = [(" graphs", False, True), (" compiled graphs", True, True)] if args.graphs else []
-    variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed}
+    keep = lambda m: not m or m.strip().replace(" ", "-") in args.variants  # noqa: E731  (eager: the base row)
+    variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed if keep(m)}
     for spec in args.quant:
         quantized = quantize(copy.deepcopy(ours), spec)
-        variants |= {f"ember {spec.label}{m}": (quantized, c, g) for m, c, g in modes + graphed[1:]}
-    if args.graphs:  # Engine.lookahead's lever: read each token back before queueing the next step
+        roads = [(m, c, g) for m, c, g in modes + graphed[1:] if keep(m)]
+        variants |= {f"ember {spec.label}{m}": (quantized, c, g) for m, c, g in roads}
+    if args.graphs and keep(" compiled graphs"):  # Engine.lookahead's lever: each token read back first
         variants["ember compiled graphs, lookahead 1"] = (ours, True, True)
     compile_seconds = {}  # the first call compiles and captures
     for who, (model, compile, graphs) in list(variants.items())[1:]:
@@ -531,6 +534,9 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
                  for name, (n, t) in top])  # fmt: skip
 
 
+VARIANTS = ("compiled", "graphs", "compiled-graphs")  # --variants: each batch-1 row's road besides eager
+
+
 def tps_of(seconds: list[float], args: argparse.Namespace) -> float:
     return args.new_tokens / statistics.median(seconds)
 
@@ -563,6 +569,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-graphs", dest="graphs", action="store_false", help="no graph-captured (Engine graphs=True) rows"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the batch-1 rows besides eager (default all; a GPU lease's short run: compiled-graphs)",
     )
     parser.add_argument(
         "--anatomy",

@@ -30,8 +30,9 @@
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
-#             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager/compiled/CUDA
-#             graphs against transformers' generate (issue 29 point 3), and the fastest
+#             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager and compiled +
+#             CUDA graphs (the other roads were measured before; --variants), lookahead 8
+#             against 1, against transformers' generate (issue 29 point 3), and the fastest
 #             row's anatomy: kernels a token, their time against the wall         (130 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
@@ -136,7 +137,7 @@ for what in "$@"; do
         ;;
     decode)
         stage decode 130 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
-            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 1 --new-tokens 128 --anatomy ${DECODE_ARGS:-}"
+            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 1 --new-tokens 128 --variants compiled-graphs --anatomy ${DECODE_ARGS:-}"
         ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
