@@ -408,9 +408,12 @@ def run_model(
     )
 
     times: dict[tuple[str, str], list[float]] = {key: [] for key in calls}
-    for _ in range(args.reps):
-        for key, generate in calls.items():
-            times[key].append(timed(generate, device))
+    for rep in range(args.reps):
+        for (case, who), generate in calls.items():
+            times[case, who].append(timed(generate, device))
+            if rep == 0:  # as each row ends, so a run stopped at a time limit still reports
+                tps = len(cases[case]) * args.new_tokens / times[case, who][0]
+                print(f"timed: batch {case}, {who}: {tps:,.0f} tok/s", flush=True)
 
     rows, result, spread = [], {}, []
     for case, texts in cases.items():

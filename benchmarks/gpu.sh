@@ -114,7 +114,7 @@ summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's 
         for s in "$@"; do
             [ "$s" = env ] && continue
             echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
-            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|x sequential' "$OUT/$s.log" 2>/dev/null
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|x sequential|^timed: ' "$OUT/$s.log" 2>/dev/null
         done
     } >"$OUT/summary.md"
     echo "== summary: $OUT/summary.md"
