@@ -104,7 +104,7 @@ from printing import cpu_model, print_table, profiled
 from ember.config import ModelConfig
 from ember.data.sources import open_source
 from ember.data.tokenizer import Tokenizer
-from ember.infer.engine import Engine
+from ember.infer.engine import TUNED, Engine
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.model.hf import to_hf
@@ -371,6 +371,7 @@ def run_model(
     # batch-1 rows: who -> (model, compile, graphs); compiled: StaticKVCache, step under torch.compile
     modes = [("", False, False), (" compiled", True, False)]
     graphed = [(" graphs", False, True), (" compiled graphs", True, True)] if args.graphs else []
+    graphed += [(" tuned graphs", TUNED, True)] if args.graphs else []  # frozen weights, max-autotune
     keep = lambda m: not m or m.strip().replace(" ", "-") in args.variants  # noqa: E731  (eager: the base row)
     variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed if keep(m)}
     for spec in args.quant:
@@ -381,7 +382,8 @@ def run_model(
         variants["ember compiled graphs, lookahead 1"] = (ours, True, True)
     compile_seconds = {}  # the first call compiles and captures
     for who, (model, compile, graphs) in list(variants.items())[1:]:
-        one = Engine(model, tokenizer, compile=compile, graphs=graphs)
+        options = compile if isinstance(compile, dict) else None
+        one = Engine(model, tokenizer, compile=bool(compile), graphs=graphs, compile_options=options)
         one.lookahead = 1 if who.endswith("lookahead 1") else one.lookahead
         calls["1", who] = ember_generate(one, prompts[:1], args.new_tokens)
         if compile or graphs:
@@ -470,7 +472,8 @@ def run_model(
         f"at the copy bandwidth {args.bandwidth / 1e9:.1f} GB/s; "
         + (f"'of peak': the same bytes at the nominal {args.peak / 1e9:,.0f} GB/s; " if args.peak else "")
         + "'compiled': StaticKVCache and the decode "
-        "step under torch.compile(fullgraph=True); 'graphs': that step replayed from a CUDA graph (on a CPU: "
+        "step under torch.compile(fullgraph=True) ('tuned': with Engine's TUNED options, frozen weights and "
+        "max-autotune); 'graphs': that step replayed from a CUDA graph (on a CPU: "
         "run as is); 'first call' includes the compile and capture; every row's greedy ids are compared with "
         "fp32 ember's (leading ids that agree); 'linear floor': 1 / the summed "
         "time of every linear layer (blocks and head) called alone on one row, best of 50 each: no decode "
@@ -537,7 +540,7 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
                  for name, (n, t) in top])  # fmt: skip
 
 
-VARIANTS = ("compiled", "graphs", "compiled-graphs")  # --variants: each batch-1 row's road besides eager
+VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs")  # --variants: roads besides eager
 
 
 def tps_of(seconds: list[float], args: argparse.Namespace) -> float:
@@ -577,8 +580,9 @@ def main() -> None:
         "--variants",
         nargs="+",
         choices=VARIANTS,
-        default=list(VARIANTS),
-        help="the batch-1 rows besides eager (default all; a GPU lease's short run: compiled-graphs)",
+        default=list(VARIANTS[:3]),
+        help="the batch-1 rows besides eager (default all but tuned-graphs: Engine(compile_options=TUNED), "
+        "frozen weights and max-autotune, a long compile; a GPU lease's short run: compiled-graphs)",
     )
     parser.add_argument(
         "--anatomy",

@@ -16,9 +16,9 @@
 # kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
 # FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
-# GPU, measured". Next: `all`, then `kernels-norms levers`; later `kernels-train`, `autotune`,
-# `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel`
-# (earlier issues' GPU checks, each <= 5 min).
+# GPU, measured". Next: `all`, then `kernels-norms levers`; later `decode-tuned`, `kernels-train`,
+# `autotune`, `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`,
+# `parallel` (earlier issues' GPU checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
@@ -34,6 +34,9 @@
 #             CUDA graphs (the other roads were measured before; --variants), lookahead 8
 #             against 1, against transformers' generate (issue 29 point 3), and the fastest
 #             row's anatomy: kernels a token, their time against the wall         (130 s)
+#   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
+#             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
+#             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -139,6 +142,10 @@ for what in "$@"; do
         stage decode 130 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
             $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 1 --new-tokens 128 --variants compiled-graphs --anatomy ${DECODE_ARGS:-}"
         ;;
+    decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
+        stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
+            --reps 1 --new-tokens 128 --variants compiled-graphs tuned-graphs --anatomy"
+        ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
         ;;
@@ -197,7 +204,7 @@ for what in "$@"; do
         summary env serve train decode fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss levers autotune serve all" >&2
+        echo "unknown stage $what: env analyze decode decode-tuned lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss levers autotune serve all" >&2
         exit 2
         ;;
     esac

@@ -14,7 +14,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
-from ember.infer.engine import Engine, KVCache, StaticKVCache, filter_logits, sample_next
+from ember.infer.engine import TUNED, Engine, KVCache, StaticKVCache, filter_logits, sample_next
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.run import export_weights
@@ -277,6 +277,15 @@ def test_compiled_engine_generates_what_the_eager_engine_does(tok):
     greedy = Sampling(max_new_tokens=12, temperature=0)
     eager = Engine(model, tok).generate(prompts, greedy)
     assert Engine(model, tok, compile=True).generate(prompts, greedy) == eager
+
+
+def test_tuned_compile_generates_what_the_eager_engine_does(tok):
+    """compile_options=TUNED (frozen weights, q/k/v fused, kernels picked by timing): the same
+    greedy tokens as the eager engine; the frozen graph reads the weights of its compile."""
+    model = tiny_model(vocab_size=320, **LLAMA)
+    prompts, greedy = ["The quick", "def main():\n"], Sampling(max_new_tokens=12, temperature=0)
+    tuned = Engine(model, tok, compile=True, compile_options=TUNED)  # (generate runs in inference mode)
+    assert tuned.generate(prompts, greedy) == Engine(model, tok).generate(prompts, greedy)
 
 
 def test_compiled_engines_of_two_models_keep_their_own_graphs(tok):

@@ -318,7 +318,7 @@ def _held_back(text: str, stop: Sequence[str]) -> int:
     return n
 
 
-def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
+def _compiled_step(model: nn.Module, options: dict | None = None) -> Callable[..., Tensor]:
     """``model(idx, cache=cache)`` under ``torch.compile(fullgraph=True)``, without the guards on
     the model. Dynamo checks ~1,600 of them per call (every module attribute and parameter):
     0.3–0.5 ms of a 3 ms gpt2-mini int8 step on the 2-core CPU, against 0.07 ms for the guards
@@ -335,9 +335,14 @@ def _compiled_step(model: nn.Module) -> Callable[..., Tensor]:
     def inputs_only(guards: list) -> list[bool]:
         return [not (g.name == "model" or g.name.startswith(("model.", "model["))) for g in guards]
 
-    return torch.compile(step, fullgraph=True, options={"guard_filter_fn": inputs_only})
+    return torch.compile(step, fullgraph=True, options={"guard_filter_fn": inputs_only, **(options or {})})
 
 
+# Engine(compile_options=TUNED): the weights become constants (inductor's freezing: folded, and the
+# q, k, v products of one input fused into one), each GEMM's kernel is picked by timing, and the
+# fused kernels' launch settings are tuned (gpt-fast's coordinate descent). A step then reads
+# weights as they were when it compiled: no training-time rollouts.
+TUNED = {"freezing": True, "max_autotune": True, "coordinate_descent_tuning": True}
 LOOKAHEAD = 8  # Engine.lookahead on CUDA
 GRAPH_SLOTS = 128  # graphed caches round up to a multiple of this: one graph serves many lengths
 GRAPH_WARMUP = 3  # eager steps before a capture (PyTorch's CUDA graphs notes: allocator, cuBLAS, autotuning)
@@ -439,7 +444,9 @@ class Engine:
     ``compile`` runs the one-token decode step under ``torch.compile(model, fullgraph=True)``
     with a ``StaticKVCache`` (the prefill stays eager; the first call compiles, seconds).
     ``graphs`` replays that step (compiled or not) from a CUDA graph (``GraphedDecode``); on a CPU
-    it runs the same static-cache path without graphs."""
+    it runs the same static-cache path without graphs. ``compile_options``: inductor's options for
+    that compile (``TUNED``: weights frozen into the graph and every GEMM's kernel picked by
+    timing, for a benchmark or a server whose weights never change)."""
 
     def __init__(
         self,
@@ -448,6 +455,7 @@ class Engine:
         device: str | torch.device | None = None,
         compile: bool = False,
         graphs: bool = False,
+        compile_options: dict | None = None,
     ):
         if not getattr(model.cfg, "causal", True):
             raise EmberError(
@@ -477,7 +485,7 @@ class Engine:
         # inside them wastes at most lookahead - 1 steps; a CPU has nothing to overlap
         self.lookahead = LOOKAHEAD if self.device.type == "cuda" else 1
         self.cache_type = StaticKVCache if compile or graphs else KVCache
-        step = _compiled_step(model) if compile else model
+        step = _compiled_step(model, compile_options) if compile else model
         self.decode = GraphedDecode(step) if graphs else step
 
     def cache_slots(self, needed: int) -> int:
