@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/decode.py [--model NAME ...] [--new-tokens N] [--reps N]
                                           [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                           [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
-                                          [--variants compiled graphs compiled-graphs]
+                                          [--variants compiled graphs compiled-graphs tuned-graphs]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
