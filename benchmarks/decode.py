@@ -99,7 +99,8 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from printing import cpu_model, print_table, profiled
+from printing import cpu_model, print_table
+from profiling import profiled
 
 from ember.config import ModelConfig
 from ember.data.sources import open_source

@@ -44,7 +44,8 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from printing import cpu_model, print_table, profiled
+from printing import cpu_model, print_table
+from profiling import profiled
 
 from ember.config import load_config
 from ember.data.manifest import read_manifest

@@ -260,19 +260,18 @@ def host_main(device: str) -> None:
     angles = torch.rand(16, 32, device=device)
     cos, sin = angles.cos()[None, None], angles.sin()[None, None]
     full = torch.cat((cos, cos), -1)[0], torch.cat((sin, sin), -1)[0]
-    rms = ln = torch.ops.ember.norm  # the registered ops: the road torch.compile takes
-    turn = torch.ops.ember.rope
+    norm_op, rope_op = torch.ops.ember.norm, torch.ops.ember.rope  # the registered ops: compile's road
     ops = {  # op -> {impl: (fn, inputs)}
         "rms_norm": {
             "eager": (lambda x, w: F.rms_norm(x, (768,), w, 1e-5), (x, w)),
             "ember": (lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
-            "ember, registered op": (lambda x, w: rms(x, None, w, None, 1e-5, True)[0], (x, w)),
+            "ember, registered op": (lambda x, w: norm_op(x, None, w, None, 1e-5, True)[0], (x, w)),
             "liger": (lambda x, w: lg.liger_rms_norm(x, w, 1e-5, in_place=False), (x, w)),
         },
         "layer_norm": {
             "eager": (lambda x, w, b: F.layer_norm(x, (768,), w, b, 1e-5), (x, w, b)),
             "ember": (lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), (x, w, b)),
-            "ember, registered op": (lambda x, w, b: ln(x, None, w, b, 1e-5, False)[0], (x, w, b)),
+            "ember, registered op": (lambda x, w, b: norm_op(x, None, w, b, 1e-5, False)[0], (x, w, b)),
             "liger": (lambda x, w, b: lg.liger_layer_norm(x, w, b, 1e-5), (x, w, b)),
         },
         "softmax": {
@@ -284,7 +283,7 @@ def host_main(device: str) -> None:
         "rope_qk": {
             "eager": (lambda q, k: (apply_rotary(q, (cos, sin)), apply_rotary(k, (cos, sin))), (q, k)),
             "ember": (lambda q, k: rope.rope_qk(q, k, cos, sin), (q, k)),
-            "ember, registered op": (lambda q, k: turn(q, k, cos, sin, False), (q, k)),
+            "ember, registered op": (lambda q, k: rope_op(q, k, cos, sin, False), (q, k)),
             "liger": (lambda q, k: lg.liger_rope(q, k, *full), (q, k)),
         },
     }

@@ -30,24 +30,3 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
         if i == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-
-
-def profiled(fn, cuda: bool) -> tuple[list[tuple[str, float]], float]:
-    """Run ``fn()`` under torch.profiler: ([(kernel name, µs)] the device ran, wall seconds). On a
-    CPU, the top-level aten ops stand in for kernels (a dry run of the plumbing)."""
-    import time
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    if cuda:
-        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    else:
-        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-    return [(e.name, e.time_range.elapsed_us()) for e in events], wall

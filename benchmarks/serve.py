@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 
 import torch
-from printing import cpu_model, print_table, profiled
+from printing import cpu_model, print_table
+from profiling import profiled
 
 from ember.config import ModelConfig, load_config
 from ember.data.tokenizer import Tokenizer

@@ -62,6 +62,12 @@ def top_logprobs(logp: torch.Tensor, k: int) -> dict[int, float]:
     return dict(zip(indices.tolist(), values.tolist(), strict=True))
 
 
+def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor]:
+    """The ids a step of ``work`` feeds, joined, and each sequence's last one's index among them (S,)."""
+    ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
+    return ids, torch.tensor([n for _, n in work]).cumsum(0) - 1
+
+
 class StepGraphs:
     """Steps padded to a few shapes and, on CUDA, replayed from one CUDA graph per shape (gpt-fast,
     vLLM): a step of a small model is mostly kernel launches, which a graph replays at once.
@@ -95,10 +101,10 @@ class StepGraphs:
         L, cache = self.shape(work), self.cache
         K = min(L, cache.rows)  # rows of logits: a sequence has one, and fewer than cache.rows run
         cache.plan([(r.seq, n) for r, n in work], pad_to=L)
-        fed = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
+        fed, last = fed_tokens(work)
         ids, picked = torch.zeros(1, L, dtype=torch.long), torch.zeros(K, dtype=torch.long)
         ids[0, : len(fed)] = torch.tensor(fed)
-        picked[: len(work)] = torch.tensor([n for _, n in work]).cumsum(0) - 1  # each sequence's last token
+        picked[: len(work)] = last
         device = cache.slots.device
         planned = [ids.to(device), picked.to(device), cache.slots, cache.positions, *cache.mask]
         planned += cache.tiles[:2]
@@ -317,9 +323,9 @@ class Scheduler:
     def _forward(self, work: list[tuple[Request, int]]) -> torch.Tensor:
         """Logits (len(work), V) of each sequence's last fed token, from one packed forward."""
         self.cache.plan([(r.seq, n) for r, n in work])
-        ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
+        ids, last = fed_tokens(work)
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
-        keep[0, torch.tensor([n for _, n in work]).cumsum(0) - 1] = True  # each sequence's last fed token
+        keep[0, last] = True  # each sequence's last fed token
         device = self.engine.device
         return self.engine.model(torch.tensor([ids], device=device), cache=self.cache, keep=keep.to(device))
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import kernel_op
+from ember.kernels import kernel_op, pow2
 
 _CHUNK_BYTES = {"cuda": 1 << 29, "cpu": 1 << 16}  # one chunk's logits, in bytes
 
@@ -110,7 +110,7 @@ def _lce_launch(
     if grad_w:  # accumulated over chunks in fp32 (fp64), cast to weight's dtype at the end
         gw = torch.zeros(weight.shape, dtype=acc, device=x.device)
     fp32_out = x.is_cuda and x.dtype != acc  # cuBLAS can accumulate bf16 products into fp32
-    block = min(triton.next_power_of_2(v), 4096 if x.is_cuda else 128)
+    block = min(pow2(v), 4096 if x.is_cuda else 128)
     for s in range(0, n, rows):
         xc = x[s : s + rows]
         logits = xc @ weight.T  # (r, V) in the input dtype, fp32 accumulation inside the GEMM

@@ -1,0 +1,30 @@
+"""The benchmarks' profile of one call: the kernels the device ran, and the wall time around them.
+
+    kernels, wall = profiled(lambda: generate(), cuda=True)   # [(kernel name, µs)], seconds
+
+decode.py, gpu_train.py and serve.py (``--anatomy``) read it as where their time goes: the
+device's busy share of the wall, kernels per token or step, and their kinds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def profiled(fn, cuda: bool) -> tuple[list[tuple[str, float]], float]:
+    """Run ``fn()`` under torch.profiler: ([(kernel name, µs)] the device ran, wall seconds). On a
+    CPU, the top-level aten ops stand in for kernels (a dry run of the plumbing)."""
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+    return [(e.name, e.time_range.elapsed_us()) for e in events], wall
