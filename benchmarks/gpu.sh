@@ -60,7 +60,8 @@
 #   train     benchmarks/gpu_train.py: ember's gpt2-small step (the preset's road) against
 #             transformers' compiled GPT-2, and Muon (issue 29 pt 1; each row printed as it
 #             ends, with its wall time; each ember row's anatomy: device time by kind of
-#             kernel, and the MFU its GEMMs alone would give)                             (120 s)
+#             kernel, and the MFU its GEMMs alone would give; then the floor: the step's
+#             products and attention alone, bf16 and fp8, the ceilings on 45% MFU and fp8's 1.2x) (120 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
@@ -117,7 +118,7 @@ summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's 
         for s in "$@"; do
             [ "$s" = env ] && continue
             echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
-            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|x sequential|^timed: ' "$OUT/$s.log" 2>/dev/null
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|^floor: |x sequential|^timed: ' "$OUT/$s.log" 2>/dev/null
         done
     } >"$OUT/summary.md"
     echo "== summary: $OUT/summary.md"
@@ -176,7 +177,7 @@ for what in "$@"; do
         done
         ;;
     train)
-        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --anatomy --rows ember hf-compiled ember-muon"
+        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --anatomy --floor --rows ember hf-compiled ember-muon"
         ;;
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
@@ -186,7 +187,7 @@ for what in "$@"; do
             ember-flash && \
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember && \
             $PY benchmarks/gpu_train.py --device $DEV --accum 32 --steps 5 --warmup 2 --rows ember ember-muon && \
-            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --rows hf-compiled ember ember-block && \
+            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --floor --rows ember hf-compiled ember-block && \
             $PY -m ember plan gpt2-small train.device=$DEV && \
             $PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember-block ember-triton hf-eager"
         ;;

@@ -31,7 +31,12 @@ The ember rows step through ``train_step`` with the guard on the device (as ``Tr
 does), so their loop never waits for the GPU between steps. ``--anatomy`` then profiles three
 more steps of each ember row: the device's time a step by kind of kernel (GEMM, attention,
 inductor's fused kernels, optimizer, other), how busy it was, and the MFU the GEMMs' rate alone
-would give: where a row's time goes on the way to the 45% target. With ``--device cpu`` the
+would give: where a row's time goes on the way to the 45% target. ``--floor`` times, after the
+``ember`` row, the step's matrix products (each linear's forward and two backward products, the
+head's, every layer's SDPA forward and backward) back to back with nothing between them, in bf16
+and the linears again in fp8 (``torch._scaled_mm``, operands cast beforehand): the MFU those
+alone reach bounds the row's, and the fp8 products' saving bounds ``train.precision=fp8``'s
+speed-up (issue 29 points 1 and 2: a target out of reach shows its bound). With ``--device cpu`` the
 shapes shrink (2 layers, d_model 64, 4 × 32 tokens, fp32, no compile) and the tiny corpus
 supplies the tokenizer: it checks that every row builds and steps, not speed.
 """
@@ -39,6 +44,7 @@ supplies the tokenizer: it checks that every row builds and steps, not speed.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import replace
 
@@ -51,6 +57,7 @@ from ember.config import load_config
 from ember.data.manifest import read_manifest
 from ember.data.prepare import prepare
 from ember.errors import EmberError
+from ember.model.gpt import GPT, block_linears
 from ember.model.hf import to_hf
 from ember.train.trainer import scratch_trainer
 
@@ -139,6 +146,108 @@ def anatomy(row: str, step, args, flops_per_token: float) -> None:
         rate = flops / (ms(sum(kinds["GEMM"])) * 1e-3)
         print(f"the step's {flops / 1e12:.1f} TFLOP in the GEMMs' time alone: {rate / 1e12:.0f} TFLOP/s, "
               f"an MFU of {100 * rate / PEAK_FLOPS:.0f}% if every other kernel were gone")  # fmt: skip
+
+
+def products(model: torch.nn.Module, tokens: int) -> dict[str, list[tuple[int, int, int]]]:
+    """(M, K, N) of every product a training step makes with a weight on ``tokens`` tokens, by
+    group: each linear's forward Y = X Wᵀ, then its backward dX = dY W and dW = dYᵀ X."""
+    groups = {"block linears": [m for _, _, m in block_linears(model)], "head": [model.output]}
+    return {
+        group: [shape for m in mods for shape in ((tokens, m.in_features, m.out_features),
+                (tokens, m.out_features, m.in_features), (m.out_features, tokens, m.in_features))]
+        for group, mods in groups.items()
+    }  # fmt: skip
+
+
+def median_ms(fn, cuda: bool, reps: int = 7) -> float:
+    """Median milliseconds of ``fn()`` after one untimed call, the device drained around each."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def product_ms(shapes: list[tuple[int, int, int]], device: str, fp8: bool) -> float:
+    """The products run back to back: bf16 ``mm`` (fp32 on a CPU), or ``torch._scaled_mm`` on
+    float8 operands cast beforehand with tensorwise scales (torchao's "fp8" recipe without its
+    casts and amax reductions: the fp8 tensor cores' own rate). One operand pair per shape."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    pairs = {}
+    for M, K, N in set(shapes):
+        a, w = torch.randn(M, K, device=device, dtype=dtype), torch.randn(N, K, device=device, dtype=dtype)
+        pairs[M, K, N] = (a, w.t()) if not fp8 else (a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn).t())
+    one = torch.ones((), device=device)
+
+    def run():
+        for shape in shapes:
+            a, b = pairs[shape]
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=dtype) if fp8 else torch.mm(a, b)
+
+    return median_ms(run, device == "cuda")
+
+
+def attention_ms(cfg, batch: int, seq_len: int, device: str) -> float:
+    """Every layer's causal SDPA forward and backward (the default backend), bf16 on CUDA."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hd, kv = cfg.d_model // cfg.n_head, cfg.n_kv_head or cfg.n_head
+    q, k, v = (torch.randn(batch, h, seq_len, hd, device=device, dtype=dtype, requires_grad=True)
+               for h in (cfg.n_head, kv, kv))  # fmt: skip
+    g = torch.randn(batch, cfg.n_head, seq_len, hd, device=device, dtype=dtype)
+
+    def run():
+        for _ in range(cfg.n_layer):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != cfg.n_head)
+            torch.autograd.grad(o, (q, k, v), g)
+
+    return median_ms(run, device == "cuda")
+
+
+def floor(args, step_seconds: float, flops_per_token: float) -> None:
+    """--floor: the step's matrix products and attention alone, without anything between them,
+    in bf16 and (the linears) in fp8: how far 45% MFU and fp8's 1.2× can be reached at this
+    model's widths, whatever the rest of the step does. With ``step_seconds`` (the ``ember`` row):
+    the time outside them, and the most fp8 products could save of that step."""
+    cfg = config(args, []).model
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = args.batch * args.seq_len
+    cuda, rows, ms = args.device == "cuda", [], {}
+    for group, shapes in products(model, tokens).items():
+        flop = sum(2 * M * K * N for M, K, N in shapes)
+        ms[group] = product_ms(shapes, args.device, fp8=False)
+        ms[group + " fp8"] = product_ms(shapes, args.device, fp8=True)
+        rows.append([group, f"{len(shapes)}", f"{flop / 1e12:.2f}", f"{ms[group]:.2f}",
+                     f"{flop / ms[group] / 1e9:.0f}", f"{ms[group + ' fp8']:.2f}",
+                     f"{ms[group] / ms[group + ' fp8']:.2f}x"])  # fmt: skip
+    ms["attention"] = attention_ms(cfg, args.batch, args.seq_len, args.device)
+    hd = cfg.d_model // cfg.n_head
+    flop = 12 * cfg.n_layer * cfg.n_head * hd * args.seq_len * tokens  # as GPT.flops_per_token counts it
+    rows.append(["attention (SDPA, fwd + bwd)", f"{cfg.n_layer}", f"{flop / 1e12:.2f}",
+                 f"{ms['attention']:.2f}", f"{flop / ms['attention'] / 1e9:.0f}", "", ""])  # fmt: skip
+    print(f"floor: the step's products alone, {tokens:,} tokens, back to back ({'bf16' if cuda else 'fp32'}; "
+          "fp8: e4m3 operands cast beforehand, tensorwise scales)")  # fmt: skip
+    print_table(["products", "count", "TFLOP a step", "ms", "TFLOP/s", "fp8 ms", "fp8 x"], rows)
+    alone = ms["block linears"] + ms["head"] + ms["attention"]
+    step_flop = flops_per_token * tokens
+    if cuda:
+        target = step_flop / (0.45 * PEAK_FLOPS) * 1e3
+        print(f"floor: the step's {step_flop / 1e12:.1f} TFLOP in these {alone:.1f} ms alone: an MFU of "
+              f"{100 * step_flop / (alone * 1e-3) / PEAK_FLOPS:.1f}% if nothing else ran; 45% is a step "
+              f"of {target:.1f} ms, {target - alone:.1f} ms for all the rest (norms, activations, loss, "
+              "optimizer)")  # fmt: skip
+    step = step_seconds * 1e3
+    saved = ms["block linears"] - ms["block linears fp8"]
+    with_head = saved + ms["head"] - ms["head fp8"]
+    print(f"floor: the ember row's {step:.1f} ms step spends {step - alone:.1f} ms outside them; fp8 block "
+          f"linears at these rates save {saved:.1f} ms of it: at most {step / (step - saved):.2f}x bf16 "
+          f"before casts and scales, {step / (step - with_head):.2f}x with the head in fp8 too "
+          "(issue 29 pt 2 asks 1.2x)")  # fmt: skip
 
 
 def ember_row(args, overrides, x, y, row: str = "ember") -> tuple[float, float]:
@@ -231,6 +340,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (cuda 5, cpu 1)")
     parser.add_argument("--anatomy", action="store_true",
                         help="after each ember row: 3 steps profiled, the device's time by kind of kernel")
+    parser.add_argument("--floor", action="store_true",
+                        help="after the ember row: the step's products alone, bf16 and fp8 (MFU's ceiling)")
     parser.add_argument("--loss-steps", type=int, default=0,
                         help="instead: train the rows this many steps on real data, compare the final losses")
     args = parser.parse_args()
@@ -273,6 +384,8 @@ def main() -> None:
             peaks[row] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
             peak = f", peak {peaks[row]:.1f} GiB" if cuda else ""
             print(f"{row}: {tps:,.0f} tokens/s{mfu}{peak} {took}", flush=True)
+            if args.floor and row == "ember":
+                floor(args, results[row], flops_per_token)
         else:
             print(f"{row}: {results[row]} {took}", flush=True)
         if cuda:
