@@ -3,6 +3,7 @@
     python benchmarks/gpu_train.py                          # CUDA: gpt2-small, 16 × 1024, bf16
     python benchmarks/gpu_train.py --rows ember ember-muon  # some rows only
     python benchmarks/gpu_train.py --model llama-small      # GQA, RoPE, SwiGLU (LlamaForCausalLM)
+    python benchmarks/gpu_train.py --set model.d_model=2048 model.n_head=16 --rows ember ember-fp8 --floor
     .venv/bin/python benchmarks/gpu_train.py --device cpu   # a tiny-shape dry run of every row
 
 Rows (tokens/s, MFU against 989 TFLOP/s, the H100/H200 dense bf16 peak, whatever the card):
@@ -89,7 +90,7 @@ def config(args, overrides: list[str]):
     shape = [f"train.seq_len={args.seq_len}", f"train.micro_batch={args.batch}", "train.max_steps=1000000",
              f"train.batch_tokens={args.accum * args.batch * args.seq_len}",
              f"train.device={args.device}"]  # fmt: skip
-    cfg = load_config(args.model, [*shape, *(CPU if args.device == "cpu" else []), *overrides])
+    cfg = load_config(args.model, [*shape, *(CPU if args.device == "cpu" else []), *args.set, *overrides])
     if args.device == "cpu":
         cfg = replace(cfg, data=load_config("tiny").data)  # a corpus prepared in seconds
     try:
@@ -331,6 +332,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--model", default="gpt2-small", choices=("gpt2-small", "llama-small"))
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="config overrides for every row (wider: model.d_model=2048 model.n_head=16)")
     parser.add_argument("--rows", nargs="+", default=DEFAULT, choices=list(ROWS), help=f"default: {' '.join(DEFAULT)}")  # fmt: skip # noqa: E501
     parser.add_argument("--batch", type=int, default=None, help="rows per step (cuda 16, cpu 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="(cuda 1024, cpu 32)")
@@ -353,7 +356,8 @@ def main() -> None:
             setattr(args, key, on_cuda if cuda else on_cpu)
     torch.backends.cuda.matmul.allow_tf32 = True
     name = torch.cuda.get_device_name() if cuda else cpu_model()
-    print(f"{args.model}{' (CPU shrink)' if not cuda else ''} on {name}; B={args.batch} × T={args.seq_len}"
+    print(f"{' '.join([args.model, *args.set])}{' (CPU shrink)' if not cuda else ''} on {name}; "
+          f"B={args.batch} × T={args.seq_len}"
           f"{f' × {args.accum} micro-batches' if args.accum > 1 else ''}, "
           f"{args.steps} steps after {args.warmup}; torch {torch.__version__}")  # fmt: skip
     if args.loss_steps:
