@@ -20,6 +20,10 @@ mask), fp32, in ``torch.inference_mode``, random weights
   GPT-2 layout), against ``GPT2LMHeadModel``.
 - ``llama-mini``: the same size in the Llama layout with 2 key/value heads (GQA).
 - ``gpt2-small``: GPT-2 small (d_model 768, 12 layers, 12 heads), for a GPU.
+- ``gpt2-large``: GPT-2 large (d_model 1280, 36 layers, 20 heads, ~0.7B parameters here), for
+  a GPU: matrices of 3-13 MB, whose GEMVs read at a fair share of the bandwidth, where
+  gpt2-small's 1-5 MB ones are bound by each kernel's latency. The same code at two widths
+  separates what the step's kernel count costs from what its bytes cost.
 
 The vocabulary is the benchmark tokenizer's 4096 in every case. For each model it first
 checks parity in fp32 at batch 1, whatever ``--dtype``: how many leading greedy ids ember
@@ -119,6 +123,7 @@ MODELS = {  # name -> ModelConfig fields besides the vocabulary
     "gpt2-mini": dict(n_layer=6, n_head=6, d_model=384, **GPT2),
     "llama-mini": dict(n_layer=6, n_head=6, n_kv_head=2, d_model=384, **LLAMA),
     "gpt2-small": dict(n_layer=12, n_head=12, d_model=768, **GPT2),
+    "gpt2-large": dict(n_layer=36, n_head=20, d_model=1280, **GPT2),
 }
 RAGGED_STEP = 6  # "8 ragged": prompt i keeps about PROMPT_TOKENS - RAGGED_STEP * i tokens
 SEED = 0

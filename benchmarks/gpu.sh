@@ -17,8 +17,8 @@
 # FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
 # GPU, measured". Next: `all`, then `kernels-norms levers`; later `fp8-wide`, `decode-tuned`,
-# `kernels-train`, `autotune`, `kernels` (its graph column), `kernels-test` whole, then `analyze`,
-# `lora`, `plan`, `parallel` (earlier issues' GPU checks, each <= 5 min).
+# `decode-wide`, `kernels-train`, `autotune`, `kernels` (its graph column), `kernels-test` whole,
+# then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
@@ -37,6 +37,8 @@
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
+#   decode-wide  decode.py's bf16 rows for gpt2-large (1280 wide, 36 layers): the same graphed
+#             step where each GEMV reads 3-13 MB, against gpt2-small's latency-bound 1-5 MB (200 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -150,6 +152,10 @@ for what in "$@"; do
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
             --reps 1 --new-tokens 128 --variants compiled-graphs tuned-graphs --anatomy"
         ;;
+    decode-wide)  # issue 29 pt 3 at a width whose GEMVs read at a share of the bandwidth (gpt2-large)
+        stage decode-wide 200 "$PY benchmarks/decode.py --device $DEV --model ${WIDE_MODEL:-gpt2-large} --dtype bf16 \
+            --quant none --reps 1 --new-tokens 128 --variants compiled-graphs --anatomy"
+        ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
         ;;
@@ -212,7 +218,7 @@ for what in "$@"; do
         summary env serve train decode fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-tuned lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss fp8-wide levers autotune serve all" >&2
+        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss fp8-wide levers autotune serve all" >&2
         exit 2
         ;;
     esac
