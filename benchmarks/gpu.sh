@@ -16,9 +16,10 @@
 # kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
 # FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
-# GPU, measured". Next: `all`, then `kernels-norms levers`; later `fp8-wide`, `decode-tuned`,
-# `decode-wide`, `kernels-train`, `autotune`, `kernels` (its graph column), `kernels-test` whole,
-# then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks, each <= 5 min).
+# GPU, measured". Next: `all`, then `kernels-norms levers`; later `fp8-filters`, `fp8-wide`,
+# `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`, `kernels` (its graph column),
+# `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks,
+# each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
@@ -67,6 +68,8 @@
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
+#   fp8-filters  gpu_train.py's fp8 rows by train.fp8_linears (the blocks', the MLPs' alone, with the
+#             head) against bf16, then the 300-step loss of the head's row against bf16's     (240 s)
 #   fp8-wide  gpu_train.py at 2048 wide (gpt2-small's 12 layers, 16 heads of 128: ~0.7B parameters),
 #             bf16 against fp8 with the floor: float8 where its GEMMs outweigh its casts, against
 #             768 wide where they do not (WIDE: other overrides)                              (180 s)
@@ -191,6 +194,10 @@ for what in "$@"; do
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
+    fp8-filters)  # issue 29 pt 2's next lever: which linears go to fp8 (train.fp8_linears), speed then loss
+        stage fp8-filters 240 "$PY benchmarks/gpu_train.py --device $DEV --rows ember ember-fp8 ember-fp8-mlp \
+            ember-fp8-all && $PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8-all"
+        ;;
     fp8-wide)  # issue 29 pt 2 where float8 can pay: gpt2-small 2048 wide (16 heads of 128), bf16 against fp8
         stage fp8-wide 180 "$PY benchmarks/gpu_train.py --device $DEV --set ${WIDE:-model.d_model=2048 model.n_head=16} \
             --steps 10 --warmup 3 --floor --rows ember ember-fp8"
@@ -218,7 +225,7 @@ for what in "$@"; do
         summary env serve train decode fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss fp8-wide levers autotune serve all" >&2
+        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss fp8-filters fp8-wide levers autotune serve all" >&2
         exit 2
         ;;
     esac

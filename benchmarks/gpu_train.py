@@ -17,7 +17,8 @@ Rows (tokens/s, MFU against 989 TFLOP/s, the H100/H200 dense bf16 peak, whatever
   H200 measured the whole graph 24% faster: benchmarks/RESULTS.md); ``ember-triton``
   (``train.kernels=triton``: ember's norms, RoPE, attention and the fused linear + loss),
   ``ember-muon`` (``train.optimizer=muon``: batched bf16 Newton–Schulz), ``ember-fp8`` and
-  ``ember-fp8-rowwise`` (``train.precision=fp8``: torchao float8 block linears). A row that
+  ``ember-fp8-rowwise`` (``train.precision=fp8``: torchao float8 block linears), ``ember-fp8-mlp``
+  and ``ember-fp8-all`` (``train.fp8_linears``: the MLPs' alone, or with the head). A row that
   cannot run on this machine says why (its ConfigError) instead of a number.
 - issue 29's levers: ``ember-whole`` (``train.compile_scope=model``, what ``auto`` picks on one
   GPU: forward and loss in one graph, so the fp32 cast of the logits fuses into the
@@ -72,6 +73,8 @@ ROWS = {  # name: ember overrides (None: transformers' GPT-2, compiled or not)
     "ember-muon": ["train.optimizer=muon"],
     "ember-fp8": ["train.precision=fp8"],
     "ember-fp8-rowwise": ["train.precision=fp8-rowwise"],
+    "ember-fp8-mlp": ["train.precision=fp8", "train.fp8_linears=mlp"],  # the MLPs' linears alone
+    "ember-fp8-all": ["train.precision=fp8", "train.fp8_linears=all"],  # the blocks' and the head
     # issue 29's levers (ember-flash, ember-cudnn: one change from "ember"):
     "ember-whole": ["train.compile=true", "train.compile_scope=model"],  # forward + loss: the CE fused in
     "ember-graphs": ["train.compile=true", "train.compile_scope=block", "train.compile_mode=reduce-overhead"],  # fmt: skip # noqa: E501

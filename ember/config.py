@@ -241,6 +241,7 @@ class TrainConfig(_Section, key="train"):
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", ge=0)
     z_loss: float = opt(0.0, "weight of the z-loss on log-sum-exp of logits (PaLM)", ge=0)
     precision: str = opt("fp32", "bf16/fp16 autocast, fp16 with GradScaler; fp8(-rowwise): torchao float8 block linears (CUDA sm89+)", choices=("fp32", "bf16", "fp16", "fp8", "fp8-rowwise"))  # fmt: skip # noqa: E501
+    fp8_linears: str = opt("blocks", "the linears precision=fp8 converts: blocks; mlp (the MLPs' alone); all (blocks and the head)", choices=("blocks", "mlp", "all"))  # fmt: skip # noqa: E501
     compile: bool = opt(False, "torch.compile each block, or the whole step (compile_scope)")
     compile_scope: str = opt("auto", "block: each block; model: forward + loss in one graph (one device); auto: model on one CUDA device where the loss traces whole, else block", choices=("auto", "block", "model"))  # fmt: skip # noqa: E501
     compile_mode: str = opt("default", "reduce-overhead: CUDA graphs", choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"))  # fmt: skip # noqa: E501

@@ -221,6 +221,11 @@ def test_fp8_is_refused_before_any_work(tiny_cfg, monkeypatch):
     with pytest.raises(ConfigError, match=r"pip install 'ember\[quant\]'"):
         check_fp8(cfg.train, torch.device("cuda"), capability=(9, 0))
     check_fp8(tiny_cfg().train, torch.device("cpu"))  # the other precisions pass untouched
+    with pytest.raises(ConfigError, match=r"fp8_linears=mlp .* trains in fp32: set train.precision=fp8"):
+        check_fp8(tiny_cfg("train.fp8_linears=mlp").train, torch.device("cpu"))
+    with pytest.raises(ConfigError, match="not with train.kernels=triton's fused head"):
+        fused = tiny_cfg("train.precision=fp8", "train.fp8_linears=all", "train.kernels=triton").train
+        check_fp8(fused, torch.device("cuda"), capability=(9, 0))
 
 
 def test_fp8_converts_only_block_linears():
@@ -232,7 +237,10 @@ def test_fp8_converts_only_block_linears():
     chosen = {name for name, m in model.named_modules() if fp8_filter(m, name)}
     linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     assert chosen and chosen < linears
-    assert all(name.startswith("layers.") for name in chosen)  # never the head: its loss is fused
+    assert all(name.startswith("layers.") for name in chosen)  # not the head by default
+    mlp = {name for name, m in model.named_modules() if fp8_filter(m, name, "mlp")}
+    assert mlp == {name for name in chosen if ".mlp." in name} and len(mlp) == 3 * len(model.layers)  # SwiGLU
+    assert {name for name, m in model.named_modules() if fp8_filter(m, name, "all")} == chosen | {"output"}
 
 
 def test_fp8_training_follows_bf16_through_torchao(tiny_cfg, monkeypatch):
@@ -252,6 +260,10 @@ def test_fp8_training_follows_bf16_through_torchao(tiny_cfg, monkeypatch):
         assert run.model.state_dict().keys() == Trainer(tiny_cfg("run.name=plain")).model.state_dict().keys()
         assert _losses(run) == pytest.approx(bf16, rel=2e-2), recipe
         assert _losses(run) != bf16  # the float8 casts did happen
+    run = _train(tiny_cfg, "adamw-fused", "train.precision=fp8", "train.fp8_linears=all", name="fp8-all")
+    assert isinstance(run.model.output, Float8Linear)
+    assert run.model.output.weight is run.model.tok_embeddings.weight  # the tie holds through training
+    assert _losses(run) == pytest.approx(bf16, rel=2e-2)
 
 
 def _losses(trainer) -> list[float]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -187,6 +188,8 @@ def check_fp8(train_cfg, device: torch.device, layout: tuple[str, ...] = (), cap
     layout in use that float8 linears do not compose with here (TP, PP, FSDP)."""
     where = f"train.precision={train_cfg.precision}"
     if train_cfg.precision not in FP8_RECIPES:
+        if train_cfg.fp8_linears != "blocks":
+            raise ConfigError(f"train.fp8_linears={train_cfg.fp8_linears} picks the linears that train.precision=fp8 converts; this run trains in {train_cfg.precision}: set train.precision=fp8 or drop train.fp8_linears")  # fmt: skip # noqa: E501
         return
     if device.type != "cuda":
         raise ConfigError(f"{where} needs a CUDA GPU of compute capability 8.9 or newer; this run is on {device.type}: use train.precision=bf16")  # fmt: skip # noqa: E501
@@ -195,6 +198,8 @@ def check_fp8(train_cfg, device: torch.device, layout: tuple[str, ...] = (), cap
         raise ConfigError(f"{where} needs float8 tensor cores (compute capability 8.9 or newer: L4, H100, H200); this GPU has {major}.{minor}: use train.precision=bf16")  # fmt: skip # noqa: E501
     clash = [*layout, *(["train.qat"] if train_cfg.qat != "none" else [])]
     clash += ["LoRA"] if train_cfg.lora_rank else []
+    if train_cfg.fp8_linears == "all" and train_cfg.kernels == "triton":
+        clash += ["train.kernels=triton's fused head and loss (train.fp8_linears=all converts the head)"]
     if clash:
         raise ConfigError(f"{where} converts the block linears to torchao's Float8Linear: not with {', '.join(clash)} yet")  # fmt: skip # noqa: E501
     try:
@@ -203,24 +208,27 @@ def check_fp8(train_cfg, device: torch.device, layout: tuple[str, ...] = (), cap
         raise ConfigError(f"{where} needs torchao's float8 training: pip install 'ember[quant]'") from None
 
 
-def fp8_filter(module: torch.nn.Module, fqn: str) -> bool:
-    """The linears float8 training converts: the blocks' (the head stays in bf16, and under
-    ``train.kernels=triton`` feeds the fused loss), with both widths multiples of 16 (float8
-    GEMMs' alignment)."""
-    return (
-        isinstance(module, torch.nn.Linear)
-        and fqn.startswith("layers.")
-        and module.in_features % 16 == 0
-        and module.out_features % 16 == 0
-    )
+def fp8_filter(module: torch.nn.Module, fqn: str, linears: str = "blocks") -> bool:
+    """The linears float8 training converts (``train.fp8_linears``), those whose widths are both
+    multiples of 16 (float8 GEMMs' alignment): every block linear (``blocks``, torchtitan's
+    default: the head stays in bf16); the MLPs' alone (``mlp``: the widest products, whose GEMM
+    time outweighs their casts first); or the blocks' and the head (``all``: the step's largest
+    product, whose input is narrow but whose output gradient, B·T × vocab, costs a cast of its
+    own). A head tied to the embedding stays tied: ``Float8Linear`` keeps the module's weight."""
+    if not isinstance(module, torch.nn.Linear) or module.in_features % 16 or module.out_features % 16:
+        return False
+    if fqn == "output":
+        return linears == "all"
+    return fqn.startswith("layers.") and (linears != "mlp" or ".mlp." in fqn)
 
 
 def apply_fp8(model, train_cfg) -> None:
-    """``train.precision=fp8``: torchao's ``Float8Linear`` on the block linears (same
-    parameters and names: checkpoints and exported weights are a plain run's), with dynamic
+    """``train.precision=fp8``: torchao's ``Float8Linear`` on the linears ``fp8_filter`` picks
+    (same parameters and names: checkpoints and exported weights are a plain run's), with dynamic
     tensorwise or rowwise scales; the rest of the step runs under bf16 autocast. CUDA only
     (``check_fp8``); the tests check the refusal and ``fp8_filter`` on the CPU."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(FP8_RECIPES[train_cfg.precision])
-    convert_to_float8_training(model, config=config, module_filter_fn=fp8_filter)
+    chosen = partial(fp8_filter, linears=train_cfg.fp8_linears)
+    convert_to_float8_training(model, config=config, module_filter_fn=chosen)
