@@ -12,6 +12,8 @@ longer than their kernels (the H200 lease of 2026-11-26: 0.15-0.9 ms for ops who
 nominal HBM bandwidth their bytes reach in that time (the bytes each op must move at least:
 docs/kernels.md); attention and the fused linear cross-entropy are compute-bound and report
 TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
+The norms' "ember 1 row" rows run the forward at one row a program, as before
+``ember.kernels.norm.rows_per_program`` tiled several (a warp a row at 768 wide).
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
 Triton kernels run under the interpreter: times mean nothing there, the run only shows that
 every row works.
@@ -93,6 +95,21 @@ def fwd_bwd(op, inputs, grad=None):
     return run
 
 
+def one_row(op):
+    """``op`` with ember's norm forward at one row a program, the layout before
+    ``rows_per_program`` (its own row in the table, to keep the faster on this GPU)."""
+    from ember.kernels import norm
+
+    def call(*args):
+        norm.ROWS_PER_PROGRAM = 1
+        try:
+            return op(*args)
+        finally:
+            norm.ROWS_PER_PROGRAM = None
+
+    return call
+
+
 def peak_mb(fn, device: str) -> float:
     if device != "cuda":
         return float("nan")
@@ -134,6 +151,7 @@ def cases(shape: dict, dtype, device: str):
                 else {}
             ),  # noqa: E501
             "ember": fwd_bwd(lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
+            "ember 1 row": fwd_bwd(one_row(lambda x, w: norm.rms_norm(x, w, 1e-5)), (x, w)),
         },
         5 * N * C * e,
         0,
@@ -146,6 +164,7 @@ def cases(shape: dict, dtype, device: str):
             "compile": fwd_bwd(torch.compile(lnm), (x, w, b)),
             **({"liger": fwd_bwd(lg.liger_layer_norm, (x, w, b, 1e-5))} if lg else {}),
             "ember": fwd_bwd(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), (x, w, b)),
+            "ember 1 row": fwd_bwd(one_row(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5)), (x, w, b)),
         },
         5 * N * C * e,
         0,

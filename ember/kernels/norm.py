@@ -23,29 +23,31 @@ from ember.kernels import kernel_op, pow2, sm_count, triton_ready
 
 
 @triton.jit
-def _norm_fwd(X, R, W, B, Y, H, Mean, Rstd, N, eps, RMS: tl.constexpr, HAS_R: tl.constexpr,
-              HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row, the whole row in registers (N <= BLOCK)."""
-    off = tl.program_id(0).to(tl.int64) * N
+def _norm_fwd(X, R, W, B, Y, H, Mean, Rstd, M, N, eps, RMS: tl.constexpr, HAS_R: tl.constexpr,
+              HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """One program per ROWS rows, each whole row in registers (N <= BLOCK)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    x = tl.load(X + off + cols, mask=mask, other=0.0)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)  # (ROWS, BLOCK)
+    at = rows[:, None].to(tl.int64) * N + cols[None, :]
+    x = tl.load(X + at, mask=mask, other=0.0)
     if HAS_R:  # h in x's dtype, as torch's x + residual, and the norm reads that rounded h
-        x = (x.to(ACC) + tl.load(R + off + cols, mask=mask, other=0.0).to(ACC)).to(H.dtype.element_ty)
-        tl.store(H + off + cols, x, mask=mask)
+        x = (x.to(ACC) + tl.load(R + at, mask=mask, other=0.0).to(ACC)).to(H.dtype.element_ty)
+        tl.store(H + at, x, mask=mask)
     x = x.to(ACC)
     if not RMS:
-        mean = tl.sum(x, axis=0) / N
-        x = tl.where(mask, x - mean, 0.0)
-        tl.store(Mean + tl.program_id(0), mean)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    tl.store(Rstd + tl.program_id(0), rstd)
-    y = x * rstd
+        mean = tl.sum(x, axis=1) / N
+        x = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(Mean + rows, mean, mask=rows < M)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+    tl.store(Rstd + rows, rstd, mask=rows < M)
+    y = x * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(W + cols, mask=mask, other=0.0).to(ACC)
+        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
     if HAS_B:
-        y = y + tl.load(B + cols, mask=mask, other=0.0).to(ACC)
-    tl.store(Y + off + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(ACC)[None, :]
+    tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -87,6 +89,18 @@ def _norm_bwd(DY, DH, H, W, Mean, Rstd, DX, DW, DB, M, N, rows_per_program, RMS:
         tl.store(DB + pid * N + cols, db, mask=mask)
 
 
+ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_per_program()
+
+
+def rows_per_program(block: int) -> int:
+    """The forward's rows a program: a tile of about 4,096 values, so that a row of up to 1,024
+    (gpt2-small's 768) is one warp's and its sums stay inside the warp, where one row a program
+    spreads it over four warps that meet in shared memory (torch's and Apex's norms keep a warp a
+    row; inductor's picks several rows a program too). ``ROWS_PER_PROGRAM`` overrides it
+    (benchmarks/kernels.py times one row a program beside it)."""
+    return ROWS_PER_PROGRAM or max(1, min(16, 4096 // block))
+
+
 def _launch_args(x: Tensor) -> dict:
     """Refuse a device Triton can't run on; one row's block, its warps, the accumulation dtype."""
     ok, why = triton_ready(x.device)
@@ -115,9 +129,11 @@ def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
     fp64 x), kept for the backward; h is empty without a residual, mean for rms."""
     y, h, mean, rstd = out = _outputs(x, residual, rms)
     x, r, w, b = (t.contiguous() if t is not None else None for t in (x, residual, weight, bias))
-    _norm_fwd[(rstd.numel(),)](x, r, w, b, y, h if r is not None else None, None if rms else mean, rstd,
-                               x.size(-1), eps, RMS=rms, HAS_R=r is not None, HAS_W=w is not None,
-                               HAS_B=b is not None, **_launch_args(x))
+    args, M = _launch_args(x), rstd.numel()
+    rows = rows_per_program(args["BLOCK"])
+    _norm_fwd[(-(-M // rows),)](x, r, w, b, y, h if r is not None else None, None if rms else mean, rstd, M,
+                                x.size(-1), eps, RMS=rms, HAS_R=r is not None, HAS_W=w is not None,
+                                HAS_B=b is not None, ROWS=rows, **args)
     return out
 
 
