@@ -13,7 +13,7 @@ nominal HBM bandwidth their bytes reach in that time (the bytes each op must mov
 docs/kernels.md); attention and the fused linear cross-entropy are compute-bound and report
 TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
 The norms' "ember 1 row" rows run the forward at one row a program, as before
-``ember.kernels.norm.rows_per_program`` tiled several (a warp a row at 768 wide).
+``ember.kernels.norm.rows_per_program`` tiled several (4 at 768 wide).
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
 Triton kernels run under the interpreter: times mean nothing there, the run only shows that
 every row works.

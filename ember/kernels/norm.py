@@ -93,11 +93,12 @@ ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_
 
 
 def rows_per_program(block: int) -> int:
-    """The forward's rows a program: a tile of about 4,096 values, so that a row of up to 1,024
-    (gpt2-small's 768) is one warp's and its sums stay inside the warp, where one row a program
-    spreads it over four warps that meet in shared memory (torch's and Apex's norms keep a warp a
-    row; inductor's picks several rows a program too). ``ROWS_PER_PROGRAM`` overrides it
-    (benchmarks/kernels.py times one row a program beside it)."""
+    """The forward's rows a program: a tile of about 4,096 values, 4 rows at gpt2-small's 768
+    wide. Each thread then has four rows' loads in flight, and one shared-memory round sums the
+    statistics of all four, where one row a program pays that round, and a program's start, for
+    every row (inductor's norm kernels take several rows a program too). Whether that is faster
+    on a GPU is benchmarks/kernels.py's to say: ``ROWS_PER_PROGRAM`` overrides it, and the
+    script times one row a program beside it."""
     return ROWS_PER_PROGRAM or max(1, min(16, 4096 // block))
 
 
