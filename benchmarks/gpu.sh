@@ -6,7 +6,7 @@
 # 30 s), and a warm machine goes back 30 s after a call: two calls back to back, then give_back.
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
-#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode fp8-loss (<= 9 min)
+#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode cli fp8-loss (<= 9 min)
 #   DEADLINE=300 bash benchmarks/gpu.sh kernels-norms levers   # 2nd call at once (<= 5 min)
 #
 # (`kernels-norms` is issue 28's host-bound rows against Liger after 2026-11-27's wrapper change;
@@ -65,6 +65,9 @@
 #             ends, with its wall time; each ember row's anatomy: device time by kind of
 #             kernel, and the MFU its GEMMs alone would give; then the floor: the step's
 #             products and attention alone, bf16 and fp8, the ceilings on 45% MFU and fp8's 1.2x) (120 s)
+#   cli       `ember train gpt2-small` through the CLI (benchmarks/parallel.py's single layout): the
+#             preset's own step, 32 micro-batches of 16 × 1024, loader, logging every 10 steps;
+#             MFU over steps 11-20 (issue 29 pt 1 as worded; a CPU dry run: CCFG=tiny CMB=4) (150 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
@@ -191,6 +194,10 @@ for what in "$@"; do
     train)
         stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --anatomy --floor --rows ember hf-compiled ember-muon"
         ;;
+    cli)  # issue 29 pt 1 as worded: `ember train gpt2-small` itself, its preset's 524,288-token steps
+        stage cli 150 "$PY benchmarks/parallel.py --config ${CCFG:-gpt2-small} --device $DEV --batch-tokens 0 \
+            --micro-batch ${CMB:-16} --steps 20 --warmup 10 --layouts single"
+        ;;
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
         ;;
@@ -219,13 +226,13 @@ for what in "$@"; do
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention flex gather --anatomy"
         ;;
-    all)  # issue 29 in one call: env, serve, train, decode, fp8-loss (<= 9 min together)
+    all)  # issue 29 in one call: env, serve, train, decode, cli, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
-        DEADLINE=$DEADLINE bash "$SELF" env serve train decode fp8-loss || failed=1
-        summary env serve train decode fp8-loss
+        DEADLINE=$DEADLINE bash "$SELF" env serve train decode cli fp8-loss || failed=1
+        summary env serve train decode cli fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train fp8-loss fp8-filters fp8-wide levers autotune serve all" >&2
+        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve all" >&2
         exit 2
         ;;
     esac
