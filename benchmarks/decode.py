@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/decode.py [--model NAME ...] [--new-tokens N] [--reps N]
                                           [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                           [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
-                                          [--variants compiled graphs compiled-graphs tuned-graphs]
+                                          [--variants compiled graphs compiled-graphs tuned-graphs
+                                                      fused-graphs]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
@@ -384,18 +385,21 @@ def run_model(
     modes = [("", False, False), (" compiled", True, False)]
     graphed = [(" graphs", False, True), (" compiled graphs", True, True)] if args.graphs else []
     graphed += [(" tuned graphs", TUNED, True)] if args.graphs else []  # frozen weights, max-autotune
+    graphed += [(" fused graphs", "triton", True)] if args.graphs else []  # ember's own step (kernels)
     keep = lambda m: not m or m.strip().replace(" ", "-") in args.variants  # noqa: E731  (eager: the base row)
     variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed if keep(m)}
     for spec in args.quant:
         quantized = quantize(copy.deepcopy(ours), spec)
-        roads = [(m, c, g) for m, c, g in modes + graphed[1:] if keep(m)]
+        roads = [(m, c, g) for m, c, g in modes + graphed[1:] if keep(m) and c != "triton"]  # (plain linears)
         variants |= {f"ember {spec.label}{m}": (quantized, c, g) for m, c, g in roads}
     if args.graphs and keep(" compiled graphs"):  # Engine.lookahead's lever: each token read back first
         variants["ember compiled graphs, lookahead 1"] = (ours, True, True)
     compile_seconds = {}  # the first call compiles and captures
     for who, (model, compile, graphs) in list(variants.items())[1:]:
         options = compile if isinstance(compile, dict) else None
-        one = Engine(model, tokenizer, compile=bool(compile), graphs=graphs, compile_options=options)
+        kernels = "triton" if compile == "triton" else "torch"
+        one = Engine(model, tokenizer, compile=bool(compile) and kernels == "torch", graphs=graphs,
+                     compile_options=options, kernels=kernels)  # fmt: skip
         one.lookahead = 1 if who.endswith("lookahead 1") else one.lookahead
         calls["1", who] = ember_generate(one, prompts[:1], args.new_tokens)
         if compile or graphs:
@@ -485,7 +489,8 @@ def run_model(
         + (f"'of peak': the same bytes at the nominal {args.peak / 1e9:,.0f} GB/s; " if args.peak else "")
         + "'compiled': StaticKVCache and the decode "
         "step under torch.compile(fullgraph=True) ('tuned': with Engine's TUNED options, frozen weights and "
-        "max-autotune); 'graphs': that step replayed from a CUDA graph (on a CPU: "
+        "max-autotune); 'fused': ember's own step instead (ember/infer/fused.py, five launches a block, not "
+        "compiled); 'graphs': that step replayed from a CUDA graph (on a CPU: "
         "run as is); 'first call' includes the compile and capture; every row's greedy ids are compared with "
         "fp32 ember's (leading ids that agree); 'linear floor': 1 / the summed "
         "time of every linear layer (blocks and head) called alone on one row, best of 50 each: no decode "
@@ -553,7 +558,7 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
                  for name, (n, t) in top])  # fmt: skip
 
 
-VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs")  # --variants: roads besides eager
+VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs")  # besides eager
 
 
 def tps_of(seconds: list[float], args: argparse.Namespace) -> float:
@@ -594,8 +599,9 @@ def main() -> None:
         nargs="+",
         choices=VARIANTS,
         default=list(VARIANTS[:3]),
-        help="the batch-1 rows besides eager (default all but tuned-graphs: Engine(compile_options=TUNED), "
-        "frozen weights and max-autotune, a long compile; a GPU lease's short run: compiled-graphs)",
+        help="the batch-1 rows besides eager (default the first three; tuned-graphs: Engine(compile_options="
+        "TUNED), frozen weights and max-autotune, a long compile; fused-graphs: Engine(kernels='triton'), "
+        "ember's own five-launch block, graphed; a GPU lease's short run: compiled-graphs fused-graphs)",
     )
     parser.add_argument(
         "--anatomy",

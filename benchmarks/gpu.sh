@@ -30,9 +30,10 @@
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
-#   decode    tests/test_decode_graph.py (its CUDA cases replay real graphs), then
-#             benchmarks/decode.py: gpt2-small bf16 and int8-weight, eager and compiled +
-#             CUDA graphs (the other roads were measured before; --variants), lookahead 8
+#   decode    tests/test_decode_graph.py and tests/test_fused_decode.py (on CUDA: real graphs, the
+#             kernels compiled), then benchmarks/decode.py: gpt2-small bf16, eager, compiled +
+#             CUDA graphs and ember's fused step (ember/infer/fused.py, five launches a block)
+#             graphed (the other roads and int8 were measured before; --variants), lookahead 8
 #             against 1, against transformers' generate (issue 29 point 3), and the fastest
 #             row's anatomy: kernels a token, their time against the wall         (130 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
@@ -151,8 +152,9 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 130 "$PY -m pytest -q tests/test_decode_graph.py -p no:logging && \
-            $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant int8-weight --reps 1 --new-tokens 128 --variants compiled-graphs --anatomy ${DECODE_ARGS:-}"
+        stage decode 130 "$PY -m pytest -q tests/test_decode_graph.py tests/test_fused_decode.py -p no:logging; \
+            t=\$?; $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none --reps 1 \
+            --new-tokens 128 --variants compiled-graphs fused-graphs --anatomy ${DECODE_ARGS:-} && exit \$t"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \

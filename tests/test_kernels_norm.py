@@ -67,7 +67,7 @@ NORMS = {  # name -> (kernel, reference, whether it takes a bias, a residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 37), (5, 130), (2, 3, 20), (37, 20)])  # (37, 20): 3 programs of 16 rows
+@pytest.mark.parametrize("shape", [(3, 37), (5, 130), (2, 3, 20), (37, 20)])  # (37, 20): 3 programs
 @pytest.mark.parametrize("name", list(NORMS))
 def test_norm_matches_reference(name, shape, dtype):
     kernel, ref, has_bias, has_res = NORMS[name]

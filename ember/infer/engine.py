@@ -446,7 +446,9 @@ class Engine:
     ``graphs`` replays that step (compiled or not) from a CUDA graph (``GraphedDecode``); on a CPU
     it runs the same static-cache path without graphs. ``compile_options``: inductor's options for
     that compile (``TUNED``: weights frozen into the graph and every GEMM's kernel picked by
-    timing, for a benchmark or a server whose weights never change)."""
+    timing, for a benchmark or a server whose weights never change). ``kernels="triton"`` decodes
+    with ember's own fused step instead (``ember.infer.fused``: five launches a GPT-2 block, on
+    the static cache; with ``graphs`` replayed from a CUDA graph)."""
 
     def __init__(
         self,
@@ -456,6 +458,7 @@ class Engine:
         compile: bool = False,
         graphs: bool = False,
         compile_options: dict | None = None,
+        kernels: str = "torch",
     ):
         if not getattr(model.cfg, "causal", True):
             raise EmberError(
@@ -484,8 +487,16 @@ class Engine:
         # on a GPU the host queues the next steps while the device runs, and a row that ends
         # inside them wastes at most lookahead - 1 steps; a CPU has nothing to overlap
         self.lookahead = LOOKAHEAD if self.device.type == "cuda" else 1
-        self.cache_type = StaticKVCache if compile or graphs else KVCache
+        if kernels not in ("torch", "triton"):
+            raise EmberError(f"kernels={kernels!r}: choose torch (PyTorch's ops) or triton (ember's own)")
+        if kernels == "triton" and compile:
+            raise EmberError("kernels=triton decodes with ember's own step, never compiled: drop compile")
+        self.cache_type = StaticKVCache if compile or graphs or kernels == "triton" else KVCache
         step = _compiled_step(model, compile_options) if compile else model
+        if kernels == "triton":
+            from ember.infer.fused import FusedDecode  # (imports Triton: only when asked for)
+
+            step = FusedDecode(model)
         self.decode = GraphedDecode(step) if graphs else step
 
     def cache_slots(self, needed: int) -> int:

@@ -70,10 +70,11 @@ def sm_count(index: int) -> int:
 
 
 def kernel_op(name: str, fn: Callable, fake: Callable, setup_context: Callable | None = None,
-              backward: Callable | None = None) -> Callable:
+              backward: Callable | None = None, mutates: tuple[str, ...] = ()) -> Callable:
     """Register ``fn`` as the custom op ``ember::<name>``, with ``fake`` for tracing and, given
     ``backward``, torch.library's autograd formula (``setup_context``, ``backward``); -> the
-    function to call it by, whose ``.op`` is the registered op.
+    function to call it by, whose ``.op`` is the registered op. ``mutates``: the arguments
+    ``fn`` writes into (a decode step's KV cache).
 
     That function calls the registered op inside torch.compile (which traces through it without
     a graph break) and on fake, meta or other subclassed tensors. On plain tensors outside
@@ -84,7 +85,7 @@ def kernel_op(name: str, fn: Callable, fake: Callable, setup_context: Callable |
     and backward (``benchmarks/kernels.py --host``), as long as a memory-bound kernel's whole
     run on a GPU at training sizes. A backward formula that calls another of these functions
     gets the same choice, by its tensors: fake while compile traces it, plain in eager."""
-    op = torch.library.custom_op(f"ember::{name}", fn, mutates_args=())
+    op = torch.library.custom_op(f"ember::{name}", fn, mutates_args=mutates)
     op.register_fake(fake)
     plain = op  # no formula: with grad mode on (a double backward), the op says so when it is asked
     if backward is not None:

@@ -1,0 +1,105 @@
+"""A batch-1 decode step in ember's own kernels: five launches a GPT-2-style block.
+
+    engine = Engine(model, tokenizer, graphs=True, kernels="triton")    # this step, from a CUDA graph
+    logits = FusedDecode(model)(idx, cache)      # idx (B, 1), cache a filled StaticKVCache -> (B, 1, V)
+
+PyTorch's kernels run a GPT-2 block's decode step as a dozen or more launches (norms, three
+products for q, k, v, the cache writes, the mask, attention, the output product, the residual
+adds, the MLP's two products and GELU), and at batch 1 each costs its latency, not its bytes
+(benchmarks/RESULTS.md, "Decode's floor"). ``FusedDecode`` runs a block as five
+(ember/kernels/decode.py): [norm + q|k|v], [attention, writing k and v into the cache], [output
+product + residual], [norm + up + GELU], [down + residual]; with the embedding and the final
+norm + head, gpt2-small's step is 62 launches, then the position's increment.
+
+It covers the GPT-2 layout it was written for: LayerNorm or RMSNorm before each sublayer,
+learned or no positions, the GELU MLP, biases or not, grouped-query attention; anything else
+(RoPE, SwiGLU, qk-norm, soft-capping, MoE, Mamba, LoRA or quantized linears) is refused by name.
+q, k and v become one product over a concatenated weight made here, so a step reads the weights
+of its construction for them (as ``TUNED``'s frozen weights): for a benchmark or a server, not a
+training-time rollout. tests/test_fused_decode.py holds it to the model's own step (logits, and
+the greedy tokens of ``generate``), under Triton's interpreter on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ember.errors import EmberError
+from ember.kernels.decode import ACTS, NORMS, decode_attention, decode_embed, decode_linear
+from ember.model.gpt import GeluMLP, LearnedPositions, layer_mixers
+
+
+def _norm(module: nn.Module) -> tuple[Tensor, Tensor | None, float, int]:
+    """(weight, bias, eps, kind) of a LayerNorm or RMSNorm, as decode_linear takes them."""
+    if isinstance(module, nn.LayerNorm):
+        return module.weight, module.bias, module.eps, NORMS["layer"]
+    eps = module.eps if module.eps is not None else torch.finfo(module.weight.dtype).eps  # nn.RMSNorm's
+    return module.weight, None, eps, NORMS["rms"]
+
+
+def unsupported(model: nn.Module) -> list[str]:
+    """What in ``model`` the fused step does not cover (empty: it covers it)."""
+    cfg, why = model.cfg, []
+    if cfg.pos == "rope":
+        why.append("RoPE (model.pos=rope)")
+    if cfg.mlp != "gelu" or cfg.gelu != "tanh":
+        why.append(f"model.mlp={cfg.mlp}" if cfg.mlp != "gelu" else "model.gelu=erf")
+    if cfg.qk_norm:
+        why.append("model.qk_norm")
+    if cfg.logit_softcap:
+        why.append("model.logit_softcap")
+    if cfg.norm_position != "pre" or cfg.head != "lm" or not cfg.causal:
+        why.append("a post-norm, scoring or bidirectional model")
+    if set(layer_mixers(cfg)) != {"attention"}:
+        why.append("Mamba layers")
+    for name, module in model.named_modules():
+        if name.endswith(("wq", "wk", "wv", "wo", "w1", "w2")) or name == "output":
+            if type(module) is not nn.Linear:
+                why.append(f"{name} is a {type(module).__name__}, not a plain nn.Linear (LoRA, quantized)")
+                break
+    if any(not isinstance(b.mlp, GeluMLP) for b in model.layers.values()):
+        why.append("a block without the GELU MLP (MoE, model.mlp=none)")
+    return why
+
+
+class FusedDecode:
+    """``step(idx, cache)`` as ``model(idx, cache=cache)`` computes it for one new token a row on
+    a ``StaticKVCache`` the prefill filled: logits (B, 1, V) in fp32, k and v written at the
+    cache's position, the position advanced (module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        if why := unsupported(model):
+            raise EmberError(
+                f"the fused decode step (kernels=triton) covers GPT-2-style blocks; this model has "
+                f"{', '.join(why)}: decode it with kernels=torch"
+            )
+        cfg = model.cfg
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
+        self.wte = model.tok_embeddings.weight
+        self.wpe = model.pos.wpe.weight if isinstance(model.pos, LearnedPositions) else None
+        self.layers = []
+        with torch.no_grad():
+            for name, block in model.layers.items():
+                a, mlp = block.attention, block.mlp
+                qkv = torch.cat([a.wq.weight, a.wk.weight, a.wv.weight])  # one product: the same input
+                bias = torch.cat([a.wq.bias, a.wk.bias, a.wv.bias]) if a.wq.bias is not None else None
+                self.layers.append((name, _norm(block.attention_norm), qkv, bias, a.wo, _norm(block.mlp_norm),
+                                    mlp.w1, mlp.w2))  # fmt: skip
+        self.final = _norm(model.norm)
+        self.head = model.output
+
+    @torch.no_grad()
+    def __call__(self, idx: Tensor, cache) -> Tensor:
+        pos, pad = cache.pos, cache.pad
+        x = decode_embed(idx.reshape(-1), self.wte, self.wpe, pos, pad)  # (B, C)
+        for name, (g1, b1, eps1, n1), qkv_w, qkv_b, wo, (g2, b2, eps2, n2), w1, w2 in self.layers:
+            qkv = decode_linear(x, qkv_w, qkv_b, g1, b1, None, eps1, n1, 0, None)
+            o = decode_attention(qkv, cache.k[name], cache.v[name], pos, pad, self.n_head, self.n_kv_head)
+            x = decode_linear(o, wo.weight, wo.bias, None, None, x, 0.0, NORMS["none"], 0, None)
+            h = decode_linear(x, w1.weight, w1.bias, g2, b2, None, eps2, n2, ACTS["gelu"], None)
+            x = decode_linear(h, w2.weight, w2.bias, None, None, x, 0.0, NORMS["none"], 0, None)
+        g, b, eps, n = self.final
+        logits = decode_linear(x, self.head.weight, self.head.bias, g, b, None, eps, n, 0, torch.float32)
+        pos += 1
+        return logits[:, None]  # (B, 1, V)

@@ -1,0 +1,198 @@
+"""The kernels of a fused decode step: a GPT-2-style block at batch 1 in five launches.
+
+    x = decode_embed(idx, wte, wpe, pos, pad)                        # (B, C): token + position rows
+    y = decode_linear(x, w, b, g, beta, r, eps, norm, act)           # y = act(norm(x) @ wᵀ + b) + r
+    o = decode_attention(qkv, k_cache, v_cache, pos, pad, n_head, n_kv_head)   # writes k, v at pos
+
+A batch-1 decode step of gpt2-small is ~73 matrix-vector products of 1-5 MB each, and each
+costs its kernel's latency (3.5-6.3 µs on an H200 from a CUDA graph), not its bytes (0.3-1.3 µs):
+benchmarks/RESULTS.md, "Decode's floor". Per op, with PyTorch's kernels, a block is about a dozen
+launches; these five make one (``ember.infer.fused``):
+
+- ``decode_linear`` with a norm before the product: LayerNorm/RMSNorm of x (statistics over the
+  whole row, recomputed by every program from the 1.5 KB row in cache) fused into the GEMV's
+  loads, then bias, GELU (tanh) and the residual add after it. A block is
+  [norm + q|k|v], [attention], [o + residual], [norm + up + GELU], [down + residual].
+- ``decode_attention``: one program per (row, head). It attends the new key (from the q|k|v
+  product, in registers) and every held slot of the static cache (``StaticKVCache``: slots
+  below ``pos`` and not among the row's left pads), with an online softmax; the first head of
+  each key/value group writes the new key and value into slot ``pos``.
+
+The products use ``tl.dot`` on 16-row tiles (tensor cores even for one row, as ``int8.py``),
+fp32 accumulation, the weight's dtype in. Inference only: no autograd formulas; ``kernel_op``
+registers each with its fake, and the cache writes as the attention op's mutations.
+References: ``*_ref`` below; tests/test_fused_decode.py holds the whole step to the model's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ember.kernels import INTERPRET, kernel_op, pow2
+
+NORMS = {"none": 0, "layer": 1, "rms": 2}
+ACTS = {"none": 0, "gelu": 1}
+
+_CONFIGS = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)]
+CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS]
+if INTERPRET:  # one small config: the interpreter's programs run one after another
+    CONFIGS = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32})]
+
+
+@triton.jit
+def _embed_kernel(IDX, WTE, WPE, POS, PAD, X, C, spad, HAS_WPE: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    token = tl.load(IDX + b).to(tl.int64)
+    x = tl.load(WTE + token * C + cols, mask=cols < C, other=0.0).to(tl.float32)
+    if HAS_WPE:  # the position of slot pos in a row with pad left pads (StaticKVCache.extend)
+        p = tl.maximum(tl.load(POS) - tl.load(PAD + b * spad), 0).to(tl.int64)
+        x += tl.load(WPE + p * C + cols, mask=cols < C, other=0.0).to(tl.float32)
+    tl.store(X + b * C + cols, x.to(X.dtype.element_ty), mask=cols < C)
+
+
+@triton.autotune(CONFIGS, key=["M", "N", "K"])
+@triton.jit
+def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
+                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
+                   HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_m = rm[:, None] < M
+    if NORM != 0:  # the rows' statistics first: every program reads the whole (short) rows
+        cols = tl.arange(0, BLOCK_ROW)
+        row = tl.load(X + rm[:, None] * K + cols[None, :], mask=in_m & (cols[None, :] < K), other=0.0)
+        row = row.to(tl.float32)
+        mean = tl.sum(row, axis=1) / K if NORM == 1 else tl.zeros((BLOCK_M,), tl.float32)
+        centred = tl.where(cols[None, :] < K, row - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / K + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        in_k = kk < K
+        x = tl.load(X + rm[:, None] * K + kk[None, :], mask=in_m & in_k[None, :], other=0.0)
+        if NORM != 0:
+            xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+            xn = xn * tl.load(G + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
+            if HAS_BETA:
+                xn += tl.load(BETA + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
+            x = tl.where(in_m & in_k[None, :], xn, 0.0).to(X.dtype.element_ty)  # rounded as the model's norm
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & in_k[None, :], other=0.0)
+        if FP32_DOT:  # fp32 weights, and the interpreter (whose bf16 tl.dot is not exact)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if ACT == 1:  # GELU, tanh form: 0.5·a·(1 + tanh(z)) = a·sigmoid(2z), z = √(2/π)·(a + 0.044715·a³)
+        z = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(tl.minimum(tl.maximum(z, -40.0), 40.0))  # (saturated there: no exp overflow)
+    out = in_m & (rn[None, :] < N)
+    if HAS_RES:  # the block's own output rounded first, then added, as the model's x + f(x)
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32)
+        acc += tl.load(R + rm[:, None] * N + rn[None, :], mask=out, other=0.0).to(tl.float32)
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=out)
+
+
+@triton.jit
+def _attention_kernel(QKV, KC, VC, POS, PAD, O, S, spad, skb, skh, sks, scale,
+                      H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Row b, head h: softmax over the new key and the row's held slots, keys and values in fp32."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    g = h // (H // HKV)  # its key/value head
+    d = tl.arange(0, HD)
+    width = (H + 2 * HKV) * HD
+    q = tl.load(QKV + b * width + h * HD + d).to(tl.float32) * scale
+    k_new = tl.load(QKV + b * width + (H + g) * HD + d)
+    v_new = tl.load(QKV + b * width + (H + HKV + g) * HD + d)
+    pos, pad = tl.load(POS), tl.load(PAD + b * spad)
+    base = b * skb + g * skh
+    if h % (H // HKV) == 0:  # one writer per key/value head; the readers use k_new, v_new instead
+        tl.store(KC + base + pos * sks + d, k_new.to(KC.dtype.element_ty))
+        tl.store(VC + base + pos * sks + d, v_new.to(VC.dtype.element_ty))
+    m = tl.sum(q * k_new.to(tl.float32), axis=0)  # the running max starts at the new key's score
+    total = 1.0 + tl.zeros((), tl.float32)  # exp(score - m) of the new key
+    acc = v_new.to(tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        held = (s < pos) & (s >= pad)
+        k = tl.load(KC + base + s[:, None] * sks + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
+        scores = tl.where(held, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)  # 0 where not held
+        shrink = tl.exp(m - m_new)
+        v = tl.load(VC + base + s[:, None] * sks + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
+        acc = acc * shrink + tl.sum(p[:, None] * v, axis=0)
+        total = total * shrink + tl.sum(p, axis=0)
+        m = m_new
+    tl.store(O + b * H * HD + h * HD + d, (acc / total).to(O.dtype.element_ty))
+
+
+def _embed_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad: Tensor) -> Tensor:
+    B, C = idx.size(0), wte.size(1)
+    idx, x = idx.contiguous(), wte.new_empty(B, C)  # (ids[:, t] is a strided view)
+    spad = 1 if pad.numel() > 1 else 0
+    _embed_kernel[(B,)](idx, wte, wpe, pos, pad, x, C, spad, HAS_WPE=wpe is not None, BLOCK=pow2(C))
+    return x
+
+
+def _linear_launch(x: Tensor, w: Tensor, bias: Tensor | None, g: Tensor | None, beta: Tensor | None,
+                   r: Tensor | None, eps: float, norm: int, act: int,
+                   out_dtype: torch.dtype | None) -> Tensor:
+    """act(norm(x) @ wᵀ + bias) + r for x (M, K), w (N, K): (M, N) in ``out_dtype`` (x's if None)."""
+    (M, K), N = x.shape, w.size(0)
+    x, w, r = x.contiguous(), w.contiguous(), r if r is None else r.contiguous()
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, 16))  # noqa: E731
+    _linear_kernel[grid](x, w, bias, g, beta, r, y, M, N, K, eps, NORM=norm, HAS_BIAS=bias is not None,
+                         HAS_BETA=beta is not None, ACT=act, HAS_RES=r is not None,
+                         FP32_DOT=INTERPRET or w.dtype == torch.float32, BLOCK_M=16,
+                         BLOCK_ROW=pow2(K) if norm else 16)  # fmt: skip
+    return y
+
+
+def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, pad: Tensor, n_head: int,
+                      n_kv_head: int) -> Tensor:
+    """qkv (B, (H + 2·Hkv)·hd); caches (B, Hkv, S, hd) -> o (B, H·hd); k, v written at slot pos."""
+    B, S, hd = qkv.size(0), k_cache.size(2), k_cache.size(3)
+    o = qkv.new_empty(B, n_head * hd)
+    spad = 1 if pad.numel() > 1 else 0
+    _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, o, S, spad, *k_cache.stride()[:3],
+                                   1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
+                                   BLOCK_S=min(64, pow2(S)))  # fmt: skip
+    return o
+
+
+decode_embed = kernel_op("decode_embed", _embed_launch,
+                         lambda idx, wte, *_: wte.new_empty(idx.size(0), wte.size(1)))
+decode_linear = kernel_op("decode_linear", _linear_launch,
+                          lambda x, w, *a: x.new_empty(x.size(0), w.size(0), dtype=a[-1] or x.dtype))
+decode_attention = kernel_op("decode_attention", _attention_launch,
+                             lambda qkv, kc, vc, pos, pad, h, hkv: qkv.new_empty(qkv.size(0), h * kc.size(3)),
+                             mutates=("k_cache", "v_cache"))
+
+
+def decode_linear_ref(x, w, bias, g, beta, r, eps, norm, act, out_dtype=None) -> Tensor:
+    """The same in PyTorch: the norm in fp32 rounded to x's dtype, the product, bias, GELU, then
+    the residual added to the rounded result."""
+    if norm:
+        h = x.float()
+        if norm == NORMS["layer"]:
+            h = F.layer_norm(h, h.shape[-1:], g.float(), None if beta is None else beta.float(), eps)
+        else:
+            h = F.rms_norm(h, h.shape[-1:], g.float(), eps)
+        x = h.to(x.dtype)
+    y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    if act == ACTS["gelu"]:
+        y = F.gelu(y, approximate="tanh")
+    y = y.to(out_dtype or x.dtype)
+    return y if r is None else (y.float() + r.float()).to(y.dtype)

@@ -1,0 +1,98 @@
+"""ember's fused decode step (``Engine(..., kernels="triton")``, ember/infer/fused.py) against the
+model's own: each kernel against its reference, then the whole step's logits and cache writes
+(fp32, 1e-4) over several tokens, with GQA, RMSNorm, no biases and left-padded rows, and the
+greedy completions of ``generate``. On a CPU the kernels run under Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.config import ModelConfig
+from ember.errors import EmberError
+from ember.infer.engine import Engine, StaticKVCache
+from ember.infer.sampling import Sampling
+from ember.kernels import triton_ready
+from ember.model.gpt import GPT
+
+pytestmark = pytest.mark.skipif(not triton_ready("cpu")[0] and not torch.cuda.is_available(),
+                                reason=triton_ready("cpu")[1])  # fmt: skip
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GPT2 = {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
+LAYOUTS = {
+    "gpt2": GPT2,
+    "gqa-rms-nobias": {**GPT2, "n_kv_head": 2, "norm": "rmsnorm", "bias": False},
+    "no-positions": {**GPT2, "pos": "none"},
+}
+
+
+def tiny(**layout) -> GPT:
+    cfg = ModelConfig(vocab_size=320, n_layer=2, n_head=4, d_model=64, max_seq_len=64, init_std=0.1, **layout)
+    return GPT.build(cfg, device=DEVICE, seed=0).eval()
+
+
+def test_linear_kernel_matches_its_reference():
+    from ember.kernels.decode import ACTS, NORMS, decode_linear, decode_linear_ref
+
+    g = torch.Generator().manual_seed(0)
+    x, w, r = (torch.randn(*s, generator=g).to(DEVICE) for s in ((3, 40), (37, 40), (3, 37)))
+    gain, beta, bias = (torch.randn(n, generator=g).to(DEVICE) for n in (40, 40, 37))
+    cases = [
+        (x, w, bias, gain, beta, None, 1e-5, NORMS["layer"], ACTS["gelu"], None),
+        (x, w, None, gain, None, None, 1e-6, NORMS["rms"], ACTS["none"], torch.float64),
+        (x, w, bias, None, None, r, 0.0, NORMS["none"], ACTS["none"], None),  # ragged N = 37, K = 40
+    ]
+    for args in cases:
+        torch.testing.assert_close(decode_linear(*args), decode_linear_ref(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fused_step_matches_the_models_step(layout):
+    """Prefill, then 4 tokens: the same logits and the same keys and values in the cache, for a
+    batch of two rows, the second left-padded by 3 (a mask and shifted positions)."""
+    from ember.infer.fused import FusedDecode
+
+    torch.manual_seed(0)
+    model = tiny(**LAYOUTS[layout])
+    step = FusedDecode(model)
+    ids = torch.randint(0, 320, (2, 12), device=DEVICE)
+    caches = [StaticKVCache(20, pad=[0, 3], device=DEVICE) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :7], cache=cache)
+        for t in range(7, 11):
+            want = model(ids[:, t : t + 1], cache=caches[0])
+            got = step(ids[:, t : t + 1], cache=caches[1])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert int(caches[1].pos) == int(caches[0].pos) == 11
+        for kv in ("k", "v"):
+            for layer in caches[0].k:
+                torch.testing.assert_close(getattr(caches[1], kv)[layer], getattr(caches[0], kv)[layer])
+
+
+def test_generate_with_the_fused_step_gives_the_same_completions():
+    from ember.infer.fused import FusedDecode
+
+    tok = _tokenizer()
+    model = tiny(**GPT2)
+    prompts = ["def f(x):", "return x +"]
+    plain = Engine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=0))
+    engine = Engine(model, tok, graphs=True, kernels="triton")
+    assert isinstance(engine.decode.step, FusedDecode)  # the fused step, replayed through GraphedDecode
+    fused = engine.generate(prompts, Sampling(max_new_tokens=8, temperature=0))
+    assert [c.token_ids for c in fused] == [c.token_ids for c in plain]
+
+
+def test_what_the_fused_step_does_not_cover_is_refused_by_name():
+    from ember.infer.fused import FusedDecode
+
+    with pytest.raises(EmberError, match=r"RoPE \(model.pos=rope\), model.mlp=swiglu.*kernels=torch"):
+        FusedDecode(tiny(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False))
+    with pytest.raises(EmberError, match="never compiled: drop compile"):
+        Engine(tiny(**GPT2), _tokenizer(), compile=True, kernels="triton")
+
+
+def _tokenizer():
+    from ember.data.tokenizer import Tokenizer
+
+    return Tokenizer.train_bpe(["def f(x):\n    return x + 1\n" * 8], 300)
