@@ -10,8 +10,8 @@ benchmarks/RESULTS.md, "Decode's floor". Per op, with PyTorch's kernels, a block
 launches; these five make one (``ember.infer.fused``):
 
 - ``decode_linear`` with a norm before the product: LayerNorm/RMSNorm of x (statistics over the
-  whole row, recomputed by every program from the 1.5 KB row in cache) fused into the GEMV's
-  loads, then bias, GELU (tanh) and the residual add after it. A block is
+  whole row, recomputed by every program in two passes over the 1.5 KB row, from cache) fused
+  into the GEMV's loads, then bias, GELU (tanh) and the residual add after it. A block is
   [norm + q|k|v], [attention], [o + residual], [norm + up + GELU], [down + residual].
 - ``decode_attention``: one program per (row, head). It attends the new key (from the q|k|v
   product, in registers) and every held slot of the static cache (``StaticKVCache``: slots
@@ -62,20 +62,28 @@ def _embed_kernel(IDX, WTE, WPE, POS, PAD, X, C, spad, HAS_WPE: tl.constexpr, BL
 def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
                    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
                    HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = rm[:, None] < M
-    if NORM != 0:  # the rows' statistics first: every program reads the whole (short) rows
-        cols = tl.arange(0, BLOCK_ROW)
-        row = tl.load(X + rm[:, None] * K + cols[None, :], mask=in_m & (cols[None, :] < K), other=0.0)
-        row = row.to(tl.float32)
-        mean = tl.sum(row, axis=1) / K if NORM == 1 else tl.zeros((BLOCK_M,), tl.float32)
-        centred = tl.where(cols[None, :] < K, row - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / K + eps)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     rk = tl.arange(0, BLOCK_K)
+    if NORM != 0:  # the rows' statistics first, two passes over the (short, cache-hot) rows
+        mean = tl.zeros((BLOCK_M,), tl.float32)
+        if NORM == 1:
+            for k0 in range(0, K, BLOCK_K):
+                at = k0 + rk[None, :]
+                x = tl.load(X + rm[:, None] * K + at, mask=in_m & (at < K), other=0.0)
+                mean += tl.sum(x.to(tl.float32), axis=1)
+            mean = mean / K
+        var = tl.zeros((BLOCK_M,), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            at = k0 + rk[None, :]
+            x = tl.load(X + rm[:, None] * K + at, mask=in_m & (at < K), other=0.0).to(tl.float32)
+            x = tl.where(at < K, x - mean[:, None], 0.0)
+            var += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(var / K + eps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         in_k = kk < K
@@ -155,8 +163,7 @@ def _linear_launch(x: Tensor, w: Tensor, bias: Tensor | None, g: Tensor | None, 
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, 16))  # noqa: E731
     _linear_kernel[grid](x, w, bias, g, beta, r, y, M, N, K, eps, NORM=norm, HAS_BIAS=bias is not None,
                          HAS_BETA=beta is not None, ACT=act, HAS_RES=r is not None,
-                         FP32_DOT=INTERPRET or w.dtype == torch.float32, BLOCK_M=16,
-                         BLOCK_ROW=pow2(K) if norm else 16)  # fmt: skip
+                         FP32_DOT=INTERPRET or w.dtype == torch.float32, BLOCK_M=16)  # fmt: skip
     return y
 
 
