@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ember.errors import EmberError
 from ember.kernels.decode import ACTS, NORMS, decode_attention, decode_embed, decode_linear
-from ember.model.gpt import GeluMLP, LearnedPositions, layer_mixers
+from ember.model.gpt import LearnedPositions, layer_mixers
 
 
 def _norm(module: nn.Module) -> tuple[Tensor, Tensor | None, float, int]:
@@ -58,8 +58,6 @@ def unsupported(model: nn.Module) -> list[str]:
             if type(module) is not nn.Linear:
                 why.append(f"{name} is a {type(module).__name__}, not a plain nn.Linear (LoRA, quantized)")
                 break
-    if any(not isinstance(b.mlp, GeluMLP) for b in model.layers.values()):
-        why.append("a block without the GELU MLP (MoE, model.mlp=none)")
     return why
 
 
