@@ -128,7 +128,7 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, O, S, spad, skb, skh, sks, scale,
         tl.store(KC + base + pos * sks + d, k_new.to(KC.dtype.element_ty))
         tl.store(VC + base + pos * sks + d, v_new.to(VC.dtype.element_ty))
     m = tl.sum(q * k_new.to(tl.float32), axis=0)  # the running max starts at the new key's score
-    total = 1.0 + tl.zeros((), tl.float32)  # exp(score - m) of the new key
+    total = m * 0.0 + 1.0  # exp(score - m) of the new key (a scalar of m's type)
     acc = v_new.to(tl.float32)
     for s0 in range(0, S, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
