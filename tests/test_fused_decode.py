@@ -23,6 +23,7 @@ LAYOUTS = {
     "gpt2": GPT2,
     "gqa-rms-nobias": {**GPT2, "n_kv_head": 2, "norm": "rmsnorm", "bias": False},
     "no-positions": {**GPT2, "pos": "none"},
+    "llama": {"pos": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "n_kv_head": 2},
 }
 
 
@@ -41,6 +42,8 @@ def test_linear_kernel_matches_its_reference():
         (x, w, bias, gain, beta, None, 1e-5, NORMS["layer"], ACTS["gelu"], None),
         (x, w, None, gain, None, None, 1e-6, NORMS["rms"], ACTS["none"], torch.float64),
         (x, w, bias, None, None, r, 0.0, NORMS["none"], ACTS["none"], None),  # ragged N = 37, K = 40
+        (x, torch.cat([w, w.flip(0)]), torch.cat([bias, bias]), gain, None, None, 1e-6, NORMS["rms"],
+         ACTS["swiglu"], None),  # gate's rows, then up's
     ]
     for args in cases:
         torch.testing.assert_close(decode_linear(*args), decode_linear_ref(*args), rtol=1e-5, atol=1e-5)
@@ -86,8 +89,8 @@ def test_generate_with_the_fused_step_gives_the_same_completions():
 def test_what_the_fused_step_does_not_cover_is_refused_by_name():
     from ember.infer.fused import FusedDecode
 
-    with pytest.raises(EmberError, match=r"RoPE \(model.pos=rope\), model.mlp=swiglu.*kernels=torch"):
-        FusedDecode(tiny(pos="rope", norm="rmsnorm", mlp="swiglu", bias=False))
+    with pytest.raises(EmberError, match=r"model.mlp=relu2, model.qk_norm.*kernels=torch"):
+        FusedDecode(tiny(**GPT2 | {"mlp": "relu2", "qk_norm": True}))
     with pytest.raises(EmberError, match="never compiled: drop compile"):
         Engine(tiny(**GPT2), _tokenizer(), compile=True, kernels="triton")
 

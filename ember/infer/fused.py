@@ -1,23 +1,24 @@
-"""A batch-1 decode step in ember's own kernels: five launches a GPT-2-style block.
+"""A batch-1 decode step in ember's own kernels: five launches a block.
 
     engine = Engine(model, tokenizer, graphs=True, kernels="triton")    # this step, from a CUDA graph
     logits = FusedDecode(model)(idx, cache)      # idx (B, 1), cache a filled StaticKVCache -> (B, 1, V)
 
-PyTorch's kernels run a GPT-2 block's decode step as a dozen or more launches (norms, three
-products for q, k, v, the cache writes, the mask, attention, the output product, the residual
-adds, the MLP's two products and GELU), and at batch 1 each costs its latency, not its bytes
+PyTorch's kernels run a block's decode step as a dozen or more launches (norms, three products
+for q, k, v, RoPE, the cache writes, the mask, attention, the output product, the residual
+adds, the MLP's products and activation), and at batch 1 each costs its latency, not its bytes
 (benchmarks/RESULTS.md, "Decode's floor"). ``FusedDecode`` runs a block as five
-(ember/kernels/decode.py): [norm + q|k|v], [attention, writing k and v into the cache], [output
-product + residual], [norm + up + GELU], [down + residual]; with the embedding and the final
-norm + head, gpt2-small's step is 62 launches, then the position's increment.
+(ember/kernels/decode.py): [norm + q|k|v], [RoPE + attention, writing k and v into the cache],
+[output product + residual], [norm + up + GELU, or norm + gate|up + SwiGLU], [down + residual];
+with the embedding and the final norm + head, gpt2-small's step is 62 launches, then the
+position's increment.
 
-It covers the GPT-2 layout it was written for: LayerNorm or RMSNorm before each sublayer,
-learned or no positions, the GELU MLP, biases or not, grouped-query attention; anything else
-(RoPE, SwiGLU, qk-norm, soft-capping, MoE, Mamba, LoRA or quantized linears) is refused by name.
-q, k and v become one product over a concatenated weight made here, so a step reads the weights
-of its construction for them (as ``TUNED``'s frozen weights): for a benchmark or a server, not a
-training-time rollout. tests/test_fused_decode.py holds it to the model's own step (logits, and
-the greedy tokens of ``generate``), under Triton's interpreter on a CPU.
+It covers the GPT-2 and Llama layouts: LayerNorm or RMSNorm before each sublayer, learned, rotary
+or no positions, the GELU (tanh) or SwiGLU MLP, biases or not, grouped-query attention; anything
+else (qk-norm, soft-capping, ReLU², MoE, Mamba, LoRA or quantized linears) is refused by name.
+q|k|v (and SwiGLU's gate|up) become one product over a weight concatenated here, so a step reads
+the weights of its construction for them (as ``TUNED``'s frozen weights): for a benchmark or a
+server, not a training-time rollout. tests/test_fused_decode.py holds it to the model's own step
+(logits and cache, and the greedy tokens of ``generate``), under Triton's interpreter on a CPU.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import Tensor, nn
 
 from ember.errors import EmberError
 from ember.kernels.decode import ACTS, NORMS, decode_attention, decode_embed, decode_linear
-from ember.model.gpt import LearnedPositions, layer_mixers
+from ember.model.gpt import LearnedPositions, RotaryPositions, layer_mixers
 
 
 def _norm(module: nn.Module) -> tuple[Tensor, Tensor | None, float, int]:
@@ -41,9 +42,7 @@ def _norm(module: nn.Module) -> tuple[Tensor, Tensor | None, float, int]:
 def unsupported(model: nn.Module) -> list[str]:
     """What in ``model`` the fused step does not cover (empty: it covers it)."""
     cfg, why = model.cfg, []
-    if cfg.pos == "rope":
-        why.append("RoPE (model.pos=rope)")
-    if cfg.mlp != "gelu" or cfg.gelu != "tanh":
+    if cfg.mlp not in ("gelu", "swiglu") or cfg.mlp == "gelu" and cfg.gelu != "tanh":
         why.append(f"model.mlp={cfg.mlp}" if cfg.mlp != "gelu" else "model.gelu=erf")
     if cfg.qk_norm:
         why.append("model.qk_norm")
@@ -54,11 +53,17 @@ def unsupported(model: nn.Module) -> list[str]:
     if set(layer_mixers(cfg)) != {"attention"}:
         why.append("Mamba layers")
     for name, module in model.named_modules():
-        if name.endswith(("wq", "wk", "wv", "wo", "w1", "w2")) or name == "output":
+        if name.endswith(("wq", "wk", "wv", "wo", "w1", "w2", "w3")) or name == "output":
             if type(module) is not nn.Linear:
                 why.append(f"{name} is a {type(module).__name__}, not a plain nn.Linear (LoRA, quantized)")
                 break
     return why
+
+
+def _joined(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
+    """The linears' weights stacked by rows into one product's (a copy), and their biases."""
+    weight = torch.cat([m.weight for m in linears])
+    return weight, torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
 
 
 class FusedDecode:
@@ -69,21 +74,24 @@ class FusedDecode:
     def __init__(self, model: nn.Module):
         if why := unsupported(model):
             raise EmberError(
-                f"the fused decode step (kernels=triton) covers GPT-2-style blocks; this model has "
+                f"the fused decode step (kernels=triton) covers GPT-2 and Llama blocks; this model has "
                 f"{', '.join(why)}: decode it with kernels=torch"
             )
         cfg = model.cfg
         self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
         self.wte = model.tok_embeddings.weight
         self.wpe = model.pos.wpe.weight if isinstance(model.pos, LearnedPositions) else None
+        self.rope = (model.pos.cos, model.pos.sin) if isinstance(model.pos, RotaryPositions) else (None, None)
+        self.act = ACTS["swiglu"] if cfg.mlp == "swiglu" else ACTS["gelu"]
         self.layers = []
         with torch.no_grad():
             for name, block in model.layers.items():
                 a, mlp = block.attention, block.mlp
-                qkv = torch.cat([a.wq.weight, a.wk.weight, a.wv.weight])  # one product: the same input
-                bias = torch.cat([a.wq.bias, a.wk.bias, a.wv.bias]) if a.wq.bias is not None else None
-                self.layers.append((name, _norm(block.attention_norm), qkv, bias, a.wo, _norm(block.mlp_norm),
-                                    mlp.w1, mlp.w2))  # fmt: skip
+                qkv, qkv_b = _joined(a.wq, a.wk, a.wv)  # one product: the same input
+                swiglu = self.act == ACTS["swiglu"]  # its gate and up: one product too
+                up, up_b = _joined(mlp.w1, mlp.w3) if swiglu else (mlp.w1.weight, mlp.w1.bias)
+                self.layers.append((name, _norm(block.attention_norm), qkv, qkv_b, a.wo,
+                                    _norm(block.mlp_norm), up, up_b, mlp.w2))  # fmt: skip
         self.final = _norm(model.norm)
         self.head = model.output
 
@@ -91,11 +99,13 @@ class FusedDecode:
     def __call__(self, idx: Tensor, cache) -> Tensor:
         pos, pad = cache.pos, cache.pad
         x = decode_embed(idx.reshape(-1), self.wte, self.wpe, pos, pad)  # (B, C)
-        for name, (g1, b1, eps1, n1), qkv_w, qkv_b, wo, (g2, b2, eps2, n2), w1, w2 in self.layers:
+        cos, sin = self.rope
+        for name, (g1, b1, eps1, n1), qkv_w, qkv_b, wo, (g2, b2, eps2, n2), up, up_b, w2 in self.layers:
             qkv = decode_linear(x, qkv_w, qkv_b, g1, b1, None, eps1, n1, 0, None)
-            o = decode_attention(qkv, cache.k[name], cache.v[name], pos, pad, self.n_head, self.n_kv_head)
+            heads = self.n_head, self.n_kv_head
+            o = decode_attention(qkv, cache.k[name], cache.v[name], pos, pad, cos, sin, *heads)
             x = decode_linear(o, wo.weight, wo.bias, None, None, x, 0.0, NORMS["none"], 0, None)
-            h = decode_linear(x, w1.weight, w1.bias, g2, b2, None, eps2, n2, ACTS["gelu"], None)
+            h = decode_linear(x, up, up_b, g2, b2, None, eps2, n2, self.act, None)
             x = decode_linear(h, w2.weight, w2.bias, None, None, x, 0.0, NORMS["none"], 0, None)
         g, b, eps, n = self.final
         logits = decode_linear(x, self.head.weight, self.head.bias, g, b, None, eps, n, 0, torch.float32)

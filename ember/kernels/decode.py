@@ -37,7 +37,7 @@ from torch import Tensor
 from ember.kernels import INTERPRET, kernel_op, pow2
 
 NORMS = {"none": 0, "layer": 1, "rms": 2}
-ACTS = {"none": 0, "gelu": 1}
+ACTS = {"none": 0, "gelu": 1, "swiglu": 2}  # swiglu: w holds the gate's rows, then the up's
 
 # (BLOCK_N, BLOCK_K, warps): int8.py's, less the two that spill registers with a norm (ptxas, sm_90)
 _CONFIGS = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8)]
@@ -64,7 +64,8 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
                    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
                    HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs."""
+    """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs
+    (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @ W[N + n]ᵀ + BIAS[N + n]))."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = rm[:, None] < M
@@ -85,6 +86,7 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
             var += tl.sum(x * x, axis=1)
         rstd = tl.rsqrt(var / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's second product: W's rows N..2N
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         in_k = kk < K
@@ -100,11 +102,25 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        if ACT == 2:
+            u = tl.load(W + (rn + N)[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & in_k[None, :],
+                        other=0.0)
+            if FP32_DOT:
+                up += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
+            else:
+                up += tl.dot(x.to(u.dtype), tl.trans(u))
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if ACT == 2:
+            up += tl.load(BIAS + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if ACT != 0:  # the products rounded as the model's linears return them, then the activation
+        acc = acc.to(Y.dtype.element_ty).to(tl.float32)
     if ACT == 1:  # GELU, tanh form: 0.5·a·(1 + tanh(z)) = a·sigmoid(2z), z = √(2/π)·(a + 0.044715·a³)
         z = 1.5957691216057308 * (acc + 0.044715 * acc * acc * acc)
         acc = acc * tl.sigmoid(tl.minimum(tl.maximum(z, -40.0), 40.0))  # (saturated there: no exp overflow)
+    if ACT == 2:  # SwiGLU: silu(gate) · up, each rounded as the model's ops round them
+        gate = (acc * tl.sigmoid(tl.maximum(acc, -80.0))).to(Y.dtype.element_ty).to(tl.float32)
+        acc = gate * up.to(Y.dtype.element_ty).to(tl.float32)
     out = in_m & (rn[None, :] < N)
     if HAS_RES:  # the block's own output rounded first, then added, as the model's x + f(x)
         acc = acc.to(Y.dtype.element_ty).to(tl.float32)
@@ -113,37 +129,55 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
 
 
 @triton.jit
-def _attention_kernel(QKV, KC, VC, POS, PAD, O, S, spad, skb, skh, sks, scale,
-                      H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Row b, head h: softmax over the new key and the row's held slots, keys and values in fp32."""
+def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, S, spad, skb, skh, sks, scale,
+                      H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
+                      BLOCK_S: tl.constexpr):
+    """Row b, head h: softmax over the new key and the row's held slots, in fp32. Each head
+    vector is handled as its two halves, which RoPE (rotate-half) turns as pairs."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     g = h // (H // HKV)  # its key/value head
-    d = tl.arange(0, HD)
+    HALF: tl.constexpr = HD // 2
+    d, e = tl.arange(0, HALF), tl.arange(0, HD)
     width = (H + 2 * HKV) * HD
-    q = tl.load(QKV + b * width + h * HD + d).to(tl.float32) * scale
-    k_new = tl.load(QKV + b * width + (H + g) * HD + d)
-    v_new = tl.load(QKV + b * width + (H + HKV + g) * HD + d)
+    q = QKV + b * width + h * HD
+    k = QKV + b * width + (H + g) * HD
+    q1, q2 = tl.load(q + d).to(tl.float32), tl.load(q + HALF + d).to(tl.float32)
+    k1, k2 = tl.load(k + d).to(tl.float32), tl.load(k + HALF + d).to(tl.float32)
+    v_new = tl.load(QKV + b * width + (H + HKV + g) * HD + e)
     pos, pad = tl.load(POS), tl.load(PAD + b * spad)
+    if ROPE:  # the new token's position, as StaticKVCache.extend gives it: its slot less the row's pads
+        t = tl.maximum(pos - pad, 0)
+        cos, sin = tl.load(COS + t * HALF + d).to(tl.float32), tl.load(SIN + t * HALF + d).to(tl.float32)
+        q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+        k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
     base = b * skb + g * skh
-    if h % (H // HKV) == 0:  # one writer per key/value head; the readers use k_new, v_new instead
-        tl.store(KC + base + pos * sks + d, k_new.to(KC.dtype.element_ty))
-        tl.store(VC + base + pos * sks + d, v_new.to(VC.dtype.element_ty))
-    m = tl.sum(q * k_new.to(tl.float32), axis=0)  # the running max starts at the new key's score
+    if h % (H // HKV) == 0:  # one writer per key/value head; the readers use k1, k2, v_new instead
+        tl.store(KC + base + pos * sks + d, k1.to(KC.dtype.element_ty))
+        tl.store(KC + base + pos * sks + HALF + d, k2.to(KC.dtype.element_ty))
+        tl.store(VC + base + pos * sks + e, v_new.to(VC.dtype.element_ty))
+    # q and the new key as the model holds them, in the activations' dtype (the key: the cache's)
+    q1 = q1.to(QKV.dtype.element_ty).to(tl.float32) * scale
+    q2 = q2.to(QKV.dtype.element_ty).to(tl.float32) * scale
+    k1, k2 = k1.to(KC.dtype.element_ty).to(tl.float32), k2.to(KC.dtype.element_ty).to(tl.float32)
+    m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)  # the running max starts at the new key's score
     total = m * 0.0 + 1.0  # exp(score - m) of the new key (a scalar of m's type)
     acc = v_new.to(tl.float32)
     for s0 in range(0, S, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         held = (s < pos) & (s >= pad)
-        k = tl.load(KC + base + s[:, None] * sks + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
-        scores = tl.where(held, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        at = KC + base + s[:, None] * sks
+        c1 = tl.load(at + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
+        c2 = tl.load(at + HALF + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(c1 * q1[None, :], axis=1) + tl.sum(c2 * q2[None, :], axis=1)
+        scores = tl.where(held, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)  # 0 where not held
         shrink = tl.exp(m - m_new)
-        v = tl.load(VC + base + s[:, None] * sks + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
+        v = tl.load(VC + base + s[:, None] * sks + e[None, :], mask=held[:, None], other=0.0).to(tl.float32)
         acc = acc * shrink + tl.sum(p[:, None] * v, axis=0)
         total = total * shrink + tl.sum(p, axis=0)
         m = m_new
-    tl.store(O + b * H * HD + h * HD + d, (acc / total).to(O.dtype.element_ty))
+    tl.store(O + b * H * HD + h * HD + e, (acc / total).to(O.dtype.element_ty))
 
 
 def _embed_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad: Tensor) -> Tensor:
@@ -157,8 +191,9 @@ def _embed_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad
 def _linear_launch(x: Tensor, w: Tensor, bias: Tensor | None, g: Tensor | None, beta: Tensor | None,
                    r: Tensor | None, eps: float, norm: int, act: int,
                    out_dtype: torch.dtype | None) -> Tensor:
-    """act(norm(x) @ wᵀ + bias) + r for x (M, K), w (N, K): (M, N) in ``out_dtype`` (x's if None)."""
-    (M, K), N = x.shape, w.size(0)
+    """act(norm(x) @ wᵀ + bias) + r for x (M, K), w (N, K): (M, N) in ``out_dtype`` (x's if None);
+    for SwiGLU w is (2N, K), the gate's rows then the up's, and bias (2N,)."""
+    (M, K), N = x.shape, w.size(0) // 2 if act == ACTS["swiglu"] else w.size(0)
     x, w, r = x.contiguous(), w.contiguous(), r if r is None else r.contiguous()
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, 16))  # noqa: E731
@@ -168,24 +203,25 @@ def _linear_launch(x: Tensor, w: Tensor, bias: Tensor | None, g: Tensor | None, 
     return y
 
 
-def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, pad: Tensor, n_head: int,
-                      n_kv_head: int) -> Tensor:
-    """qkv (B, (H + 2·Hkv)·hd); caches (B, Hkv, S, hd) -> o (B, H·hd); k, v written at slot pos."""
+def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, pad: Tensor,
+                      cos: Tensor | None, sin: Tensor | None, n_head: int, n_kv_head: int) -> Tensor:
+    """qkv (B, (H + 2·Hkv)·hd); caches (B, Hkv, S, hd); RoPE's tables (max_seq_len, hd/2) or None
+    -> o (B, H·hd); k (turned) and v written at slot pos."""
     B, S, hd = qkv.size(0), k_cache.size(2), k_cache.size(3)
     o = qkv.new_empty(B, n_head * hd)
     spad = 1 if pad.numel() > 1 else 0
-    _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, o, S, spad, *k_cache.stride()[:3],
-                                   1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
-                                   BLOCK_S=min(64, pow2(S)))  # fmt: skip
+    _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, cos, sin, o, S, spad,
+                                   *k_cache.stride()[:3], 1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
+                                   ROPE=cos is not None, BLOCK_S=min(64, pow2(S)))  # fmt: skip
     return o
 
 
 decode_embed = kernel_op("decode_embed", _embed_launch,
                          lambda idx, wte, *_: wte.new_empty(idx.size(0), wte.size(1)))
-decode_linear = kernel_op("decode_linear", _linear_launch,
-                          lambda x, w, *a: x.new_empty(x.size(0), w.size(0), dtype=a[-1] or x.dtype))
+decode_linear = kernel_op("decode_linear", _linear_launch, lambda x, w, *a: x.new_empty(
+    x.size(0), w.size(0) // 2 if a[-2] == ACTS["swiglu"] else w.size(0), dtype=a[-1] or x.dtype))
 decode_attention = kernel_op("decode_attention", _attention_launch,
-                             lambda qkv, kc, vc, pos, pad, h, hkv: qkv.new_empty(qkv.size(0), h * kc.size(3)),
+                             lambda qkv, kc, *a: qkv.new_empty(qkv.size(0), a[-2] * kc.size(3)),
                              mutates=("k_cache", "v_cache"))
 
 
@@ -202,5 +238,8 @@ def decode_linear_ref(x, w, bias, g, beta, r, eps, norm, act, out_dtype=None) ->
     y = F.linear(x.float(), w.float(), None if bias is None else bias.float())
     if act == ACTS["gelu"]:
         y = F.gelu(y, approximate="tanh")
+    if act == ACTS["swiglu"]:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
     y = y.to(out_dtype or x.dtype)
     return y if r is None else (y.float() + r.float()).to(y.dtype)
