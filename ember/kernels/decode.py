@@ -1,8 +1,8 @@
-"""The kernels of a fused decode step: a GPT-2-style block at batch 1 in five launches.
+"""The kernels of a fused decode step: a GPT-2 or Llama block at batch 1 in five launches.
 
     x = decode_embed(idx, wte, wpe, pos, pad)                        # (B, C): token + position rows
     y = decode_linear(x, w, b, g, beta, r, eps, norm, act)           # y = act(norm(x) @ wᵀ + b) + r
-    o = decode_attention(qkv, k_cache, v_cache, pos, pad, n_head, n_kv_head)   # writes k, v at pos
+    o = decode_attention(qkv, k_cache, v_cache, pos, pad, cos, sin, n_head, n_kv_head)  # k, v at pos
 
 A batch-1 decode step of gpt2-small is ~73 matrix-vector products of 1-5 MB each, and each
 costs its kernel's latency (3.5-6.3 µs on an H200 from a CUDA graph), not its bytes (0.3-1.3 µs):
@@ -11,12 +11,14 @@ launches; these five make one (``ember.infer.fused``):
 
 - ``decode_linear`` with a norm before the product: LayerNorm/RMSNorm of x (statistics over the
   whole row, recomputed by every program in two passes over the 1.5 KB row, from cache) fused
-  into the GEMV's loads, then bias, GELU (tanh) and the residual add after it. A block is
-  [norm + q|k|v], [attention], [o + residual], [norm + up + GELU], [down + residual].
-- ``decode_attention``: one program per (row, head). It attends the new key (from the q|k|v
-  product, in registers) and every held slot of the static cache (``StaticKVCache``: slots
-  below ``pos`` and not among the row's left pads), with an online softmax; the first head of
-  each key/value group writes the new key and value into slot ``pos``.
+  into the GEMV's loads, then bias, GELU (tanh) or SwiGLU (the gate's and the up's rows of one
+  weight, in one program) and the residual add after it. A block is [norm + q|k|v],
+  [attention], [o + residual], [norm + up + activation], [down + residual].
+- ``decode_attention``: one program per (row, head). It turns q and the new key by RoPE when
+  given the tables (rotate-half, each head as its two halves), attends the new key (from the
+  q|k|v product, in registers) and every held slot of the static cache (``StaticKVCache``:
+  slots below ``pos`` and not among the row's left pads) with an online softmax; the first head
+  of each key/value group writes the new key and value into slot ``pos``.
 
 The products use ``tl.dot`` on 16-row tiles (tensor cores even for one row, as ``int8.py``),
 fp32 accumulation, the weight's dtype in. Inference only: no autograd formulas; ``kernel_op``
