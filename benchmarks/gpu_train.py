@@ -356,6 +356,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.loss_steps < 0 or args.loss_steps and args.loss_steps < 20:
         parser.error("--loss-steps: 0 (off) or at least 20 (the last 20 steps are averaged)")
+    if args.floor and args.accum > 1:
+        parser.error("--floor times one micro-batch's products against a one-micro-batch step: drop --accum")
     cuda = args.device == "cuda"
     for key, on_cuda, on_cpu in (("batch", 16, 4), ("seq_len", 1024, 32), ("steps", 20, 2), ("warmup", 5, 1)):
         if getattr(args, key) is None:
