@@ -39,8 +39,8 @@
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
-#   decode-wide  decode.py's bf16 rows for gpt2-large (1280 wide, 36 layers): the same graphed
-#             step where each GEMV reads 3-13 MB, against gpt2-small's latency-bound 1-5 MB (200 s)
+#   decode-wide  decode.py's bf16 rows for gpt2-large (1280 wide, 36 layers), compiled and fused,
+#             graphed: each GEMV reads 3-13 MB, against gpt2-small's latency-bound 1-5 MB   (200 s)
 #   lora      benchmarks/lora.py, llama-small r=8 on add-2 SFT rows against PEFT:
 #             issue 11's target, >= 1.3x PEFT's tokens/s at <= its memory           (300 s)
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
@@ -162,7 +162,7 @@ for what in "$@"; do
         ;;
     decode-wide)  # issue 29 pt 3 at a width whose GEMVs read at a share of the bandwidth (gpt2-large)
         stage decode-wide 200 "$PY benchmarks/decode.py --device $DEV --model ${WIDE_MODEL:-gpt2-large} --dtype bf16 \
-            --quant none --reps 1 --new-tokens 128 --variants compiled-graphs --anatomy"
+            --quant none --reps 1 --new-tokens 128 --variants compiled-graphs fused-graphs --anatomy"
         ;;
     lora)
         stage lora 300 "$PY benchmarks/lora.py --device $DEV --model llama-small --batch 16 --data add-2"
