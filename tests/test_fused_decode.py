@@ -1,7 +1,8 @@
 """ember's fused decode step (``Engine(..., kernels="triton")``, ember/infer/fused.py) against the
 model's own: each kernel against its reference, then the whole step's logits and cache writes
-(fp32, 1e-4) over several tokens, with GQA, RMSNorm, no biases and left-padded rows, and the
-greedy completions of ``generate``. On a CPU the kernels run under Triton's interpreter."""
+(fp32, 1e-4) over several tokens, with GQA, RMSNorm, no biases, the Llama layout (RoPE, SwiGLU)
+and left-padded rows, and the greedy completions of ``generate``. On a CPU the kernels run under
+Triton's interpreter; tests/test_kernels_ptx.py compiles them for a GPU."""
 
 from __future__ import annotations
 
