@@ -340,7 +340,9 @@ def check_parity(
 ) -> list[int]:
     """fp32, batch 1: ember's greedy ids against HF's (the weight mapping) and the graphed engine's
     against the plain one's (the graphed path), and the prompt's logits; exit 1 where fewer than
-    MIN_AGREE leading ids agree. Returns ember's fp32 ids."""
+    MIN_AGREE leading ids agree. With fused-graphs among the variants, the fused step's ids too:
+    below MIN_AGREE its row is dropped (the other rows still mean what they say). Returns ember's
+    fp32 ids."""
     [ids] = tokenizer.encode_batch([prompt])
     ember = ember_generate(Engine(ours, tokenizer), [prompt], args.new_tokens)()[0]
     theirs = hf_generate(hf, [ids], args.new_tokens, tokenizer.pad_id, device)()[0]
@@ -358,6 +360,18 @@ def check_parity(
         print(f"ember  {ember[:16]}\nHF     {theirs[:16]}\ngraphs {graphed[:16]}")
         print("they part early: the weight mapping or the graphed path is broken; timings would mean nothing")
         raise SystemExit(1)
+    if "fused-graphs" in args.variants:  # ember's own step (kernels="triton"), held to the plain engine
+        try:
+            engine = Engine(ours, tokenizer, graphs=True, kernels="triton")
+        except EmberError as e:
+            print(f"fused step: not for this model: {e}")
+            return ember
+        fused = ember_generate(engine, [prompt], args.new_tokens)()[0]
+        same = leading_agreement(fused, ember)
+        print(f"fp32 parity: ember fused graphs vs ember {same} leading greedy ids (of {args.new_tokens})")
+        if same < need:  # broken: its row's timing would mean nothing
+            print(f"fused  {fused[:16]}\nember  {ember[:16]}\nthe fused step parts early: its row is dropped")
+            args.variants = [v for v in args.variants if v != "fused-graphs"]
     return ember
 
 

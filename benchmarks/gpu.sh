@@ -30,10 +30,10 @@
 #   analyze   cpu-quick trained 30 steps on CUDA, then `ember analyze` profile (CUDA
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
-#   decode    tests/test_fused_decode.py (on CUDA: the fused step's kernels compiled, fp32 against
-#             the model's step), then benchmarks/decode.py: gpt2-small bf16, eager, compiled +
-#             CUDA graphs and ember's fused step (ember/infer/fused.py, five launches a block)
-#             graphed (the other roads and int8 were measured before; --variants), lookahead 8
+#   decode    benchmarks/decode.py: fp32 parity first (HF, the graphed engine, ember's fused step:
+#             ember/infer/fused.py, five launches a block), then gpt2-small bf16, eager, compiled +
+#             CUDA graphs and the fused step graphed (the other roads and int8 were measured
+#             before; --variants), lookahead 8
 #             against 1, against transformers' generate (issue 29 point 3), and the fastest
 #             row's anatomy: kernels a token, their time against the wall         (150 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
@@ -152,9 +152,8 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 150 "$PY -m pytest -q tests/test_fused_decode.py -p no:logging; \
-            t=\$?; $PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none --reps 1 \
-            --new-tokens 128 --variants compiled-graphs fused-graphs --anatomy ${DECODE_ARGS:-} && exit \$t"
+        stage decode 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
+            --reps 1 --new-tokens 128 --variants compiled-graphs fused-graphs --anatomy ${DECODE_ARGS:-}"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
