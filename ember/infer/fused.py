@@ -23,6 +23,8 @@ server, not a training-time rollout. tests/test_fused_decode.py holds it to the 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -66,6 +68,22 @@ def _joined(*linears: nn.Linear) -> tuple[Tensor, Tensor | None]:
     return weight, torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
 
 
+class _Block(NamedTuple):
+    """One block as the fused step reads it: its norms as ``_norm`` gives them, the joined
+    q|k|v weight and bias, the output linear, the up (or gate|up) weight and bias, the down
+    linear."""
+
+    name: str
+    norm1: tuple
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    wo: nn.Linear
+    norm2: tuple
+    up: Tensor
+    up_bias: Tensor | None
+    w2: nn.Linear
+
+
 class FusedDecode:
     """``step(idx, cache)`` as ``model(idx, cache=cache)`` computes it for one new token a row on
     a ``StaticKVCache`` the prefill filled: logits (B, 1, V) in fp32, k and v written at the
@@ -78,20 +96,20 @@ class FusedDecode:
                 f"{', '.join(why)}: decode it with kernels=torch"
             )
         cfg = model.cfg
-        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head or cfg.n_head
+        self.heads = cfg.n_head, cfg.n_kv_head or cfg.n_head
         self.wte = model.tok_embeddings.weight
         self.wpe = model.pos.wpe.weight if isinstance(model.pos, LearnedPositions) else None
         self.rope = (model.pos.cos, model.pos.sin) if isinstance(model.pos, RotaryPositions) else (None, None)
         self.act = ACTS["swiglu"] if cfg.mlp == "swiglu" else ACTS["gelu"]
-        self.layers = []
+        self.blocks: list[_Block] = []
         with torch.no_grad():
             for name, block in model.layers.items():
                 a, mlp = block.attention, block.mlp
-                qkv, qkv_b = _joined(a.wq, a.wk, a.wv)  # one product: the same input
+                qkv = _joined(a.wq, a.wk, a.wv)  # one product: the same input
                 swiglu = self.act == ACTS["swiglu"]  # its gate and up: one product too
-                up, up_b = _joined(mlp.w1, mlp.w3) if swiglu else (mlp.w1.weight, mlp.w1.bias)
-                self.layers.append((name, _norm(block.attention_norm), qkv, qkv_b, a.wo,
-                                    _norm(block.mlp_norm), up, up_b, mlp.w2))  # fmt: skip
+                up = _joined(mlp.w1, mlp.w3) if swiglu else (mlp.w1.weight, mlp.w1.bias)
+                norms = _norm(block.attention_norm), _norm(block.mlp_norm)
+                self.blocks.append(_Block(name, norms[0], *qkv, a.wo, norms[1], *up, mlp.w2))
         self.final = _norm(model.norm)
         self.head = model.output
 
@@ -99,14 +117,14 @@ class FusedDecode:
     def __call__(self, idx: Tensor, cache) -> Tensor:
         pos, pad = cache.pos, cache.pad
         x = decode_embed(idx.reshape(-1), self.wte, self.wpe, pos, pad)  # (B, C)
-        cos, sin = self.rope
-        for name, (g1, b1, eps1, n1), qkv_w, qkv_b, wo, (g2, b2, eps2, n2), up, up_b, w2 in self.layers:
-            qkv = decode_linear(x, qkv_w, qkv_b, g1, b1, None, eps1, n1, 0, None)
-            heads = self.n_head, self.n_kv_head
-            o = decode_attention(qkv, cache.k[name], cache.v[name], pos, pad, cos, sin, *heads)
-            x = decode_linear(o, wo.weight, wo.bias, None, None, x, 0.0, NORMS["none"], 0, None)
-            h = decode_linear(x, up, up_b, g2, b2, None, eps2, n2, self.act, None)
-            x = decode_linear(h, w2.weight, w2.bias, None, None, x, 0.0, NORMS["none"], 0, None)
+        none = NORMS["none"]
+        for blk in self.blocks:
+            (g1, b1, eps1, n1), (g2, b2, eps2, n2) = blk.norm1, blk.norm2
+            qkv = decode_linear(x, blk.qkv, blk.qkv_bias, g1, b1, None, eps1, n1, 0, None)
+            o = decode_attention(qkv, cache.k[blk.name], cache.v[blk.name], pos, pad, *self.rope, *self.heads)
+            x = decode_linear(o, blk.wo.weight, blk.wo.bias, None, None, x, 0.0, none, 0, None)
+            h = decode_linear(x, blk.up, blk.up_bias, g2, b2, None, eps2, n2, self.act, None)
+            x = decode_linear(h, blk.w2.weight, blk.w2.bias, None, None, x, 0.0, none, 0, None)
         g, b, eps, n = self.final
         logits = decode_linear(x, self.head.weight, self.head.bias, g, b, None, eps, n, 0, torch.float32)
         pos += 1
