@@ -14,7 +14,7 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
-from ember.infer.engine import TUNED, Engine, KVCache, StaticKVCache, filter_logits, sample_next
+from ember.infer.engine import TUNED, Engine, KVCache, StaticKVCache, _held_back, filter_logits, sample_next
 from ember.infer.sampling import Sampling
 from ember.model.gpt import GPT
 from ember.run import export_weights
@@ -502,6 +502,77 @@ def test_stops_on_a_stop_string_across_tokens_and_excludes_it(tok):
     assert e.text == "return x\n\ndef " and e.finish_reason == "stop"
     [f] = engine.generate(["def"], Sampling(5, stop=["never"]))
     assert f.finish_reason == "length" and len(f.token_ids) == 5
+
+
+def llama_style_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer as imported Llama checkpoints bring: byte-fallback tokens,
+    "▁" for spaces, and a decoder that strips the text's first space, so a token's text depends
+    on whether it comes first."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    words = ["▁", "▁the", "▁a", "b", "é", "▁x"]
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *words]
+    hf = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True))
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return Tokenizer(hf, {"bos": "<s>", "eos": "</s>", "unk": "<unk>"})
+
+
+@pytest.mark.parametrize("kind", ["ember-bpe", "llama-style"])
+def test_the_incremental_decoder_equals_decoding_every_id(tok, kind):
+    """``Row.decoded`` reads a window of the latest ids, where the old road decoded them all at
+    every token: after each id it must equal ``decode(ids)`` exactly, over random ids that split
+    multi-byte characters (byte tokens, a 4-byte emoji's bytes one by one) and, for the
+    SentencePiece-style decoder, leading spaces that it strips only from the text's start. And
+    ``push`` must emit the same pieces and stop where it did, on the same ids, with stop
+    strings."""
+    import random
+
+    from ember.infer.engine import Row
+
+    tokenizer = tok if kind == "ember-bpe" else llama_style_tokenizer()
+    rng = random.Random(0)
+    specials = {tokenizer.eos_id}
+    pool = [i for i in range(3, tokenizer.vocab_size) if i not in specials]
+    if kind == "llama-style":  # its words 3 times in 4 (random byte tokens are mostly not UTF-8)
+        pool += [tokenizer.vocab_size - 1 - i for i in range(6)] * 150
+    emoji = tokenizer.encode("😀 é") if kind == "ember-bpe" else [3 + b for b in "😀".encode()]
+    windows = 0
+    for trial in range(40):
+        ids = []
+        for _ in range(60):
+            ids += emoji if rng.random() < 0.1 else [rng.choice(pool)]
+        row = Row(0, [], 0, None)
+        for n, token in enumerate(ids, 1):
+            row.ids.append(token)
+            assert row.decoded(tokenizer) == tokenizer.decode(ids[:n]), (kind, trial, n)
+        windows += row.start > 0
+        stop = [tokenizer.decode(ids[20:23]), "é"]
+        old, new = Row(0, [], 0, None), Row(0, [], 0, None)
+        for token in ids:
+            got = new.push(token, tokenizer, specials, stop, 50)
+            # the old road, inlined: decode every id, search the whole text
+            if old.finish_reason is None:
+                old.ids.append(token)
+                full = tokenizer.decode(old.ids)
+                hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+                if hits:
+                    old.finish_reason, full = "stop", full[: max(min(hits), len(old.text))]
+                elif len(old.ids) == 50:
+                    old.finish_reason = "length"
+                end = len(full) if old.finish_reason else len(full) - _held_back(full, stop)
+                want = full[len(old.text) : end] if end > len(old.text) else ""
+                old.text += want
+            else:
+                want = ""
+            assert got == want, (kind, trial)
+        assert (new.text, new.finish_reason) == (old.text, old.finish_reason)
+    # every row's window moved on: the decoder did not fall back to whole decodes (a run of byte
+    # tokens that is not UTF-8 decodes to one U+FFFD each, a text that only its end decides, and
+    # holds the window where it is until a word token ends the run)
+    assert windows == 40
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["cache", "graphed-wrapper"])

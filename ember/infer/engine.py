@@ -225,12 +225,39 @@ class Row:
     text: str = ""  # emitted so far
     finish_reason: str | None = None
     end_id: int | None = None
+    # the incremental decoder's state (``decoded``): the text of ids[:read], the ids the next
+    # window starts from, and that window's head, the text of ids[start:read] read alone
+    stable: str = field(default="", repr=False)
+    start: int = field(default=0, repr=False)
+    read: int = field(default=0, repr=False)
+    head: str = field(default="", repr=False)
 
     def completion(self) -> Completion:
         assert self.finish_reason is not None
         return Completion(
             self.text, self.ids, self.finish_reason, len(self.prompt), self.dropped, self.end_id
         )
+
+    def decoded(self, tokenizer: Tokenizer) -> str:
+        """``tokenizer.decode(self.ids)``, reading only the ids since the last clean cut: the
+        window from ``start`` is decoded and its head, the text of the ids before ``read`` read
+        alone, is cut off (vLLM's incremental detokenizer). The head gives the new ids the
+        context that a decoder's rules need (a SentencePiece decoder strips the first token's
+        space); a cut is made only where the text ends in a whole character, never inside a
+        multi-byte one that decodes to U+FFFD until its last byte arrives. A window whose text
+        does not begin with its head takes the whole decode instead: a byte-fallback decoder
+        turns a run of byte tokens that is not UTF-8 into one U+FFFD each, earlier bytes
+        included. Decoding every id at every token cost O(n) a token: 219 µs at 2,048 ids on
+        the 2-core CPU, against ~4 µs for a window."""
+        window = tokenizer.decode(self.ids[self.start :])
+        if window.startswith(self.head):
+            full = self.stable + window[len(self.head) :]
+        else:
+            full = tokenizer.decode(self.ids)
+        if full != self.stable and not full.endswith("\ufffd"):  # a clean cut: move the window on
+            self.stable, self.start, self.read = full, self.read, len(self.ids)
+            self.head = tokenizer.decode(self.ids[self.start : self.read])
+        return full
 
     def push(self, token: int, tokenizer: Tokenizer, ends: set[int], stop: Sequence[str], max_new: int, lazy: bool = False) -> str:  # fmt: skip # noqa: E501
         """Take the next sampled id; return the text it releases ("" when none yet, or the row
@@ -244,12 +271,14 @@ class Row:
             self.ids.append(token)
         if lazy and not stop and self.finish_reason is None and len(self.ids) < max_new:
             return ""
-        full = tokenizer.decode(self.ids)
+        full = self.decoded(tokenizer)
         if self.finish_reason is None:
-            hits = [i for i in (full.find(s) for s in stop) if i >= 0]
+            # a stop string first seen now ends in the unseen text: earlier steps searched the rest
+            seen = len(self.text)
+            hits = [i for i in (full.find(s, max(0, seen - len(s) + 1)) for s in stop) if i >= 0]
             if hits:
                 self.finish_reason = "stop"
-                full = full[: max(min(hits), len(self.text))]  # emitted text is never taken back
+                full = full[: max(min(hits), seen)]  # emitted text is never taken back
             elif len(self.ids) == max_new:
                 self.finish_reason = "length"
         end = len(full) if self.finish_reason else len(full) - _held_back(full, stop)
