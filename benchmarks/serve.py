@@ -172,6 +172,53 @@ def anatomy(scheduler: Scheduler, attention: str, level: dict, clients: list[int
           f"the device busy {busy / wall:.0%} of the wall")  # fmt: skip
 
 
+class NoModel(torch.nn.Module):
+    """A forward that only takes the planned step (the cache's copy-on-writes, its checks) and
+    returns zero logits: what is left of a step is the scheduler's own host work."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg, self.anchor = cfg, torch.nn.Parameter(torch.zeros(1))  # (its dtype and device)
+
+    def forward(self, idx, cache, keep):
+        cache.extend(idx.size(1))
+        rows = keep[0].numel() if isinstance(keep, tuple) else int(keep.sum())
+        return torch.zeros(rows, self.cfg.vocab_size)
+
+
+def host_main(args) -> None:
+    """``--host``: the scheduler's host work per output token at 64 clients, the model replaced
+    by ``NoModel``, for the usual answers and for 1,024-token ones. A CUDA step replays a graph
+    in a few launches, so this work is most of what is left of it on the host; its cost should
+    not grow with an answer's length (it did: every token decoded all the answer's ids)."""
+    torch.set_num_threads(1)
+    text = " ".join(f"def f{i}(x): return x * {i} + {i % 7}" for i in range(400))
+    cfg = ModelConfig(max_seq_len=2048, init_std=0.1, dropout=0.0, **MODELS["tiny"])
+    engine = Engine(GPT.build(cfg, seed=args.seed).eval(), Tokenizer.train_bpe(text, 300))
+    engine.model = NoModel(cfg)
+    short = workload(256, args.seed, (16, engine.n_valid))
+    long = [(prompt, 1024) for prompt, _ in short[:64]]
+    print(f"scheduler host work, model stubbed, 64 clients; {cpu_model()}, torch {torch.__version__}")
+    rows = []
+    for attention in args.attention:
+        per_token = {}
+        for name, requests in (("median 33 tokens", short), ("1,024 tokens", long)):
+            buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256) if attention == "flex" else None
+            scheduler = Scheduler(engine, kv_memory=int(1e8), max_batch_tokens=2048, max_seqs=256,
+                                  paged_attention=attention, decode_buckets=buckets)  # fmt: skip
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                got = serve_level(scheduler, requests, 64)
+                times.append(time.perf_counter() - start)
+                scheduler.blocks.block_of.clear(), scheduler.blocks.key_of.clear()
+            wall = statistics.median(times)
+            per_token[name] = wall / got["tokens"] * 1e6
+            rows.append([attention, name, f"{got['tokens']:,}", f"{per_token[name]:.1f}", ""])
+        rows[-1][-1] = f"{per_token['1,024 tokens'] / per_token['median 33 tokens']:.2f}x"
+    print_table(["attention", "answers", "output tokens", "host µs a token", "long / short"], rows)
+
+
 def device_main(args) -> None:
     """Issue 29's serving check in one process (module docstring)."""
     device = torch.device(args.device)
@@ -254,6 +301,9 @@ def main() -> None:
     parser.add_argument("--anatomy", action="store_true",
                         help="without --run: the 64-client level once more under torch.profiler, the "
                         "device's busy share of the wall (host- or device-bound)")  # fmt: skip
+    parser.add_argument("--host", action="store_true",
+                        help="the scheduler's host work per output token at 64 clients, the model "
+                        "stubbed, for 33- and 1,024-token answers (any machine)")  # fmt: skip
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8765)
@@ -261,6 +311,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="leave out transformers' generate")
     parser.add_argument("serve", nargs="*", metavar="serve.key=value", help="server settings")
     args = parser.parse_args()
+    if args.host:
+        return host_main(args)
     if args.run is None:
         args.model = args.model or ("gpt2-small" if args.device.startswith("cuda") else "tiny")
         return device_main(args)

@@ -377,6 +377,8 @@ class FlexPagedKVCache(PagedKVCache):
         self.pool_slots = -(-(self.scratch + 1) // KV_TILE) * KV_TILE
         self.pages = -(-self.pool_slots // bs)  # columns of the inverse table, scratch's included
         self._block_mask = None
+        self.inv: Tensor | None = None  # (rows, pages) [seq, physical block] -> logical block, or -1
+        self.written: tuple[Tensor, Tensor] | None = None  # the entries of ``inv`` the last plan set
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
         bs, S = self.blocks.block_size, len(work)
@@ -395,9 +397,16 @@ class FlexPagedKVCache(PagedKVCache):
         lens = torch.tensor([len(seq.table) for seq, _ in work])
         first = lens.cumsum(0) - lens  # where each sequence's table starts in ``table``
         owner = torch.repeat_interleave(torch.arange(S), lens)
-        inv = torch.full((R, self.pages), -1, dtype=torch.int32, device=self.device)  # [seq, physical block]
-        logical = (torch.arange(len(table)) - first[owner]).int()  # -> logical block; rows >= S own none
-        inv[owner.to(self.device), table.to(self.device)] = logical.to(self.device)
+        # [seq, physical block] -> logical block; rows >= S own none. One table kept for the pool,
+        # whose last plan's entries are reset: a new table each step cost O(pool), 12.5 MB at 1e8
+        # bytes of KV, the most of the flex road's host work on the 2-core CPU
+        if self.inv is None:
+            self.inv = torch.full((R, self.pages), -1, dtype=torch.int32, device=self.device)
+        if self.written is not None:
+            self.inv[self.written] = -1
+        self.written = (owner.to(self.device), table.to(self.device))
+        logical = (torch.arange(len(table)) - first[owner]).int()
+        self.inv.index_put_(self.written, logical.to(self.device))
         slots = table[first[q_seq] + q_pos // bs] * bs + q_pos % bs  # (N,) where the new keys go
         self.slots = torch.cat([slots, torch.full((T - N,), self.scratch)]).to(self.device)
         self.positions = torch.cat([q_pos, torch.zeros(T - N, dtype=torch.long)]).to(self.device)[None]
@@ -413,7 +422,7 @@ class FlexPagedKVCache(PagedKVCache):
         needed = (in_tile @ owns) > 0  # (n_q, n_kv)
         num = needed.sum(-1, dtype=torch.int32)[None, None]  # (1, 1, n_q)
         indices = needed.int().argsort(dim=-1, descending=True, stable=True).int()[None, None]  # theirs first
-        self.mask = (q_seq.to(self.device), q_pos.to(self.device), inv)
+        self.mask = (q_seq.to(self.device), q_pos.to(self.device), self.inv)
         self.tiles = (num.to(self.device), indices.to(self.device), Q)
 
     def block_mask(self):

@@ -87,7 +87,7 @@ class StepGraphs:
         self, model: torch.nn.Module, cache: FlexPagedKVCache, buckets: tuple[int, ...], capture: bool
     ):
         self.model, self.cache, self.buckets, self.capture = model, cache, sorted(buckets), capture
-        self.static: dict[int, list[torch.Tensor]] = {}  # tokens fed -> ids, rows, picked, the cache's plan
+        self.static: dict[int, list[torch.Tensor]] = {}  # tokens fed -> rows, ids, picked, the cache's plan
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens fed -> graph, logits
 
     def shape(self, work: list[tuple[Request, int]]) -> int:
@@ -106,15 +106,16 @@ class StepGraphs:
         ids[0, : len(fed)] = torch.tensor(fed)
         picked[: len(work)] = last
         device = cache.slots.device
-        planned = [ids.to(device), picked.to(device), cache.slots, cache.positions, *cache.mask]
+        # (the cache's inverse table is one buffer already, kept in place, not copied)
+        planned = [ids.to(device), picked.to(device), cache.slots, cache.positions, *cache.mask[:2]]
         planned += cache.tiles[:2]
         if L not in self.static:  # the shape's buffers, made once
             self.static[L] = [torch.zeros(K, dtype=torch.long, device=device), *(t.clone() for t in planned)]
         rows, *static = self.static[L]
         for buffer, t in zip(static, planned, strict=True):
             buffer.copy_(t)
-        cache.slots, cache.positions, cache.mask = static[2], static[3], tuple(static[4:7])
-        cache.tiles = (static[7], static[8], cache.tiles[2])
+        cache.slots, cache.positions, cache.mask = static[2], static[3], (static[4], static[5], cache.mask[2])
+        cache.tiles = (static[6], static[7], cache.tiles[2])
         cache.extend(L)  # copy-on-writes now: a replay would not see them
 
         def forward() -> torch.Tensor:
