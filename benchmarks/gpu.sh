@@ -7,7 +7,7 @@
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode cli fp8-loss (<= 9 min)
-#   DEADLINE=300 bash benchmarks/gpu.sh kernels-norms levers   # 2nd call at once (<= 5 min)
+#   DEADLINE=300 bash benchmarks/gpu.sh kernels-norms serve-host levers   # 2nd call at once (<= 5 min)
 #
 # (`kernels-norms` is issue 28's host-bound rows against Liger after 2026-11-27's wrapper change;
 # `levers` ends with issue 28's train.kernels row, ember against ember-triton in one script;
@@ -16,7 +16,7 @@
 # kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
 # FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
-# GPU, measured". Next: `all`, then `kernels-norms levers`; later `fp8-filters`, `fp8-wide`,
+# GPU, measured". Next: `all`, then `kernels-norms serve-host levers`; later `fp8-filters`, `fp8-wide`,
 # `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`, `kernels` (its graph column),
 # `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks,
 # each <= 5 min).
@@ -88,6 +88,8 @@
 #             closed-loop clients, flex (unmeasured, so first) then gather paged attention,
 #             CUDA-graph buckets; each path's 64-client anatomy (the device's busy share:
 #             host- or device-bound)                                                     (170 s)
+#   serve-host  serve.py --host: the scheduler's own work a token at 64 clients, the model stubbed,
+#             on this machine's host (the 2-core CPU's figures: RESULTS.md)                (60 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -227,13 +229,16 @@ for what in "$@"; do
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention flex gather --anatomy"
         ;;
+    serve-host)  # the scheduler's host work a token on the GPU machine's own host, model stubbed
+        stage serve-host 60 "$PY benchmarks/serve.py --host"
+        ;;
     all)  # issue 29 in one call: env, serve, train, decode, cli, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
         DEADLINE=$DEADLINE bash "$SELF" env serve train decode cli fp8-loss || failed=1
         summary env serve train decode cli fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve all" >&2
+        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2
         exit 2
         ;;
     esac
