@@ -85,9 +85,9 @@
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, flex (unmeasured, so first) then gather paged attention,
-#             CUDA-graph buckets; each path's 64-client anatomy (the device's busy share:
-#             host- or device-bound)                                                     (170 s)
+#             closed-loop clients, ember's paged kernel and flex (unmeasured, so first) then
+#             gather paged attention, CUDA-graph buckets; each path's 64-client anatomy (the
+#             device's busy share: host- or device-bound)                                (200 s)
 #   serve-host  serve.py --host: the scheduler's own work a token at 64 clients, the model stubbed,
 #             on this machine's host (the 2-core CPU's figures: RESULTS.md)                (60 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
@@ -225,12 +225,13 @@ for what in "$@"; do
         stage autotune 300 "$PY benchmarks/gpu_train.py --device $DEV --rows ember ember-autotune"
         ;;
     serve)
-        stage serve 170 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
+        stage serve 200 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
-            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention flex gather --anatomy"
+            --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 --attention triton flex gather \
+            --anatomy"
         ;;
     serve-host)  # the scheduler's host work a token on the GPU machine's own host, model stubbed
-        stage serve-host 60 "$PY benchmarks/serve.py --host"
+        stage serve-host 60 "$PY benchmarks/serve.py --host --attention gather flex triton"
         ;;
     all)  # issue 29 in one call: env, serve, train, decode, cli, fp8-loss (<= 9 min together)
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540

@@ -24,7 +24,7 @@ On a 2-core CPU the clients share the cores with the server; the figures include
 Without ``--run``, on a device (issue 29's GPU serving check; ``--device cpu`` is its dry run):
 
     .venv/bin/python benchmarks/serve.py --device cuda [--model gpt2-small] [--clients 1 16 64 256]
-        [--attention gather flex] [serve.max_seqs=256 serve.kv_memory=8e9 ...]
+        [--attention gather flex triton] [serve.max_seqs=256 serve.kv_memory=8e9 ...]
 
 a seeded model of that shape (random weights, ``init_std`` 0.1 so greedy ids are not ties) is
 served in this process: the scheduler is stepped directly, with C closed-loop clients (a
@@ -203,7 +203,7 @@ def host_main(args) -> None:
     for attention in args.attention:
         per_token = {}
         for name, requests in (("median 33 tokens", short), ("1,024 tokens", long)):
-            buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256) if attention == "flex" else None
+            buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256) if attention != "gather" else None
             scheduler = Scheduler(engine, kv_memory=int(1e8), max_batch_tokens=2048, max_seqs=256,
                                   paged_attention=attention, decode_buckets=buckets)  # fmt: skip
             times = []
@@ -248,7 +248,7 @@ def device_main(args) -> None:
           f"{sequential:,.0f} output tok/s ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     rows, equal_all = [], True
     for attention in args.attention:
-        buckets = tuple(serve.decode_buckets) if attention == "flex" else None
+        buckets = tuple(serve.decode_buckets) if attention != "gather" else None
         scheduler = Scheduler(engine, kv_memory=int(serve.kv_memory), block_size=serve.block_size,
                               max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                               prefix_caching=serve.prefix_caching, paged_attention=attention,
@@ -292,7 +292,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="without --run: serve a seeded --model here")
     parser.add_argument("--model", choices=MODELS, help="without --run (gpt2-small on cuda, tiny on cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=("gather", "flex"))
+    parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=("gather", "flex", "triton"))
     parser.add_argument("--per-level", type=int, default=32, help="without --run: at least this many a level")
     parser.add_argument("--waves", type=int, default=4,
                         help="without --run: a level of C clients serves waves x C requests (--requests at "

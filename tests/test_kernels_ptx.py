@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ember.kernels import decode, norm, softmax
+from ember.kernels import decode, norm, paged, softmax
 
 def lower(kernel, types, consts, num_warps=4):
     fn = kernel
@@ -54,6 +54,9 @@ lower(norm._norm_fwd, dict(X=bf, R=bf, W=bf, B=bf, Y=bf, H=bf, Mean="*fp32", Rst
 LONG = dict(ACC=tl.float32, BLOCK=8192, ONE_BLOCK=False)  # a vocab row: the two-pass loops
 lower(softmax._softmax_fwd, dict(X=bf, Y=bf, N=i32), LONG, 16)
 lower(softmax._softmax_bwd, dict(Y=bf, DY=bf, DX=bf, N=i32), LONG, 16)
+PAGED = dict(Q=bf, K=bf, V=bf, TABLES="*i32", QSEQ="*i64", QPOS="*i64", O=bf, sqt=i64, sqh=i64, sks=i64,
+             skh=i64, st=i64, scale="fp32")
+lower(paged._paged_kernel, PAGED, dict(BS=16, GROUP=3, HD=64, BLOCK_N=64))
 """
 
 
@@ -61,4 +64,4 @@ def test_changed_kernels_lower_to_sm90_cubins():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("lowered") == 10, out.stdout
+    assert out.stdout.count("lowered") == 11, out.stdout

@@ -49,10 +49,11 @@ class Twin:
     """The same sequences on two pools, one read by gathering, one by FlexAttention: every step
     is made on both (same tables: same block managers' decisions) and their logits compared."""
 
-    def __init__(self, model, num_blocks, block_size, prompts):
+    def __init__(self, model, num_blocks, block_size, prompts, other=None):
         self.model, self.worst = model, 0.0
         self.blocks = [BlockManager(num_blocks, block_size) for _ in range(2)]
-        self.caches = [PagedKVCache(self.blocks[0]), FlexPagedKVCache(self.blocks[1], flex=flex_attention)]
+        other = other or (lambda blocks: FlexPagedKVCache(blocks, flex=flex_attention))
+        self.caches = [PagedKVCache(self.blocks[0]), other(self.blocks[1])]
         self.seqs = [[PagedSequence(list(p)) for p in prompts] for _ in range(2)]
 
     def admit(self, i):
@@ -81,16 +82,17 @@ class Twin:
 
 
 @pytest.mark.parametrize("layout", ["learned-mha", "rope-gqa"])
-def test_flex_equals_gather_on_ragged_rows_sharing_prefix_blocks(layout):
+def test_flex_equals_gather_on_ragged_rows_sharing_prefix_blocks(layout, other=None):
     """Rows of 11, 3, 6 and 14 tokens in blocks of 4 (every chunk ends mid-block), two of them
     sharing a prefix-cached 8 tokens, a fork writing its copied last block, then blocks freed
-    and taken again by a new sequence (stale keys in them): logits within 1e-5, same greedy ids."""
+    and taken again by a new sequence (stale keys in them): logits within 1e-5, same greedy ids.
+    (``other``: the cache held to gather's, flex by default; tests/test_paged_triton.py's too.)"""
     torch.manual_seed(0)
     model = tiny_model(**LAYOUTS[layout])
     shared = torch.randint(0, 64, (9,)).tolist()
     prompts = [torch.randint(0, 64, (n,)).tolist() for n in (11, 3, 6)]
     prompts += [shared + [1, 2, 3, 4, 5], shared + [7]]
-    t = Twin(model, num_blocks=24, block_size=4, prompts=prompts)
+    t = Twin(model, num_blocks=24, block_size=4, prompts=prompts, other=other)
     with torch.no_grad():
         for i in range(4):
             t.admit(i)

@@ -212,8 +212,12 @@ class PagedKVCache:
     """The ``KVCache`` protocol of ember/model/gpt.py over a ``BlockManager``'s pool, for one
     packed row of tokens from many sequences (module docstring). ``plan`` before each forward."""
 
-    def __init__(self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64):
-        self.blocks, self.device = blocks, device  # (max_seqs: the flex cache's; any number fits here)
+    graphed = False  # whether StepGraphs may replay its steps: shapes that depend on a bucket alone
+
+    def __init__(
+        self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64, max_len: int = 0
+    ):
+        self.blocks, self.device = blocks, device  # (max_seqs, max_len: the padded caches'; any fit here)
         self.k: dict[str, Tensor] = {}  # layer -> (num_blocks * block_size, n_kv_head, head_dim)
         self.v: dict[str, Tensor] = {}
         self.spans: list[tuple[int, int, Tensor]] = []
@@ -366,8 +370,11 @@ class FlexPagedKVCache(PagedKVCache):
     (tests pass the eager one). ``plan(work, pad_to=B)`` pads the row to B tokens that write to
     a scratch slot and attend to nothing: the fixed shapes a CUDA graph replays."""
 
+    graphed = True
+
     def __init__(
-        self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64, flex=None
+        self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64, max_len: int = 0,
+        flex=None,
     ):
         super().__init__(blocks, device, max_seqs)
         self.flex = flex
@@ -425,6 +432,16 @@ class FlexPagedKVCache(PagedKVCache):
         self.mask = (q_seq.to(self.device), q_pos.to(self.device), self.inv)
         self.tiles = (num.to(self.device), indices.to(self.device), Q)
 
+    def replayed(self) -> list[Tensor]:
+        """The plan's tensors that a step reads, for ``StepGraphs`` to copy into a shape's buffers
+        (the inverse table is one buffer already, kept in place)."""
+        return [self.slots, self.positions, *self.mask[:2], *self.tiles[:2]]
+
+    def read_from(self, buffers: list[Tensor]) -> None:
+        """Read the plan from ``buffers`` (``replayed``'s order): what a CUDA graph replays."""
+        self.slots, self.positions, q_seq, q_pos, num, indices = buffers
+        self.mask, self.tiles = (q_seq, q_pos, self.inv), (num, indices, self.tiles[2])
+
     def block_mask(self):
         from torch.nn.attention.flex_attention import BlockMask
 
@@ -467,4 +484,77 @@ class FlexPagedKVCache(PagedKVCache):
         return out[:, :, :T]
 
 
-PAGED_ATTENTION = {"gather": PagedKVCache, "flex": FlexPagedKVCache}  # serve.paged_attention
+class TritonPagedKVCache(PagedKVCache):
+    """``PagedKVCache`` whose attention is ember's own kernel (``ember.kernels.paged``): one launch
+    per layer, each query token reading its sequence's keys where they lie, through its block
+    table, prompt chunks and decodes alike. Nothing to compile but the kernel, and no mask to build:
+    the plan is the tables (``max_seqs + 1`` rows by the blocks a sequence of ``max_len`` tokens
+    holds), each token's sequence and position, and the slots its key goes to. ``plan(work,
+    pad_to=B)`` pads the row to B tokens that write to a scratch slot and read nothing, so a step's
+    shapes depend on B alone and ``StepGraphs`` can replay it. Needs Triton (on a CPU, under its
+    interpreter: tests only)."""
+
+    graphed = True
+
+    def __init__(
+        self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64, max_len: int = 0
+    ):
+        from ember.kernels import triton_ready
+
+        ok, why = triton_ready(torch.device(device or "cpu"))
+        if not ok:
+            raise EmberError(f"serve.paged_attention=triton: {why}; use serve.paged_attention=gather")
+        if max_len < 1:
+            raise EmberError("serve.paged_attention=triton needs the model's max_seq_len (its tables' width)")
+        super().__init__(blocks, device, max_seqs)
+        self.rows = max_seqs + 1
+        self.width = -(-max_len // blocks.block_size)  # blocks of the longest sequence
+        self.scratch = blocks.num_blocks * blocks.block_size  # the slot padding tokens write to
+
+    def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
+        bs, S = self.blocks.block_size, len(work)
+        assert S < self.rows, f"{S} sequences in one step; the cache was made for max_seqs={self.rows - 1}"
+        tables = torch.zeros(self.rows, self.width, dtype=torch.int32)
+        for i, (seq, n) in enumerate(work):
+            assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
+            assert len(seq.table) <= self.width, f"{len(seq.table)} blocks; a table holds {self.width}"
+            tables[i, : len(seq.table)] = torch.tensor(seq.table, dtype=torch.int32)
+        ns = torch.tensor([n for _, n in work])
+        N = int(ns.sum())
+        T = pad_to or N
+        assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
+        q_seq = torch.repeat_interleave(torch.arange(S), ns)  # (N,) which sequence each token is
+        starts = torch.tensor([seq.computed for seq, _ in work]) - (ns.cumsum(0) - ns)
+        q_pos = starts[q_seq] + torch.arange(N)  # (N,) its position in that sequence
+        slots = tables[q_seq, q_pos // bs].long() * bs + q_pos % bs
+        pad = T - N
+        self.slots = torch.cat([slots, torch.full((pad,), self.scratch)]).to(self.device)
+        self.positions = torch.cat([q_pos, torch.zeros(pad, dtype=torch.long)]).to(self.device)[None]
+        self.q_seq = torch.cat([q_seq, torch.full((pad,), -1)]).to(self.device)  # a pad reads nothing
+        self.q_pos = self.positions[0]
+        self.tables = tables.to(self.device)
+
+    def replayed(self) -> list[Tensor]:
+        """The plan's tensors that a step reads (``FlexPagedKVCache.replayed``)."""
+        return [self.slots, self.positions, self.q_seq, self.tables]
+
+    def read_from(self, buffers: list[Tensor]) -> None:
+        self.slots, self.positions, self.q_seq, self.tables = buffers
+        self.q_pos = self.positions[0]
+
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from ember.kernels.paged import paged_attention
+
+        if layer not in self.k:  # the pool, and one scratch slot for pads
+            self.k[layer] = k.new_zeros(self.scratch + 1, k.size(1), k.size(3))
+            self.v[layer] = v.new_zeros(self.scratch + 1, v.size(1), v.size(3))
+        keys, values = self.k[layer], self.v[layer]
+        keys.index_copy_(0, self.slots, k[0].transpose(0, 1))  # (N, n_kv_head, hd) into their slots
+        values.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        out = paged_attention(q[0].transpose(0, 1), keys, values, self.tables, self.q_seq, self.q_pos,
+                              self.blocks.block_size)  # fmt: skip
+        return out.transpose(0, 1)[None]  # (1, n_head, T, hd)
+
+
+# serve.paged_attention
+PAGED_ATTENTION = {"gather": PagedKVCache, "flex": FlexPagedKVCache, "triton": TritonPagedKVCache}

@@ -74,8 +74,8 @@ class StepGraphs:
     A decode-only step of S sequences is padded to the next of ``buckets`` (batch sizes); any
     other step (prompt chunks among the decodes) to its FlexAttention bucket of tokens (a power of
     two, at least 16), and each sequence's logits are picked from its last token by index, not by
-    a mask, so the step has no shape that depends on the data. Needs the flex cache: its shapes
-    depend on the bucket alone, where the gather's follow the longest sequence. A graph records
+    a mask, so the step has no shape that depends on the data. Needs the flex or the triton cache:
+    their shapes depend on the bucket alone, where the gather's follow the longest sequence. A graph records
     kernels on a GPU stream and replays them on the same buffers, so everything it reads lives in
     buffers kept per shape (ids, the picked positions, and the cache's plan, copied in before
     each replay); a CPU has no such streams, so there the same padded step runs eagerly, which is
@@ -106,16 +106,13 @@ class StepGraphs:
         ids[0, : len(fed)] = torch.tensor(fed)
         picked[: len(work)] = last
         device = cache.slots.device
-        # (the cache's inverse table is one buffer already, kept in place, not copied)
-        planned = [ids.to(device), picked.to(device), cache.slots, cache.positions, *cache.mask[:2]]
-        planned += cache.tiles[:2]
+        planned = [ids.to(device), picked.to(device), *cache.replayed()]
         if L not in self.static:  # the shape's buffers, made once
             self.static[L] = [torch.zeros(K, dtype=torch.long, device=device), *(t.clone() for t in planned)]
         rows, *static = self.static[L]
         for buffer, t in zip(static, planned, strict=True):
             buffer.copy_(t)
-        cache.slots, cache.positions, cache.mask = static[2], static[3], (static[4], static[5], cache.mask[2])
-        cache.tiles = (static[6], static[7], cache.tiles[2])
+        cache.read_from(static[2:])
         cache.extend(L)  # copy-on-writes now: a replay would not see them
 
         def forward() -> torch.Tensor:
@@ -174,7 +171,7 @@ class Scheduler:
         decode_buckets: tuple[int, ...] | None = None,
     ):
         self.recurrent = "mamba" in layer_mixers(engine.model.cfg)  # Mamba layers: state slots (docstring)
-        if self.recurrent and paged_attention == "flex":
+        if self.recurrent and paged_attention in ("flex", "triton"):
             raise EmberError(
                 f"serve.paged_attention={paged_attention} is for attention-only models: its padded steps "
                 "have no place for a Mamba layer's state; serve this model with serve.paged_attention=gather"
@@ -192,9 +189,10 @@ class Scheduler:
         if paged_attention not in PAGED_ATTENTION:
             choices = ", ".join(PAGED_ATTENTION)
             raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
-        self.cache = PAGED_ATTENTION[paged_attention](self.blocks, engine.device, max_seqs=max_seqs)
-        self.graphs = None  # steps padded to fixed shapes (CUDA graphs on a GPU): flex, with decode_buckets
-        if decode_buckets and paged_attention == "flex":
+        kind, max_len = PAGED_ATTENTION[paged_attention], engine.model.cfg.max_seq_len
+        self.cache = kind(self.blocks, engine.device, max_seqs=max_seqs, max_len=max_len)
+        self.graphs = None  # steps padded to fixed shapes (CUDA graphs on a GPU): flex or triton, bucketed
+        if decode_buckets and self.cache.graphed:
             capture = torch.device(engine.device).type == "cuda"
             self.graphs = StepGraphs(engine.model, self.cache, decode_buckets, capture)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
