@@ -486,13 +486,13 @@ class FlexPagedKVCache(PagedKVCache):
 
 class TritonPagedKVCache(PagedKVCache):
     """``PagedKVCache`` whose attention is ember's own kernel (``ember.kernels.paged``): one launch
-    per layer, each query token reading its sequence's keys where they lie, through its block
-    table, prompt chunks and decodes alike. Nothing to compile but the kernel, and no mask to build:
-    the plan is the tables (``max_seqs + 1`` rows by the blocks a sequence of ``max_len`` tokens
-    holds), each token's sequence and position, and the slots its key goes to. ``plan(work,
-    pad_to=B)`` pads the row to B tokens that write to a scratch slot and read nothing, so a step's
-    shapes depend on B alone and ``StepGraphs`` can replay it. Needs Triton (on a CPU, under its
-    interpreter: tests only)."""
+    per layer, each tile of up to 16 tokens of one sequence reading that sequence's keys where
+    they lie, through its block table; prompt chunks and decodes alike. Nothing to compile but the
+    kernel, and no mask to build: the plan is the tables (``max_seqs + 1`` rows by the blocks a
+    sequence of ``max_len`` tokens holds), each token's position, the tiles, and the slots the new
+    keys go to. ``plan(work, pad_to=B)`` pads the row to B tokens that write to a scratch slot and
+    belong to no tile, so a step's shapes depend on B alone and ``StepGraphs`` can replay it.
+    Needs Triton (on a CPU, under its interpreter: tests only)."""
 
     graphed = True
 
@@ -512,6 +512,8 @@ class TritonPagedKVCache(PagedKVCache):
         self.scratch = blocks.num_blocks * blocks.block_size  # the slot padding tokens write to
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
+        from ember.kernels.paged import BLOCK_M, tiles_for
+
         bs, S = self.blocks.block_size, len(work)
         assert S < self.rows, f"{S} sequences in one step; the cache was made for max_seqs={self.rows - 1}"
         tables = torch.zeros(self.rows, self.width, dtype=torch.int32)
@@ -519,7 +521,8 @@ class TritonPagedKVCache(PagedKVCache):
             assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
             assert len(seq.table) <= self.width, f"{len(seq.table)} blocks; a table holds {self.width}"
             tables[i, : len(seq.table)] = torch.tensor(seq.table, dtype=torch.int32)
-        ns = torch.tensor([n for _, n in work])
+        counts = [n for _, n in work]
+        ns = torch.tensor(counts)
         N = int(ns.sum())
         T = pad_to or N
         assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
@@ -530,17 +533,16 @@ class TritonPagedKVCache(PagedKVCache):
         pad = T - N
         self.slots = torch.cat([slots, torch.full((pad,), self.scratch)]).to(self.device)
         self.positions = torch.cat([q_pos, torch.zeros(pad, dtype=torch.long)]).to(self.device)[None]
-        self.q_seq = torch.cat([q_seq, torch.full((pad,), -1)]).to(self.device)  # a pad reads nothing
-        self.q_pos = self.positions[0]
+        # as many tile columns as any step of T tokens from at most max_seqs sequences can need
+        self.tiles = tiles_for(counts, min(T, T // BLOCK_M + self.rows - 1)).to(self.device)
         self.tables = tables.to(self.device)
 
     def replayed(self) -> list[Tensor]:
         """The plan's tensors that a step reads (``FlexPagedKVCache.replayed``)."""
-        return [self.slots, self.positions, self.q_seq, self.tables]
+        return [self.slots, self.positions, self.tiles, self.tables]
 
     def read_from(self, buffers: list[Tensor]) -> None:
-        self.slots, self.positions, self.q_seq, self.tables = buffers
-        self.q_pos = self.positions[0]
+        self.slots, self.positions, self.tiles, self.tables = buffers
 
     def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from ember.kernels.paged import paged_attention
@@ -551,7 +553,7 @@ class TritonPagedKVCache(PagedKVCache):
         keys, values = self.k[layer], self.v[layer]
         keys.index_copy_(0, self.slots, k[0].transpose(0, 1))  # (N, n_kv_head, hd) into their slots
         values.index_copy_(0, self.slots, v[0].transpose(0, 1))
-        out = paged_attention(q[0].transpose(0, 1), keys, values, self.tables, self.q_seq, self.q_pos,
+        out = paged_attention(q[0].transpose(0, 1), keys, values, self.tables, self.positions[0], self.tiles,
                               self.blocks.block_size)  # fmt: skip
         return out.transpose(0, 1)[None]  # (1, n_head, T, hd)
 
