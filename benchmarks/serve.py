@@ -58,6 +58,7 @@ from profiling import profiled
 from ember.config import ModelConfig, load_config
 from ember.data.tokenizer import Tokenizer
 from ember.infer.engine import Engine
+from ember.infer.paged import PAGED_ATTENTION
 from ember.infer.sampling import Sampling
 from ember.infer.scheduler import Scheduler
 from ember.model.gpt import GPT
@@ -292,7 +293,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="without --run: serve a seeded --model here")
     parser.add_argument("--model", choices=MODELS, help="without --run (gpt2-small on cuda, tiny on cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=("gather", "flex", "triton"))
+    parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=PAGED_ATTENTION)
     parser.add_argument("--per-level", type=int, default=32, help="without --run: at least this many a level")
     parser.add_argument("--waves", type=int, default=4,
                         help="without --run: a level of C clients serves waves x C requests (--requests at "

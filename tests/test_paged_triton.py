@@ -45,6 +45,9 @@ def test_kernel_equals_its_reference(dtype, tol):
     want = paged_ref(q, k_pool, v_pool, tables, q_pos, tiles, bs)
     assert (got.float() - want.float()).abs().max() < tol
     assert got[-2:].abs().max() == 0 and want[:-2].abs().max() > 0.1
+    if dtype == torch.float32:  # the registered op, traced whole by torch.compile (its fake gives the shape)
+        compiled = torch.compile(paged_attention, fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(q, k_pool, v_pool, tables, q_pos, tiles, bs), got)
 
 
 def test_triton_equals_gather_on_ragged_rows_sharing_prefix_blocks():
