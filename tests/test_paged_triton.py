@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="the kernel is Triton's: pip install 'ember[kernels]'")
+pytestmark = pytest.mark.filterwarnings("ignore:serve.paged_attention=triton on a CPU")
 
 from ember.errors import EmberError  # noqa: E402
 from ember.infer.paged import BlockManager, PagedSequence, TritonPagedKVCache  # noqa: E402
@@ -94,11 +95,14 @@ def test_padded_steps_equal_unpadded_ones_and_the_scheduler_equals_gather(engine
     assert answers["triton"] == answers["gather"]
 
 
-def test_a_table_too_narrow_or_no_max_len_is_refused():
+@pytest.mark.filterwarnings("default")
+def test_a_table_too_narrow_or_no_max_len_is_refused_and_a_cpu_is_warned_of():
     blocks = BlockManager(8, 4)
     with pytest.raises(EmberError, match="max_seq_len"):
         TritonPagedKVCache(blocks)
-    cache, seq = TritonPagedKVCache(blocks, max_len=8), PagedSequence(list(range(12)))
+    with pytest.warns(UserWarning, match="interpreter"):
+        cache = TritonPagedKVCache(blocks, max_len=8)
+    seq = PagedSequence(list(range(12)))
     blocks.admit(seq)
     blocks.reserve(seq, 12)
     with pytest.raises(AssertionError, match="a table holds 2"):

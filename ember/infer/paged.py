@@ -41,6 +41,7 @@ Design choices:
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -506,6 +507,12 @@ class TritonPagedKVCache(PagedKVCache):
             raise EmberError(f"serve.paged_attention=triton: {why}; use serve.paged_attention=gather")
         if max_len < 1:
             raise EmberError("serve.paged_attention=triton needs the model's max_seq_len (its tables' width)")
+        if torch.device(device or "cpu").type == "cpu":
+            warnings.warn(
+                "serve.paged_attention=triton on a CPU runs under Triton's interpreter, for tests: "
+                "hundreds of times slower than serve.paged_attention=gather",
+                stacklevel=2,
+            )
         super().__init__(blocks, device, max_seqs)
         self.rows = max_seqs + 1
         self.width = -(-max_len // blocks.block_size)  # blocks of the longest sequence
