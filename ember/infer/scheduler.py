@@ -47,7 +47,7 @@ from ember.infer.engine import Completion, Engine, Row, cuda_graph, sample_next
 from ember.infer.paged import (
     PAGED_ATTENTION,
     BlockManager,
-    FlexPagedKVCache,
+    PagedKVCache,
     PagedSequence,
     blocks_for,
     bucket,
@@ -84,7 +84,7 @@ class StepGraphs:
     change nothing)."""
 
     def __init__(
-        self, model: torch.nn.Module, cache: FlexPagedKVCache, buckets: tuple[int, ...], capture: bool
+        self, model: torch.nn.Module, cache: PagedKVCache, buckets: tuple[int, ...], capture: bool
     ):
         self.model, self.cache, self.buckets, self.capture = model, cache, sorted(buckets), capture
         self.static: dict[int, list[torch.Tensor]] = {}  # tokens fed -> rows, ids, picked, the cache's plan
