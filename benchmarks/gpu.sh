@@ -57,7 +57,8 @@
 #              for w in /tmp/lg/*.whl; do unzip -qo $w -d .gpu; done && rm -rf .gpu/test &&
 #              echo /.gpu/ >> .git/info/exclude; torchao is train's fp8 rows: the image lacks it)
 #   kernels-norms  kernels.py --ops rms_norm layer_norm softmax rope_qk (launched and from graphs,
-#             against Liger), then --host                                           (120 s)
+#             against Liger) and paged_attention (serving's decode attention against the gather
+#             road, eager and compiled), then --host                                 (120 s)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
@@ -185,7 +186,7 @@ for what in "$@"; do
         ;;
     kernels-norms)  # issue 28 pt 5's rows against Liger that were host-bound: launched, from graphs, host
         stage kernels-norms 120 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
-            rope_qk && $PY benchmarks/kernels.py --device $DEV --host"
+            rope_qk paged_attention && $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-train)
         for k in torch triton; do

@@ -20,6 +20,7 @@ every row works.
 
     .venv/bin/python benchmarks/kernels.py --host [--device cpu]  # the wrappers' own host time
     python benchmarks/kernels.py --ops rms_norm layer_norm softmax rope_qk  # some rows only
+    python benchmarks/kernels.py --ops paged_attention  # serving's decode attention, gather against ember's
 
 ``--host`` times what a call costs the host besides its launches: every Triton launch (ember's
 and Liger's) is replaced by a no-op, and each op runs forward and backward on a small input,
@@ -259,6 +260,38 @@ def int8_cases(shape: dict, dtype, device: str):
         yield "int8_linear (decode)", f"1x{K} @ {n}x{K}", impls, n * K + 4 * n + 2 * e_(x) * (K + n), 0
 
 
+def paged_cases(shape: dict, dtype, device: str):
+    """Serving's decode attention over a paged pool (issue 29 pt 4): S sequences of L held
+    positions, one new query each, their blocks shuffled over the pool. "eager" is the gather
+    road (each sequence's slots copied out, then SDPA), "compile" the same compiled, "ember" the
+    kernel reading the pool in place (ember/kernels/paged.py). Bytes: every held key and value
+    read once, the queries and outputs."""
+    from ember.kernels.paged import paged_attention, tiles_for
+
+    H, Hkv, hd = shape["H"], shape["Hkv"], shape["hd"]
+    S, L, bs = (64, 256, 16) if device == "cuda" else (4, 40, 4)
+    blocks = S * L // bs
+    k_pool, v_pool = (param(blocks * bs, Hkv, hd, dtype=dtype, device=device) for _ in range(2))
+    tables = torch.randperm(blocks, device=device).int().view(S, L // bs)
+    slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device=device)).view(S, L)
+    q = param(S, H, hd, dtype=dtype, device=device)
+    q_pos, tiles = torch.full((S,), L - 1, device=device), tiles_for([1] * S, S).to(device)
+
+    def gather(q, k_pool, v_pool):
+        k = k_pool[slots].transpose(1, 2)  # (S, Hkv, L, hd)
+        v = v_pool[slots].transpose(1, 2)
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=H != Hkv)[:, :, 0]
+
+    compiled = torch.compile(gather)
+    impls = {
+        "eager": lambda: gather(q, k_pool, v_pool),
+        "compile": lambda: compiled(q, k_pool, v_pool),
+        "ember": lambda: paged_attention(q, k_pool, v_pool, tables, q_pos, tiles, bs),
+    }
+    nbytes = (2 * S * L * Hkv * hd + 2 * S * H * hd) * e_(q)
+    yield "paged_attention (decode)", f"S{S} L{L} H{H}/{Hkv} hd{hd} block {bs}", impls, nbytes, 0
+
+
 def e_(t):
     return t.element_size()
 
@@ -337,7 +370,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--host", action="store_true", help="the wrappers' host time, launches stubbed out")
     parser.add_argument("--ops", nargs="+", metavar="OP", help="only these rows (rms_norm layer_norm softmax "
-                        "rope_qk linear_cross_entropy attention int8_linear); default all")  # fmt: skip
+                        "rope_qk linear_cross_entropy attention int8_linear paged_attention); all by default")
     args = parser.parse_args()
     device = args.device
     if args.host:
@@ -361,7 +394,7 @@ def main() -> None:
     for label, shape in shapes.items():
         groups = list(cases(shape, dtype, device))
         if label != "hd128":
-            groups += list(int8_cases(shape, dtype, device))
+            groups += list(int8_cases(shape, dtype, device)) + list(paged_cases(shape, dtype, device))
         for op, where, impls, nbytes, flops in groups:
             if (op, where) in seen or (label == "hd128" and op != "attention"):
                 continue
