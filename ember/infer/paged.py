@@ -46,6 +46,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn import functional as F
@@ -523,11 +524,12 @@ class TritonPagedKVCache(PagedKVCache):
 
         bs, S = self.blocks.block_size, len(work)
         assert S < self.rows, f"{S} sequences in one step; the cache was made for max_seqs={self.rows - 1}"
-        tables = torch.zeros(self.rows, self.width, dtype=torch.int32)
+        tables = np.zeros((self.rows, self.width), dtype=np.int32)  # (numpy: a row from a list in ~1 µs)
         for i, (seq, n) in enumerate(work):
             assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
             assert len(seq.table) <= self.width, f"{len(seq.table)} blocks; a table holds {self.width}"
-            tables[i, : len(seq.table)] = torch.tensor(seq.table, dtype=torch.int32)
+            tables[i, : len(seq.table)] = seq.table
+        tables = torch.from_numpy(tables)
         counts = [n for _, n in work]
         ns = torch.tensor(counts)
         N = int(ns.sum())
