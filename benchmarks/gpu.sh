@@ -178,7 +178,8 @@ for what in "$@"; do
         ;;
     kernels-test)  # the kernels' own tests, on the GPU: the CPU runs them interpreted
         stage kernels-test 150 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
-            tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py -k 'not cpp'"
+            tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py \
+            tests/test_paged_triton.py -k 'not cpp'"
         ;;
     kernels)
         stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json && \

@@ -16,9 +16,14 @@ from ember.errors import EmberError  # noqa: E402
 from ember.infer.paged import BlockManager, PagedSequence, TritonPagedKVCache  # noqa: E402
 from ember.infer.sampling import Sampling  # noqa: E402
 from ember.infer.scheduler import Scheduler  # noqa: E402
+from ember.kernels import triton_ready  # noqa: E402
 from ember.kernels.paged import paged_attention, paged_ref, tiles_for  # noqa: E402
 from tests import test_paged_flex  # noqa: E402 (its scenario, not its tests: imported as a module)
 from tests.test_scheduler import engine, serve  # noqa: E402, F401 (a fixture)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's (gpu.sh kernels-test runs it there)
+# the cache's tests run the model on the CPU, so the kernel under the interpreter: not on a GPU machine
+on_cpu = pytest.mark.skipif(not triton_ready("cpu")[0], reason=triton_ready("cpu")[1])
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -29,8 +34,8 @@ def test_kernel_equals_its_reference(dtype, tol):
     heads over 2 key heads."""
     torch.manual_seed(0)
     H, Hkv, hd, bs, num_blocks = 4, 2, 16, 4, 40
-    k_pool = torch.randn(num_blocks * bs + 1, Hkv, hd).to(dtype)
-    v_pool = torch.randn(num_blocks * bs + 1, Hkv, hd).to(dtype)
+    k_pool = torch.randn(num_blocks * bs + 1, Hkv, hd).to(DEVICE, dtype)
+    v_pool = torch.randn(num_blocks * bs + 1, Hkv, hd).to(DEVICE, dtype)
     order = torch.randperm(num_blocks).int()
     lengths = [21, 71, 8]
     tables, used = torch.zeros(4, 20, dtype=torch.int32), 0
@@ -38,10 +43,11 @@ def test_kernel_equals_its_reference(dtype, tol):
         held = -(-n // bs)
         tables[i, :held] = order[used : used + held]
         used += held
-    q_pos = torch.tensor([*range(21), 70, 5, 6, 7, 0, 0])
+    q_pos = torch.tensor([*range(21), 70, 5, 6, 7, 0, 0], device=DEVICE)
     tiles = tiles_for([21, 1, 3], 6)
     assert tiles.tolist() == [[0, 0, 1, 2, 0, 0], [0, 16, 21, 22, 0, 0], [16, 5, 1, 3, 0, 0]]
-    q = torch.randn(len(q_pos), H, hd).to(dtype)
+    tiles, tables = tiles.to(DEVICE), tables.to(DEVICE)
+    q = torch.randn(len(q_pos), H, hd).to(DEVICE, dtype)
     got = paged_attention(q, k_pool, v_pool, tables, q_pos, tiles, bs)
     want = paged_ref(q, k_pool, v_pool, tables, q_pos, tiles, bs)
     assert (got.float() - want.float()).abs().max() < tol
@@ -51,6 +57,7 @@ def test_kernel_equals_its_reference(dtype, tol):
         assert torch.equal(compiled(q, k_pool, v_pool, tables, q_pos, tiles, bs), got)
 
 
+@on_cpu
 def test_triton_equals_gather_on_ragged_rows_sharing_prefix_blocks():
     """flex's scenario (tests/test_paged_flex.py) with the triton cache in its place, for RoPE and
     GQA: ragged chunks, shared prefix blocks, a fork's copy-on-write, freed blocks reused (stale
@@ -60,6 +67,7 @@ def test_triton_equals_gather_on_ragged_rows_sharing_prefix_blocks():
     )
 
 
+@on_cpu
 def test_padded_steps_equal_unpadded_ones_and_the_scheduler_equals_gather(engine):  # noqa: F811
     """Every step of the graph road over the triton cache (decode-only steps padded to a batch
     bucket, mixed steps to a token bucket, logits picked by index) against the same step
@@ -95,6 +103,7 @@ def test_padded_steps_equal_unpadded_ones_and_the_scheduler_equals_gather(engine
     assert answers["triton"] == answers["gather"]
 
 
+@on_cpu
 @pytest.mark.filterwarnings("default")
 def test_a_table_too_narrow_or_no_max_len_is_refused_and_a_cpu_is_warned_of():
     blocks = BlockManager(8, 4)
