@@ -204,7 +204,7 @@ def host_main(args) -> None:
     for attention in args.attention:
         per_token = {}
         for name, requests in (("median 33 tokens", short), ("1,024 tokens", long)):
-            buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256) if attention != "gather" else None
+            buckets = (1, 2, 4, 8, 16, 32, 64, 128, 256) if PAGED_ATTENTION[attention].graphed else None
             scheduler = Scheduler(engine, kv_memory=int(1e8), max_batch_tokens=2048, max_seqs=256,
                                   paged_attention=attention, decode_buckets=buckets)  # fmt: skip
             times = []
@@ -249,7 +249,7 @@ def device_main(args) -> None:
           f"{sequential:,.0f} output tok/s ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     rows, equal_all = [], True
     for attention in args.attention:
-        buckets = tuple(serve.decode_buckets) if attention != "gather" else None
+        buckets = tuple(serve.decode_buckets) if PAGED_ATTENTION[attention].graphed else None
         scheduler = Scheduler(engine, kv_memory=int(serve.kv_memory), block_size=serve.block_size,
                               max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                               prefix_caching=serve.prefix_caching, paged_attention=attention,

@@ -56,7 +56,8 @@ lower(softmax._softmax_fwd, dict(X=bf, Y=bf, N=i32), LONG, 16)
 lower(softmax._softmax_bwd, dict(Y=bf, DY=bf, DX=bf, N=i32), LONG, 16)
 PAGED = dict(Q=bf, K=bf, V=bf, TABLES="*i32", QPOS="*i64", TILES="*i64", O=bf, sqt=i64, sqh=i64, sks=i64,
              skh=i64, st=i64, n_tiles=i32, scale="fp32")
-lower(paged._paged_kernel, PAGED, dict(BS=16, H=12, GROUP=3, HD=64, BLOCK_M=16, BLOCK_N=32, FP32_DOT=False))
+lower(paged._paged_kernel, PAGED, dict(BS=16, H=12, GROUP=3, HD=64, BLOCK_M=16, BLOCK_N=32, PREC="tf32",
+      UPCAST=False))
 """
 
 

@@ -19,6 +19,8 @@ q|k|v (and SwiGLU's gate|up) become one product over a weight concatenated here,
 the weights of its construction for them (as ``TUNED``'s frozen weights): for a benchmark or a
 server, not a training-time rollout. tests/test_fused_decode.py holds it to the model's own step
 (logits and cache, and the greedy tokens of ``generate``), under Triton's interpreter on a CPU.
+It lives in infer/ beside engine.py, which DESIGN.md's list of infer/'s files predates: it is the
+engine's decode step, reading a built model and the kernels of the floors below.
 """
 
 from __future__ import annotations

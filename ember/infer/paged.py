@@ -330,6 +330,31 @@ class PagedKVCache:
         return out
 
 
+def fed(work: Sequence[tuple[PagedSequence, int]], pad_to: int | None, rows: int, block_size: int):
+    """The padded caches' share of a plan: each fed token's sequence (its index in ``work``) and
+    position, (N,) each, and T, the tokens fed with the pads (``pad_to``, or N); checks that the
+    blocks are reserved and that fewer than ``rows`` sequences run."""
+    S = len(work)
+    assert S < rows, f"{S} sequences in one step; the cache was made for max_seqs={rows - 1} at most"
+    for seq, n in work:
+        assert len(seq.table) * block_size >= seq.computed + n, "reserve blocks before planning"
+    ns = torch.tensor([n for _, n in work])
+    N = int(ns.sum())
+    T = pad_to or N  # pads write to the scratch slot
+    assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
+    q_seq = torch.repeat_interleave(torch.arange(S), ns)
+    starts = torch.tensor([seq.computed for seq, _ in work]) - (ns.cumsum(0) - ns)
+    return q_seq, starts[q_seq] + torch.arange(N), T
+
+
+def padded(slots: Tensor, q_pos: Tensor, T: int, scratch: int, device) -> tuple[Tensor, Tensor]:
+    """The slots (T,) the fed tokens' keys go to and their positions (1, T) on ``device``, the
+    pads' at the scratch slot and position 0."""
+    pad = T - slots.numel()
+    positions = torch.cat([q_pos, torch.zeros(pad, dtype=torch.long)]).to(device)[None]
+    return torch.cat([slots, torch.full((pad,), scratch)]).to(device), positions
+
+
 KV_TILE = 128  # FlexAttention's sparse block (queries and pool slots): its CUDA kernel's tiles divide it
 
 
@@ -391,17 +416,8 @@ class FlexPagedKVCache(PagedKVCache):
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
         bs, S = self.blocks.block_size, len(work)
-        for seq, n in work:
-            assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
-        ns = torch.tensor([n for _, n in work])
-        N = int(ns.sum())
-        T = pad_to or N  # tokens fed: pads write to the scratch slot
-        assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
-        Q, R = bucket(T), self.rows  # fixed but for Q: a few compiled kernels serve every step
-        assert S < R, f"{S} sequences in one step; the cache was made for max_seqs={R - 1} at most"
-        q_seq = torch.repeat_interleave(torch.arange(S), ns)  # (N,) which sequence each token is
-        starts = torch.tensor([seq.computed for seq, _ in work]) - (ns.cumsum(0) - ns)
-        q_pos = starts[q_seq] + torch.arange(N)  # (N,) its position in that sequence
+        q_seq, q_pos, T = fed(work, pad_to, self.rows, bs)
+        N, Q, R = len(q_seq), bucket(T), self.rows  # fixed but for Q: a few compiled kernels serve every step
         table = torch.tensor([b for seq, _ in work for b in seq.table], dtype=torch.long)  # tables, joined
         lens = torch.tensor([len(seq.table) for seq, _ in work])
         first = lens.cumsum(0) - lens  # where each sequence's table starts in ``table``
@@ -417,8 +433,7 @@ class FlexPagedKVCache(PagedKVCache):
         logical = (torch.arange(len(table)) - first[owner]).int()
         self.inv.index_put_(self.written, logical.to(self.device))
         slots = table[first[q_seq] + q_pos // bs] * bs + q_pos % bs  # (N,) where the new keys go
-        self.slots = torch.cat([slots, torch.full((T - N,), self.scratch)]).to(self.device)
-        self.positions = torch.cat([q_pos, torch.zeros(T - N, dtype=torch.long)]).to(self.device)[None]
+        self.slots, self.positions = padded(slots, q_pos, T, self.scratch, self.device)
         q_seq = torch.cat([q_seq, torch.full((Q - N,), S)])  # pads belong to row S, which owns nothing
         q_pos = torch.cat([q_pos, torch.zeros(Q - N, dtype=torch.long)])
         # Block mask: a query tile reads every KV tile holding a block of one of its sequences.
@@ -522,28 +537,17 @@ class TritonPagedKVCache(PagedKVCache):
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
         from ember.kernels.paged import BLOCK_M, tiles_for
 
-        bs, S = self.blocks.block_size, len(work)
-        assert S < self.rows, f"{S} sequences in one step; the cache was made for max_seqs={self.rows - 1}"
+        bs = self.blocks.block_size
+        q_seq, q_pos, T = fed(work, pad_to, self.rows, bs)
         tables = np.zeros((self.rows, self.width), dtype=np.int32)  # (numpy: a row from a list in ~1 µs)
-        for i, (seq, n) in enumerate(work):
-            assert len(seq.table) * bs >= seq.computed + n, "reserve blocks before planning"
+        for i, (seq, _) in enumerate(work):
             assert len(seq.table) <= self.width, f"{len(seq.table)} blocks; a table holds {self.width}"
             tables[i, : len(seq.table)] = seq.table
         tables = torch.from_numpy(tables)
-        counts = [n for _, n in work]
-        ns = torch.tensor(counts)
-        N = int(ns.sum())
-        T = pad_to or N
-        assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
-        q_seq = torch.repeat_interleave(torch.arange(S), ns)  # (N,) which sequence each token is
-        starts = torch.tensor([seq.computed for seq, _ in work]) - (ns.cumsum(0) - ns)
-        q_pos = starts[q_seq] + torch.arange(N)  # (N,) its position in that sequence
         slots = tables[q_seq, q_pos // bs].long() * bs + q_pos % bs
-        pad = T - N
-        self.slots = torch.cat([slots, torch.full((pad,), self.scratch)]).to(self.device)
-        self.positions = torch.cat([q_pos, torch.zeros(pad, dtype=torch.long)]).to(self.device)[None]
+        self.slots, self.positions = padded(slots, q_pos, T, self.scratch, self.device)
         # as many tile columns as any step of T tokens from at most max_seqs sequences can need
-        self.tiles = tiles_for(counts, min(T, T // BLOCK_M + self.rows - 1)).to(self.device)
+        self.tiles = tiles_for([n for _, n in work], min(T, T // BLOCK_M + self.rows - 1)).to(self.device)
         self.tables = tables.to(self.device)
 
     def replayed(self) -> list[Tensor]:

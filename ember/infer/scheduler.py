@@ -170,8 +170,12 @@ class Scheduler:
         paged_attention: str = "gather",
         decode_buckets: tuple[int, ...] | None = None,
     ):
+        if paged_attention not in PAGED_ATTENTION:
+            choices = ", ".join(PAGED_ATTENTION)
+            raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
+        kind = PAGED_ATTENTION[paged_attention]
         self.recurrent = "mamba" in layer_mixers(engine.model.cfg)  # Mamba layers: state slots (docstring)
-        if self.recurrent and paged_attention in ("flex", "triton"):
+        if self.recurrent and kind.graphed:
             raise EmberError(
                 f"serve.paged_attention={paged_attention} is for attention-only models: its padded steps "
                 "have no place for a Mamba layer's state; serve this model with serve.paged_attention=gather"
@@ -186,11 +190,7 @@ class Scheduler:
         self.engine = engine
         prefix_caching &= not self.recurrent  # cached keys come without the Mamba state at their end
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, max_seqs if self.recurrent else 0)
-        if paged_attention not in PAGED_ATTENTION:
-            choices = ", ".join(PAGED_ATTENTION)
-            raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
-        kind, max_len = PAGED_ATTENTION[paged_attention], engine.model.cfg.max_seq_len
-        self.cache = kind(self.blocks, engine.device, max_seqs=max_seqs, max_len=max_len)
+        self.cache = kind(self.blocks, engine.device, max_seqs=max_seqs, max_len=engine.model.cfg.max_seq_len)
         self.graphs = None  # steps padded to fixed shapes (CUDA graphs on a GPU): flex or triton, bucketed
         if decode_buckets and self.cache.graphed:
             capture = torch.device(engine.device).type == "cuda"

@@ -29,7 +29,7 @@ HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
-def _mm(a, b, IN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def mm(a, b, IN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """a @ b with both operands rounded to the inputs' dtype, accumulated in fp32 (fp64 for fp64).
     Triton 3.9's interpreter multiplies bf16's raw bits, so there the rounded operands go via fp32."""
     a = a.to(IN)
@@ -53,7 +53,7 @@ def _fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skt, svt, offs_m, offs_n, lo, 
         else:
             kt = tl.load(kt_ptrs + start_n * skt)
             v = tl.load(v_ptrs + start_n * svt)
-        qk = _mm(q, kt, IN, PREC, UPCAST) * qk_scale  # log2 units
+        qk = mm(q, kt, IN, PREC, UPCAST) * qk_scale  # log2 units
         if MASK:
             keep = cols[None, :] < T
             if CAUSAL:
@@ -63,7 +63,7 @@ def _fwd_inner(acc, l_i, m_i, q, kt_ptrs, v_ptrs, skt, svt, offs_m, offs_n, lo, 
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _mm(p, v, IN, PREC, UPCAST)
+        acc = acc * alpha[:, None] + mm(p, v, IN, PREC, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -133,14 +133,14 @@ def _dkdv_inner(dk, dv, k, v, qt_ptrs, do_ptrs, lse_ptr, delta_ptr, sqt, sdt, of
         do = tl.load(do_ptrs + start_m * sdt, mask=rows[:, None] < T, other=0.0)
         lse = tl.load(lse_ptr + rows, mask=rows < T, other=0.0) * 1.4426950408889634
         delta = tl.load(delta_ptr + rows, mask=rows < T, other=0.0)
-        st = _mm(k, qt, IN, PREC, UPCAST) * qk_scale
+        st = mm(k, qt, IN, PREC, UPCAST) * qk_scale
         if MASK:
             st = tl.where(rows[None, :] >= offs_n[:, None], st, float("-inf"))
         pt = tl.exp2(st - lse[None, :])
-        dv += _mm(pt, do, IN, PREC, UPCAST)
-        dpt = _mm(v, tl.trans(do), IN, PREC, UPCAST)
+        dv += mm(pt, do, IN, PREC, UPCAST)
+        dpt = mm(v, tl.trans(do), IN, PREC, UPCAST)
         dst = pt * (dpt - delta[None, :])
-        dk += _mm(dst, tl.trans(qt), IN, PREC, UPCAST)
+        dk += mm(dst, tl.trans(qt), IN, PREC, UPCAST)
     return dk, dv
 
 
@@ -193,15 +193,15 @@ def _dq_inner(dq, q, do, lse, delta, k_ptrs, vt_ptrs, skt, svt, offs_m, offs_n, 
         else:
             k = tl.load(k_ptrs + start_n * skt)
             vt = tl.load(vt_ptrs + start_n * svt)
-        s = _mm(q, tl.trans(k), IN, PREC, UPCAST) * qk_scale
+        s = mm(q, tl.trans(k), IN, PREC, UPCAST) * qk_scale
         if MASK:
             keep = cols[None, :] < T
             if CAUSAL:
                 keep = keep & (offs_m[:, None] >= cols[None, :])
             s = tl.where(keep, s, float("-inf"))
         p = tl.exp2(s - lse[:, None])
-        ds = p * (_mm(do, vt, IN, PREC, UPCAST) - delta[:, None])
-        dq += _mm(ds, k, IN, PREC, UPCAST)
+        ds = p * (mm(do, vt, IN, PREC, UPCAST) - delta[:, None])
+        dq += mm(ds, k, IN, PREC, UPCAST)
     return dq
 
 

@@ -33,21 +33,15 @@ import triton.language as tl
 from torch import Tensor
 
 from ember.kernels import INTERPRET, kernel_op
+from ember.kernels.attention import mm
 
 BLOCK_M = 16  # query tokens a tile (tl.dot's least rows)
 
 
 @triton.jit
-def _dot(a, b, FP32_DOT: tl.constexpr):
-    if FP32_DOT:  # fp32 activations (greedy parity with the batch-1 engine), and the interpreter
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _paged_kernel(Q, K, V, TABLES, QPOS, TILES, O, sqt, sqh, sks, skh, st, n_tiles, scale,
                   BS: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr, HD: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Tile i, head h: its queries' softmax over positions 0..pos of their sequence."""
     i, h = tl.program_id(0), tl.program_id(1)
     seq, first = tl.load(TILES + i), tl.load(TILES + n_tiles + i).to(tl.int64)
@@ -70,14 +64,14 @@ def _paged_kernel(Q, K, V, TABLES, QPOS, TILES, O, sqt, sqh, sks, skh, st, n_til
         at = (block * BS + j % BS)[:, None] * sks + kv + e[None, :]
         k = tl.load(K + at, mask=held[:, None], other=0.0)
         v = tl.load(V + at, mask=held[:, None], other=0.0)
-        scores = _dot(q, tl.trans(k), FP32_DOT) * scale  # (BLOCK_M, BLOCK_N), fp32
+        scores = mm(q, tl.trans(k), Q.dtype.element_ty, PREC, UPCAST) * scale  # (BLOCK_M, BLOCK_N), fp32
         scores = tl.where(j[None, :] <= pos[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         top = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
         p = tl.exp(scores - top[:, None])
         shrink = tl.exp(m - top)
         total = total * shrink + tl.sum(p, axis=1)
-        acc = acc * shrink[:, None] + _dot(p.to(v.dtype), v, FP32_DOT)
+        acc = acc * shrink[:, None] + mm(p, v, Q.dtype.element_ty, PREC, UPCAST)
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     at = tok[:, None] * (H * HD) + h * HD + e[None, :]
@@ -93,7 +87,8 @@ def _paged_launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, q_p
     _paged_kernel[(n, H)](q, k_pool, v_pool, tables, q_pos, tiles, o, q.stride(0), q.stride(1),
                           k_pool.stride(0), k_pool.stride(1), tables.stride(0), n, 1 / math.sqrt(hd),
                           BS=block_size, H=H, GROUP=H // Hkv, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=32,
-                          FP32_DOT=INTERPRET or q.dtype == torch.float32)  # fmt: skip
+                          PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: greedy parity
+                          UPCAST=INTERPRET and q.element_size() == 2)  # fmt: skip
     return o
 
 
