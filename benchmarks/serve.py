@@ -173,6 +173,11 @@ def anatomy(scheduler: Scheduler, attention: str, level: dict, clients: list[int
           f"the device busy {busy / wall:.0%} of the wall")  # fmt: skip
 
 
+def code_tokenizer() -> Tokenizer:
+    """A 300-id BPE of code-like text: the seeded models' tokenizer (their ids are random anyway)."""
+    return Tokenizer.train_bpe(" ".join(f"def f{i}(x): return x * {i} + {i % 7}" for i in range(400)), 300)
+
+
 class NoModel(torch.nn.Module):
     """A forward that only takes the planned step (the cache's copy-on-writes, its checks) and
     returns zero logits: what is left of a step is the scheduler's own host work."""
@@ -193,9 +198,8 @@ def host_main(args) -> None:
     in a few launches, so this work is most of what is left of it on the host; its cost should
     not grow with an answer's length (it did: every token decoded all the answer's ids)."""
     torch.set_num_threads(1)
-    text = " ".join(f"def f{i}(x): return x * {i} + {i % 7}" for i in range(400))
     cfg = ModelConfig(max_seq_len=2048, init_std=0.1, dropout=0.0, **MODELS["tiny"])
-    engine = Engine(GPT.build(cfg, seed=args.seed).eval(), Tokenizer.train_bpe(text, 300))
+    engine = Engine(GPT.build(cfg, seed=args.seed).eval(), code_tokenizer())
     engine.model = NoModel(cfg)
     short = workload(256, args.seed, (16, engine.n_valid))
     long = [(prompt, 1024) for prompt, _ in short[:64]]
@@ -225,8 +229,7 @@ def device_main(args) -> None:
     device = torch.device(args.device)
     serve = load_config("tiny", args.serve).serve
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy parity with the batch-1 engine
-    text = " ".join(f"def f{i}(x): return x * {i} + {i % 7}" for i in range(400))
-    tokenizer = Tokenizer.train_bpe(text, 300)
+    tokenizer = code_tokenizer()
     cfg = ModelConfig(max_seq_len=512, init_std=0.1, dropout=0.0, **MODELS[args.model])
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = GPT.build(cfg, device=device, seed=args.seed).eval().to(dtype)

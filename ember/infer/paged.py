@@ -220,6 +220,7 @@ class PagedKVCache:
         self, blocks: BlockManager, device: torch.device | None = None, max_seqs: int = 64, max_len: int = 0
     ):
         self.blocks, self.device = blocks, device  # (max_seqs, max_len: the padded caches'; any fit here)
+        self.pool_slots = blocks.num_blocks * blocks.block_size  # a layer's pool: its keys' slots
         self.k: dict[str, Tensor] = {}  # layer -> (num_blocks * block_size, n_kv_head, head_dim)
         self.v: dict[str, Tensor] = {}
         self.spans: list[tuple[int, int, Tensor]] = []
@@ -307,14 +308,19 @@ class PagedKVCache:
         self.blocks.copies.clear()
         return self.positions
 
-    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def stored(self, layer: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's pools (pool_slots, n_kv_head, hd), made on its first call, with the fed
+        tokens' keys and values (1, n_kv_head, N, hd) written into their planned slots."""
         if layer not in self.k:
-            slots = self.blocks.num_blocks * self.blocks.block_size
-            self.k[layer] = k.new_zeros(slots, k.size(1), k.size(3))
-            self.v[layer] = v.new_zeros(slots, v.size(1), v.size(3))
+            self.k[layer] = k.new_zeros(self.pool_slots, k.size(1), k.size(3))
+            self.v[layer] = v.new_zeros(self.pool_slots, v.size(1), v.size(3))
         keys, values = self.k[layer], self.v[layer]
-        keys.index_copy_(0, self.slots, k[0].transpose(0, 1))  # (N, n_kv_head, hd) into their slots
+        keys.index_copy_(0, self.slots, k[0].transpose(0, 1))
         values.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        return keys, values
+
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        keys, values = self.stored(layer, k, v)
         out = torch.empty_like(q)  # (1, n_head, N, hd)
         for offset, n, seq_slots in self.spans:  # prompt chunks, one by one, causal
             kk = keys.index_select(0, seq_slots).transpose(0, 1)[None]  # (1, n_kv_head, L, hd)
@@ -533,6 +539,7 @@ class TritonPagedKVCache(PagedKVCache):
         self.rows = max_seqs + 1
         self.width = -(-max_len // blocks.block_size)  # blocks of the longest sequence
         self.scratch = blocks.num_blocks * blocks.block_size  # the slot padding tokens write to
+        self.pool_slots = self.scratch + 1
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
         from ember.kernels.paged import BLOCK_M, tiles_for
@@ -560,12 +567,7 @@ class TritonPagedKVCache(PagedKVCache):
     def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         from ember.kernels.paged import paged_attention
 
-        if layer not in self.k:  # the pool, and one scratch slot for pads
-            self.k[layer] = k.new_zeros(self.scratch + 1, k.size(1), k.size(3))
-            self.v[layer] = v.new_zeros(self.scratch + 1, v.size(1), v.size(3))
-        keys, values = self.k[layer], self.v[layer]
-        keys.index_copy_(0, self.slots, k[0].transpose(0, 1))  # (N, n_kv_head, hd) into their slots
-        values.index_copy_(0, self.slots, v[0].transpose(0, 1))
+        keys, values = self.stored(layer, k, v)
         out = paged_attention(q[0].transpose(0, 1), keys, values, self.tables, self.positions[0], self.tiles,
                               self.blocks.block_size)  # fmt: skip
         return out.transpose(0, 1)[None]  # (1, n_head, T, hd)
