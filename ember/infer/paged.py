@@ -536,14 +536,15 @@ class TritonPagedKVCache(PagedKVCache):
                 stacklevel=2,
             )
         super().__init__(blocks, device, max_seqs)
+        from ember.kernels import paged as kernel  # (imports Triton: only once it is known ready)
+
+        self.kernel = kernel
         self.rows = max_seqs + 1
         self.width = -(-max_len // blocks.block_size)  # blocks of the longest sequence
         self.scratch = blocks.num_blocks * blocks.block_size  # the slot padding tokens write to
         self.pool_slots = self.scratch + 1
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
-        from ember.kernels.paged import BLOCK_M, tiles_for
-
         bs = self.blocks.block_size
         q_seq, q_pos, T = fed(work, pad_to, self.rows, bs)
         tables = np.zeros((self.rows, self.width), dtype=np.int32)  # (numpy: a row from a list in ~1 µs)
@@ -554,7 +555,8 @@ class TritonPagedKVCache(PagedKVCache):
         slots = tables[q_seq, q_pos // bs].long() * bs + q_pos % bs
         self.slots, self.positions = padded(slots, q_pos, T, self.scratch, self.device)
         # as many tile columns as any step of T tokens from at most max_seqs sequences can need
-        self.tiles = tiles_for([n for _, n in work], min(T, T // BLOCK_M + self.rows - 1)).to(self.device)
+        size = min(T, T // self.kernel.BLOCK_M + self.rows - 1)
+        self.tiles = self.kernel.tiles_for([n for _, n in work], size).to(self.device)
         self.tables = tables.to(self.device)
 
     def replayed(self) -> list[Tensor]:
@@ -565,11 +567,11 @@ class TritonPagedKVCache(PagedKVCache):
         self.slots, self.positions, self.tiles, self.tables = buffers
 
     def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        from ember.kernels.paged import paged_attention
-
         keys, values = self.stored(layer, k, v)
-        out = paged_attention(q[0].transpose(0, 1), keys, values, self.tables, self.positions[0], self.tiles,
-                              self.blocks.block_size)  # fmt: skip
+        q = q[0].transpose(0, 1)  # (T, n_head, hd)
+        out = self.kernel.paged_attention(
+            q, keys, values, self.tables, self.positions[0], self.tiles, self.blocks.block_size
+        )
         return out.transpose(0, 1)[None]  # (1, n_head, T, hd)
 
 

@@ -99,14 +99,13 @@ def tiles_for(counts: list[int], size: int) -> Tensor:
     """The tiles (3, size) of a packed row whose sequences feed ``counts`` tokens each, in order:
     each sequence's tokens cut into runs of at most ``BLOCK_M``; the rest of the ``size`` columns
     count 0 tokens."""
-    seqs, firsts, lengths, offset = [], [], [], 0
+    cut, offset = [], 0  # (sequence, first token, count) of each tile
     for s, n in enumerate(counts):
-        for start in range(0, n, BLOCK_M):
-            seqs.append(s), firsts.append(offset + start), lengths.append(min(BLOCK_M, n - start))
+        cut += [(s, offset + start, min(BLOCK_M, n - start)) for start in range(0, n, BLOCK_M)]
         offset += n
-    assert len(seqs) <= size, f"{len(seqs)} tiles do not fit {size}"
+    assert len(cut) <= size, f"{len(cut)} tiles do not fit {size}"
     tiles = torch.zeros(3, size, dtype=torch.long)
-    tiles[:, : len(seqs)] = torch.tensor([seqs, firsts, lengths], dtype=torch.long).view(3, -1)
+    tiles[:, : len(cut)] = torch.tensor(cut, dtype=torch.long).view(-1, 3).t()
     return tiles
 
 
