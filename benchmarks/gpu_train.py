@@ -61,6 +61,7 @@ from ember.data.prepare import prepare
 from ember.errors import EmberError
 from ember.model.gpt import GPT, Attention, block_linears
 from ember.model.hf import to_hf
+from ember.train.start import resolve_model_config, start_tokenizer
 from ember.train.trainer import scratch_trainer
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet), the issue's yardstick
@@ -89,7 +90,8 @@ CPU = ["model.n_layer=2", "model.n_head=4", "model.d_model=64", "model.vocab_siz
 
 
 def config(args, overrides: list[str]):
-    """``--model`` at ``--accum`` micro-batches of ``--batch`` rows a step, or its CPU shrink."""
+    """``--model`` at ``--accum`` micro-batches of ``--batch`` rows a step, or its CPU shrink, its
+    data prepared."""
     shape = [f"train.seq_len={args.seq_len}", f"train.micro_batch={args.batch}", "train.max_steps=1000000",
              f"train.batch_tokens={args.accum * args.batch * args.seq_len}",
              f"train.device={args.device}"]  # fmt: skip
@@ -101,7 +103,8 @@ def config(args, overrides: list[str]):
     except (EmberError, OSError):
         print(f"preparing {cfg.data.dir} (once) ...", flush=True)
         prepare(cfg, log=lambda _: None)
-    return cfg
+    # a vocabulary taken from the tokenizer (0, llama-small's) resolved as the trainer does
+    return replace(cfg, model=resolve_model_config(cfg.model, start_tokenizer(cfg, chat=False)[0]))
 
 
 def timed(step, args) -> float:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ember.config import load_config
-from ember.errors import ConfigError
+from ember.errors import ConfigError, EmberError
 from ember.model.gpt import GPT
 from ember.run import MARKER, latest_checkpoint, load_weights, read_metrics
 from ember.train.trainer import NonFiniteError, Trainer, train
@@ -202,6 +202,23 @@ def test_nonfinite_stops_and_names_the_module(tiny_cfg, value):
     with torch.no_grad():
         trainer.model.layers["1"].attention.wq.weight[0, 0] = value
     with pytest.raises(NonFiniteError, match=r"step 1: .*first non-finite output: layers\.1\.attention\.wq"):
+        trainer.run()
+
+
+def test_out_of_memory_names_the_micro_batch_and_the_fix(tiny_cfg):
+    """A device out of memory (on a GPU: the preset's micro-batch on a smaller card) stops with
+    an EmberError that says where and how to fix it, not torch's allocator dump."""
+    trainer = Trainer(tiny_cfg("train.max_steps=3", "train.micro_batch=4"))
+    real, calls = trainer.task.loss, {"n": 0}
+
+    def hungry(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.07 GiB")
+        return real(model, batch)
+
+    trainer.task.loss = hungry
+    with pytest.raises(EmberError, match=r"out of cpu memory in .* step \d, micro-batch 4 × \d+: `ember"):
         trainer.run()
 
 

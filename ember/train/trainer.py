@@ -475,6 +475,14 @@ class Trainer:
                 if checkpoint:
                     self.watch.phase("the checkpoint save")
                     self._checkpoint(elapsed)
+        except torch.OutOfMemoryError:
+            t = self.cfg.train
+            raise EmberError(
+                f"out of {env.device.type} memory in {self.watch.where} at step {self.step + 1}, "
+                f"micro-batch {t.micro_batch} × {t.seq_len}: `ember plan` with this config and --memory GIB "
+                "names the largest micro-batch that fits; set train.micro_batch to it (the step "
+                f"keeps train.batch_tokens={t.batch_tokens:,}, in more micro-batches)"
+            ) from None
         except Exception as e:
             explained = self.watch.explain(e)
             if explained is None:
