@@ -135,6 +135,12 @@ def test_rope_matches_reference(dtype, per_row):
     q, _, cos, sin = (t.detach().float() for t in inputs)
     torch.testing.assert_close(rope_qk_ref(q, q, cos, sin)[0], apply_rotary(q, (cos, sin)))  # gpt.py
     assert_near(outputs_and_grads(rope_qk, inputs), outputs_and_grads(rope_qk_ref, inputs))
+    # in the linears' layout, out and back: transposes of (B, T, heads, hd), so the gradients reach
+    # the (B, T, C) leaves as they are (a contiguous (B, H, T, hd) output cost the backward a copy)
+    q_rot, k_rot = rope_qk(*inputs)
+    assert q_rot.transpose(1, 2).is_contiguous() and k_rot.transpose(1, 2).is_contiguous()
+    dq, dk = torch.autograd.grad((q_rot.float().sum(), k_rot.float().sum()), inputs[:2])
+    assert dq.transpose(1, 2).is_contiguous() and dk.transpose(1, 2).is_contiguous()
 
 
 def test_gradcheck_fp64():
@@ -183,7 +189,8 @@ def test_eager_calls_skip_the_dispatcher_and_equal_the_registered_op():
     target = torch.tensor([1, 4, 10], device=DEVICE)
     q8, s8 = torch.randint(-127, 128, (9, 37), dtype=torch.int8, device=DEVICE), torch.rand(9, device=DEVICE)
     cases = [(_norm, (x, r, w, b, 1e-5, False)), (_norm, (x, None, w, None, 1e-6, True)),
-             (_rope, (q, k, cos, sin, False)), (_softmax, (x,)), (_attention, (qa, ka, va, True, 0.25)),
+             (_rope, (q.transpose(1, 2), k.transpose(1, 2), cos, sin, False)), (_softmax, (x,)),
+             (_attention, (qa, ka, va, True, 0.25)),
              (_lce, (x, head, target, 0.0, 0.0, -100, 2, True, True)),
              (int8_linear, (x, q8, s8))]  # fmt: skip
     for call, inputs in cases:
