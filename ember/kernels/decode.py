@@ -17,8 +17,9 @@ launches; these five make one (``ember.infer.fused``):
 - ``decode_attention``: one program per (row, head). It turns q and the new key by RoPE when
   given the tables (rotate-half, each head as its two halves), attends the new key (from the
   q|k|v product, in registers) and every held slot of the static cache (``StaticKVCache``:
-  slots below ``pos`` and not among the row's left pads) with an online softmax; the first head
-  of each key/value group writes the new key and value into slot ``pos``.
+  slots below ``pos`` and not among the row's left pads, looping over those tiles alone, not the
+  cache's whole width) with an online softmax; the first head of each key/value group writes the
+  new key and value into slot ``pos``.
 
 The products use ``tl.dot`` on 16-row tiles (tensor cores even for one row, as ``int8.py``),
 fp32 accumulation, the weight's dtype in. Inference only: no autograd formulas; ``kernel_op``
@@ -131,7 +132,7 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
 
 
 @triton.jit
-def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, S, spad, skb, skh, sks, scale,
+def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
                       H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
                       BLOCK_S: tl.constexpr):
     """Row b, head h: softmax over the new key and the row's held slots, in fp32. Each head
@@ -164,7 +165,7 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, S, spad, skb, skh, sks
     m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)  # the running max starts at the new key's score
     total = m * 0.0 + 1.0  # exp(score - m) of the new key (a scalar of m's type)
     acc = v_new.to(tl.float32)
-    for s0 in range(0, S, BLOCK_S):
+    for s0 in range(pad // BLOCK_S * BLOCK_S, pos, BLOCK_S):  # the held slots' tiles, not the cache's S
         s = s0 + tl.arange(0, BLOCK_S)
         held = (s < pos) & (s >= pad)
         at = KC + base + s[:, None] * sks
@@ -212,7 +213,7 @@ def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor
     B, S, hd = qkv.size(0), k_cache.size(2), k_cache.size(3)
     o = qkv.new_empty(B, n_head * hd)
     spad = 1 if pad.numel() > 1 else 0
-    _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, cos, sin, o, S, spad,
+    _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, cos, sin, o, spad,
                                    *k_cache.stride()[:3], 1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
                                    ROPE=cos is not None, BLOCK_S=min(64, pow2(S)))  # fmt: skip
     return o
