@@ -7,19 +7,21 @@
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode cli fp8-loss (<= 9 min)
-#   DEADLINE=300 bash benchmarks/gpu.sh kernels-norms serve-host levers   # 2nd call at once (<= 5 min)
+#   DEADLINE=280 bash benchmarks/gpu.sh kernels-norms serve-host levers   # 2nd call at once (timeout_s 300)
 #
-# (`kernels-norms` is issue 28's host-bound rows against Liger after 2026-11-27's wrapper change;
-# `levers` ends with issue 28's train.kernels row, ember against ember-triton in one script;
-# `kernels-train` is the same through the CLI.) The leases so far:
-# 2026-11-26, an H200: `all` (its serve stage then failed on its own arguments), `serve decode
-# kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex rows fell back to eager
-# FlexAttention, since fixed; train and decode cut at their limits, since raised and trimmed),
-# then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py: benchmarks/RESULTS.md, "One
-# GPU, measured". Next: `all`, then `kernels-norms serve-host levers`; later `fp8-filters`, `fp8-wide`,
-# `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`, `kernels` (its graph column),
-# `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks,
-# each <= 5 min).
+# (`kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and the norm
+# backward's tile changed since the last lease; `levers` ends with issue 28's train.kernels row,
+# ember against ember-triton in one script; `kernels-train` is the same through the CLI.)
+# The leases so far: 2026-11-26, an H200: `all` (its serve stage then failed on its own
+# arguments), `serve decode kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex
+# rows fell back to eager FlexAttention, since fixed; train and decode cut at their limits),
+# then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py; 2026-11-27, an H200: `all`
+# (serve cut at 200 s after its rows, fp8-loss left 37 s: both trimmed since), then
+# `kernels-norms serve-host levers` (serve-host and levers' llama-small row failed, fixed since):
+# benchmarks/RESULTS.md, "One GPU, ...". Next: `all`, then `kernels-norms serve-host levers`;
+# later `fp8-filters`, `fp8-wide`, `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`,
+# `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel`
+# (earlier issues' GPU checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
