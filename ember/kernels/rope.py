@@ -10,9 +10,9 @@ are contiguous), so the gradients flow back into the linears' (B, T, C) without 
 wrote (B, H, T, hd) contiguous, as apply_rotary's torch.cat does, the gradients came back
 transposed and each backward paid a copy of q and k: on an H200 it ran at 30% of the HBM bound
 where Liger's, in the linears' layout, ran at 64%.) The backward is the same kernel turning by
--angle. Per call at B x T = 16 x 1024, H = Hkv = 12, hd = 64 (gpt2-
-small) in bf16: reads q, k (50 MB) and writes them (50 MB), tables 0.3 MB (re-read from L2); 6 FLOPs per pair
-(75 MFLOP, 0.75 FLOP/byte): memory-bound, floor 100 MB / 3.35 TB/s = 30 us on an H100.
+-angle. Per call at B x T = 16 x 1024, H = Hkv = 12, hd = 64 (gpt2-small) in bf16: reads q, k
+(50 MB) and writes them (50 MB), tables 0.3 MB (re-read from L2); 6 FLOPs per pair (75 MFLOP,
+0.75 FLOP/byte): memory-bound, floor 100 MB / 3.35 TB/s = 30 us on an H100.
 Reference: ``rope_qk_ref``.
 """
 
