@@ -194,6 +194,11 @@ def test_no_budget_and_bad_layout_fail_before_work(tiny_cfg):
     check_layout(grpo, 1)  # 8 completions: one group of 8
     with pytest.raises(ConfigError, match="multiple of 16"):
         check_layout(grpo, 2)
+    # gpt2-small's 512 rows a step at 64 a micro-batch do not split over 16 ranks: say what does
+    with pytest.raises(ConfigError, match=r"or set train\.micro_batch=32 \(32 rows a rank\)"):
+        check_layout(load_config("gpt2-small"), 16)
+    with pytest.raises(ConfigError, match=r"multiple of seq_len\*micro_batch\*ranks = 768$"):
+        check_layout(tiny_cfg("train.micro_batch=3", "train.batch_tokens=384", "train.seq_len=64"), 4)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])

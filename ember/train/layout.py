@@ -97,10 +97,13 @@ def _check_batch(train_cfg, dp: int) -> tuple[int, int]:
         )
     rows = train_cfg.batch_tokens // T
     if rows % (mb * dp):
+        per_rank = rows // dp  # the largest micro-batch that would split a rank's rows, if they split
+        fits = max((d for d in range(1, mb) if per_rank % d == 0), default=0) if rows % dp == 0 else 0
         raise ConfigError(
             f"train.batch_tokens={train_cfg.batch_tokens} gives {rows} sequences per step, which does not "
             f"split into micro-batches of {mb} on {dp} rank(s); make batch_tokens a multiple of "
             f"seq_len*micro_batch*ranks = {T * mb * dp}"
+            + (f", or set train.micro_batch={fits} ({per_rank} rows a rank)" if fits else "")
         )
     return rows, rows // (mb * dp)
 
