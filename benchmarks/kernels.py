@@ -12,9 +12,9 @@ longer than their kernels (the H200 lease of 2026-11-26: 0.15-0.9 ms for ops who
 nominal HBM bandwidth their bytes reach in that time (the bytes each op must move at least:
 docs/kernels.md); attention and the fused linear cross-entropy are compute-bound and report
 TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
-The norms' "ember 1 row" rows run the forward at one row a program and the backward's loop
-one row a step, as before ``ember.kernels.norm.rows_per_program`` tiled several (4 at 768 wide;
-the H200 lease of 2026-11-27 timed the forward's tile alone, 0.070 against 0.071 ms).
+The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_program`` and
+``BACKWARD_STAGES``: the forward one row a program (not a tile of 4 at 768 wide; on the H200
+lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined.
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
 Triton kernels run under the interpreter: times mean nothing there, the run only shows that
 every row works.
@@ -98,16 +98,16 @@ def fwd_bwd(op, inputs, grad=None):
 
 
 def one_row(op):
-    """``op`` with ember's norm at one row a program (forward) and a step (backward), the layout
-    before ``rows_per_program`` (its own row in the table, to keep the faster on this GPU)."""
+    """``op`` with ember's norm as it was before its tiles and stages: one row a program forward,
+    the backward's loop unpipelined (its own row in the table, to keep the faster on this GPU)."""
     from ember.kernels import norm
 
     def call(*args):
-        norm.ROWS_PER_PROGRAM = 1
+        norm.ROWS_PER_PROGRAM, stages, norm.BACKWARD_STAGES = 1, norm.BACKWARD_STAGES, 1
         try:
             return op(*args)
         finally:
-            norm.ROWS_PER_PROGRAM = None
+            norm.ROWS_PER_PROGRAM, norm.BACKWARD_STAGES = None, stages
 
     return call
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ember.kernels import decode, norm, paged, softmax
+from ember.kernels import decode, norm, paged, rope, softmax
 
 def lower(kernel, types, consts, num_warps=4):
     fn = kernel
@@ -43,7 +43,7 @@ for norm_kind, act, res in ((1, 1, False), (2, 0, False), (0, 0, True), (2, 2, F
     absent = (("G", norm_kind), ("BETA", norm_kind == 1), ("R", res))
     consts.update({k: None for k, keep in absent if not keep})
     lower(decode._linear_kernel, LIN, consts)
-ATT = dict(QKV=bf, KC=bf, VC=bf, POS="*i64", PAD="*i64", COS=bf, SIN=bf, O=bf, S=i32, spad=i32, skb=i64,
+ATT = dict(QKV=bf, KC=bf, VC=bf, POS="*i64", PAD="*i64", COS=bf, SIN=bf, O=bf, spad=i32, skb=i64,
            skh=i64, sks=i64, scale="fp32")
 lower(decode._attention_kernel, ATT, dict(H=12, HKV=4, HD=64, ROPE=True, BLOCK_S=64))
 lower(decode._attention_kernel, ATT, dict(COS=None, SIN=None, H=12, HKV=12, HD=64, ROPE=False, BLOCK_S=64))
@@ -51,6 +51,13 @@ lower(decode._embed_kernel, dict(IDX="*i64", WTE=bf, WPE=bf, POS="*i64", PAD="*i
       dict(HAS_WPE=True, BLOCK=1024))
 lower(norm._norm_fwd, dict(X=bf, R=bf, W=bf, B=bf, Y=bf, H=bf, Mean="*fp32", Rstd="*fp32", M=i32, N=i32,
       eps="fp32"), dict(RMS=False, HAS_R=True, HAS_W=True, HAS_B=True, ACC=tl.float32, ROWS=4, BLOCK=1024))
+BWD = dict(DY=bf, DH=bf, H=bf, W=bf, Mean="*fp32", Rstd="*fp32", DX=bf, DW="*fp32", DB="*fp32", M=i32, N=i32,
+           rows_per_program=i32)  # the backward's loop pipelined (tl.range's stages: cp.async loads)
+lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, ACC=tl.float32,
+      STAGES=norm.BACKWARD_STAGES, BLOCK=1024))
+lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32", T=i32, H=i32, HK=i32,
+      sqb=i64, sqh=i64, sqt=i64, skb=i64, skh=i64, skt=i64, scb=i32, sct=i32),
+      dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=8, BLOCK_H=16, BLOCK_D=32))
 LONG = dict(ACC=tl.float32, BLOCK=8192, ONE_BLOCK=False)  # a vocab row: the two-pass loops
 lower(softmax._softmax_fwd, dict(X=bf, Y=bf, N=i32), LONG, 16)
 lower(softmax._softmax_bwd, dict(Y=bf, DY=bf, DX=bf, N=i32), LONG, 16)
@@ -65,4 +72,4 @@ def test_changed_kernels_lower_to_sm90_cubins():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("lowered") == 11, out.stdout
+    assert out.stdout.count("lowered") == 13, out.stdout

@@ -53,60 +53,59 @@ def _norm_fwd(X, R, W, B, Y, H, Mean, Rstd, M, N, eps, RMS: tl.constexpr, HAS_R:
 @triton.jit
 def _norm_bwd(DY, DH, H, W, Mean, Rstd, DX, DW, DB, M, N, rows_per_program, RMS: tl.constexpr,
               HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Each program takes rows_per_program rows, ROWS at a time (a tile, as the forward's): dx
-    for each, and its partial sums of dw, db."""
+              STAGES: tl.constexpr, BLOCK: tl.constexpr):
+    """Each program takes rows_per_program rows: dx for each, and its partial sums of dw, db.
+    The loop is pipelined (``tl.range``'s stages): the next rows' loads are in flight while this
+    row's sums run."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dw = tl.zeros((BLOCK,), ACC)
     db = tl.zeros((BLOCK,), ACC)
     if HAS_W:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(ACC)[None, :]
+        w = tl.load(W + cols, mask=mask, other=0.0).to(ACC)
     start = pid.to(tl.int64) * rows_per_program
-    end = tl.minimum(start + rows_per_program, M)
-    for first in range(start, end, ROWS):
-        rows = first + tl.arange(0, ROWS)  # (ROWS,)
-        live = rows < end
-        tile = live[:, None] & mask[None, :]
-        off = rows[:, None] * N + cols[None, :]
-        dy = tl.load(DY + off, mask=tile, other=0.0).to(ACC)
-        xhat = tl.load(H + off, mask=tile, other=0.0).to(ACC)
+    for row in tl.range(start, tl.minimum(start + rows_per_program, M), num_stages=STAGES):
+        off = row * N
+        dy = tl.load(DY + off + cols, mask=mask, other=0.0).to(ACC)
+        xhat = tl.load(H + off + cols, mask=mask, other=0.0).to(ACC)
         if not RMS:
-            xhat = xhat - tl.load(Mean + rows, mask=live, other=0.0)[:, None]
-        rstd = tl.load(Rstd + rows, mask=live, other=0.0)[:, None]
-        xhat = xhat * rstd
+            xhat = xhat - tl.load(Mean + row)
+        xhat = xhat * tl.load(Rstd + row)
         wdy = dy
         if HAS_W:
             wdy = dy * w
-            dw += tl.sum(dy * xhat, axis=0)
+            dw += dy * xhat
         if HAS_B:
-            db += tl.sum(dy, axis=0)
-        dx = wdy - xhat * (tl.sum(xhat * wdy, axis=1) / N)[:, None]  # d/dx of xhat = (x - mean) * rstd
+            db += dy
+        dx = wdy - xhat * (tl.sum(xhat * wdy, axis=0) / N)  # d/dx of xhat = (x - mean) * rstd
         if not RMS:
-            dx = dx - (tl.sum(wdy, axis=1) / N)[:, None]
-        dx = dx * rstd
+            dx = dx - tl.sum(wdy, axis=0) / N
+        dx = dx * tl.load(Rstd + row)
         if HAS_DH:  # the residual stream's own gradient flows on through h = x + residual
-            dx += tl.load(DH + off, mask=tile, other=0.0).to(ACC)
-        tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=tile)
+            dx += tl.load(DH + off + cols, mask=mask, other=0.0).to(ACC)
+        tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(DW + pid * N + cols, dw, mask=mask)
     if HAS_B:
         tl.store(DB + pid * N + cols, db, mask=mask)
 
 
-ROWS_PER_PROGRAM: int | None = None  # the rows of a tile, forward and backward; None: rows_per_program()
+ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_per_program()
+# The backward's loop in flight: its programs, 4 an SM, each walk ~30 rows of gpt2-small's 16,384,
+# and one row at a time left each load's latency exposed (an H200: RMSNorm's forward and backward
+# at 38% of the HBM bound, the forward's tile of rows no faster than one row). 3: the next two
+# rows' loads issued while this one's sums run (the interpreter ignores it); 1: the loop as timed.
+BACKWARD_STAGES = 3
 
 
 def rows_per_program(block: int) -> int:
-    """The rows of the forward's program, and of each step of the backward's loop: a tile of
-    about 4,096 values, 4 rows at gpt2-small's 768 wide. Each thread then has four rows' loads in
-    flight, and one shared-memory round sums the statistics of all four, where one row a program
-    pays that round, and a program's start, for every row (inductor's norm kernels take several
-    rows a program too). The backward's programs, 4 an SM, each walk ~30 rows of gpt2-small's
-    16,384: one row a step left each load's latency exposed, and on an H200 the op ran at 38% of
-    the HBM bound. Whether the tile is faster on a GPU is benchmarks/kernels.py's to say:
-    ``ROWS_PER_PROGRAM`` overrides it, and the script times one row beside it."""
+    """The forward's rows a program: a tile of about 4,096 values, 4 rows at gpt2-small's 768
+    wide. Each thread then has four rows' loads in flight, and one shared-memory round sums the
+    statistics of all four, where one row a program pays that round, and a program's start, for
+    every row (inductor's norm kernels take several rows a program too). On an H200 it timed as
+    one row did (0.070 against 0.071 ms, forward and backward): ``ROWS_PER_PROGRAM`` overrides
+    it, and benchmarks/kernels.py times one row beside it."""
     return ROWS_PER_PROGRAM or max(1, min(16, 4096 // block))
 
 
@@ -155,12 +154,10 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
     programs = min(M, 4 * sms)  # each sums its rows' dw, db: (programs, N) partials, summed below
     dw, db = (h.new_empty(programs if has else 0, N, dtype=_acc(h)) for has in (w is not None, has_bias))
     dx = h.new_empty(h.shape)
-    args = _launch_args(h)
-    rows = rows_per_program(args["BLOCK"])  # a tile of rows an iteration: loads in flight, as forward
-    args["num_warps"] = min(16, max(4, rows * args["BLOCK"] // 512))
     _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
                            db if has_bias else None, M, N, -(-M // programs), RMS=rms,
-                           HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias, ROWS=rows, **args)
+                           HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias,
+                           STAGES=BACKWARD_STAGES, **_launch_args(h))
     return dx, dw.sum(0) if w is not None else dw.new_empty(0), db.sum(0) if has_bias else db.new_empty(0)
 
 
