@@ -67,7 +67,7 @@ NORMS = {  # name -> (kernel, reference, whether it takes a bias, a residual)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# (37, 20): 3 programs; (50, 700): tiles of 4 rows, a backward program's 7 rows in two steps (4 + 3)
+# (37, 20): 3 programs; (50, 700): the forward's tiles of 4 rows, 7 rows a backward program (pipelined)
 @pytest.mark.parametrize("shape", [(3, 37), (5, 130), (2, 3, 20), (37, 20), (50, 700)])
 @pytest.mark.parametrize("name", list(NORMS))
 def test_norm_matches_reference(name, shape, dtype):
