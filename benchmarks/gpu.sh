@@ -131,12 +131,15 @@ stage() {  # stage NAME SECONDS COMMAND...: run it with a limit, its output to $
 
 summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's tables and findings
     {
-        echo "# benchmarks/gpu.sh $*: $(date -u +%F), $(grep -m1 -o 'NVIDIA [A-Z0-9]*[^|]*GB' "$OUT/env.log" 2>/dev/null || echo "$DEV")"
+        # nvidia-smi's name column ("NVIDIA H100 80GB HBM3   On", "NVIDIA H200   On"), less the persistence mode
+        local gpu
+        gpu=$(grep -m1 -o 'NVIDIA [A-Z0-9][^|]*' "$OUT/env.log" 2>/dev/null | sed -E 's/ +(On|Off)? *$//')
+        echo "# benchmarks/gpu.sh $*: $(date -u +%F), ${gpu:-$DEV}"
         grep -h -m1 '^[0-9.]*+cu' "$OUT/env.log" 2>/dev/null | sed 's/^/torch, GPU, transformers, peft: /'
         for s in "$@"; do
             [ "$s" = env ] && continue
             echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
-            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|^floor: |x sequential|^timed: ' "$OUT/$s.log" 2>/dev/null
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|^floor: |x sequential|^timed: |leaves the batch-1 answer|completions differ' "$OUT/$s.log" 2>/dev/null
         done
     } >"$OUT/summary.md"
     echo "== summary: $OUT/summary.md"
