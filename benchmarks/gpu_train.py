@@ -55,13 +55,13 @@ import torch.nn.functional as F
 from printing import cpu_model, print_table
 from profiling import profiled
 
+from ember.analysis.plan import model_config_for
 from ember.config import load_config
 from ember.data.manifest import read_manifest
 from ember.data.prepare import prepare
 from ember.errors import EmberError
 from ember.model.gpt import GPT, Attention, block_linears
 from ember.model.hf import to_hf
-from ember.train.start import resolve_model_config, start_tokenizer
 from ember.train.trainer import scratch_trainer
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet), the yardstick
@@ -103,8 +103,7 @@ def config(args, overrides: list[str]):
     except (EmberError, OSError):
         print(f"preparing {cfg.data.dir} (once) ...", flush=True)
         prepare(cfg, log=lambda _: None)
-    # a vocabulary taken from the tokenizer (0, llama-small's) resolved as the trainer does
-    return replace(cfg, model=resolve_model_config(cfg.model, start_tokenizer(cfg, chat=False)[0]))
+    return replace(cfg, model=model_config_for(cfg))  # a tokenizer-sized vocabulary (llama-small's) resolved
 
 
 def timed(step, args) -> float:
