@@ -4,7 +4,7 @@
                                           [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                           [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
                                           [--variants compiled graphs compiled-graphs tuned-graphs
-                                                      fused-graphs]
+                                                      fused-graphs fused-graphs-no-pdl]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
@@ -360,18 +360,19 @@ def check_parity(
         print(f"ember  {ember[:16]}\nHF     {theirs[:16]}\ngraphs {graphed[:16]}")
         print("they part early: the weight mapping or the graphed path is broken; timings would mean nothing")
         raise SystemExit(1)
-    if "fused-graphs" in args.variants:  # ember's own step (kernels="triton"), held to the plain engine
+    for variant in [v for v in FUSED if v in args.variants]:  # ember's own step (kernels="triton"), each road
         try:
             engine = Engine(ours, tokenizer, graphs=True, kernels="triton")
         except EmberError as e:
             print(f"fused step: not for this model: {e}")
             return ember
+        engine.decode.step.pdl = FUSED[variant]
         fused = ember_generate(engine, [prompt], args.new_tokens)()[0]
         same = leading_agreement(fused, ember)
-        print(f"fp32 parity: ember fused graphs vs ember {same} leading greedy ids (of {args.new_tokens})")
+        print(f"fp32 parity: ember {variant} vs ember {same} leading greedy ids (of {args.new_tokens})")
         if same < need:  # broken: its row's timing would mean nothing
             print(f"fused  {fused[:16]}\nember  {ember[:16]}\nthe fused step parts early: its row is dropped")
-            args.variants = [v for v in args.variants if v != "fused-graphs"]
+            args.variants = [v for v in args.variants if v != variant]
     return ember
 
 
@@ -404,18 +405,19 @@ def run_model(
     graphed = [(" graphs", False, True), (" compiled graphs", True, True)] if args.graphs else []
     graphed += [(" tuned graphs", TUNED, True)] if args.graphs else []  # frozen weights, max-autotune
     graphed += [(" fused graphs", "triton", True)] if args.graphs else []  # ember's own step (kernels)
-    keep = lambda m: not m or m.strip().replace(" ", "-") in args.variants  # noqa: E731  (eager: the base row)
+    graphed += [(" fused graphs, no PDL", "triton-no-pdl", True)] if args.graphs else []  # its road before
+    keep = lambda m: not m or variant_of(m) in args.variants  # noqa: E731  (eager: the base row)
     variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed if keep(m)}
     for spec in args.quant:
-        quantized = quantize(copy.deepcopy(ours), spec)
-        roads = [(m, c, g) for m, c, g in modes + graphed[1:] if keep(m) and c != "triton"]  # (plain linears)
+        quantized = quantize(copy.deepcopy(ours), spec)  # (the fused step: plain nn.Linear alone)
+        roads = [(m, c, g) for m, c, g in modes + graphed[1:] if keep(m) and "triton" not in str(c)]
         variants |= {f"ember {spec.label}{m}": (quantized, c, g) for m, c, g in roads}
     if args.graphs and keep(" compiled graphs"):  # Engine.lookahead's lever: each token read back first
         variants["ember compiled graphs, lookahead 1"] = (ours, True, True)
     compile_seconds = {}  # the first call compiles and captures
     for who, (model, compile, graphs) in list(variants.items())[1:]:
         options = compile if isinstance(compile, dict) else None
-        kernels = "triton" if compile == "triton" else "torch"
+        kernels = "triton" if "triton" in str(compile) else "torch"
         try:
             one = Engine(model, tokenizer, compile=bool(compile) and kernels == "torch", graphs=graphs,
                          compile_options=options, kernels=kernels)  # fmt: skip
@@ -424,6 +426,8 @@ def run_model(
             del variants[who]
             continue
         one.lookahead = 1 if who.endswith("lookahead 1") else one.lookahead
+        if kernels == "triton":
+            one.decode.step.pdl = FUSED[variant_of(who.removeprefix("ember"))]
         calls["1", who] = ember_generate(one, prompts[:1], args.new_tokens)
         if compile or graphs:
             compile_seconds[who] = timed(calls["1", who], device)
@@ -581,7 +585,13 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
                  for name, (n, t) in top])  # fmt: skip
 
 
-VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs")  # besides eager
+VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs", "fused-graphs-no-pdl")
+FUSED = {"fused-graphs": True, "fused-graphs-no-pdl": False}  # the fused step's roads: FusedDecode.pdl
+
+
+def variant_of(mode: str) -> str:
+    """A row's mode as --variants names it: ' fused graphs, no PDL' -> 'fused-graphs-no-pdl'."""
+    return mode.strip().replace(", ", " ").replace(" ", "-").lower()
 
 
 def tps_of(seconds: list[float], args: argparse.Namespace) -> float:
@@ -624,7 +634,10 @@ def main() -> None:
         default=list(VARIANTS[:3]),
         help="the batch-1 rows besides eager (default the first three; tuned-graphs: Engine(compile_options="
         "TUNED), frozen weights and max-autotune, a long compile; fused-graphs: Engine(kernels='triton'), "
-        "ember's own five-launch block, graphed; a GPU lease's short run: compiled-graphs fused-graphs)",
+        "ember's own five-launch block, graphed, its kernels launched as programmatic dependents on Hopper "
+        "(each reads its first weights before waiting for the kernel before); fused-graphs-no-pdl: the same "
+        "step without (FusedDecode.pdl=False); a GPU lease's short run: compiled-graphs fused-graphs "
+        "fused-graphs-no-pdl)",
     )
     parser.add_argument(
         "--anatomy",

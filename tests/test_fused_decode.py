@@ -33,7 +33,9 @@ def tiny(**layout) -> GPT:
     return GPT.build(cfg, device=DEVICE, seed=0).eval()
 
 
-def test_linear_kernel_matches_its_reference():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_linear_kernel_matches_its_reference(pdl):
+    """Both roads: each weight tile loaded where it is used, and (pdl) one step ahead."""
     from ember.kernels.decode import ACTS, NORMS, decode_linear, decode_linear_ref
 
     g = torch.Generator().manual_seed(0)
@@ -47,7 +49,7 @@ def test_linear_kernel_matches_its_reference():
          ACTS["swiglu"], None),  # gate's rows, then up's
     ]
     for args in cases:
-        torch.testing.assert_close(decode_linear(*args), decode_linear_ref(*args), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(decode_linear(*args, pdl), decode_linear_ref(*args), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -74,6 +76,30 @@ def test_fused_step_matches_the_models_step(layout):
                 torch.testing.assert_close(getattr(caches[1], kv)[layer], getattr(caches[0], kv)[layer])
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_step_reads_many_tiles_of_slots_on_both_roads(pdl):
+    """Past 64 held slots, the attention's loop walks two tiles and more, and with ``pdl`` reads
+    each one a step ahead (and the weights' tiles, 128 inputs in tiles of 32): the same logits and
+    cache as the model's step, and as each other."""
+    from ember.infer.fused import FusedDecode
+
+    cfg = ModelConfig(vocab_size=320, n_layer=1, n_head=4, d_model=128, max_seq_len=128, init_std=0.1,
+                      **LAYOUTS["llama"])  # fmt: skip
+    model = GPT.build(cfg, device=DEVICE, seed=0).eval()
+    step = FusedDecode(model, pdl=pdl)
+    ids = torch.randint(0, 320, (2, 80), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    caches = [StaticKVCache(100, pad=[0, 5], device=DEVICE) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :70], cache=cache)
+        for t in range(70, 73):
+            want = model(ids[:, t : t + 1], cache=caches[0])
+            torch.testing.assert_close(step(ids[:, t : t + 1], cache=caches[1]), want, rtol=1e-4, atol=1e-4)
+        for layer in caches[0].k:
+            torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer])
+            torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer])
+
+
 def test_generate_with_the_fused_step_gives_the_same_completions():
     from ember.infer.fused import FusedDecode
 
@@ -82,7 +108,7 @@ def test_generate_with_the_fused_step_gives_the_same_completions():
     prompts = ["def f(x):", "return x +"]
     plain = Engine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=0))
     engine = Engine(model, tok, graphs=True, kernels="triton")
-    assert isinstance(engine.decode.step, FusedDecode)  # the fused step, replayed through GraphedDecode
+    assert isinstance(engine.decode.step, FusedDecode) and engine.decode.step.pdl  # through GraphedDecode
     fused = engine.generate(prompts, Sampling(max_new_tokens=8, temperature=0))
     assert [c.token_ids for c in fused] == [c.token_ids for c in plain]
 
@@ -92,6 +118,8 @@ def test_what_the_fused_step_does_not_cover_is_refused_by_name():
 
     with pytest.raises(EmberError, match=r"model.mlp=relu2, model.qk_norm.*kernels=torch"):
         FusedDecode(tiny(**GPT2 | {"mlp": "relu2", "qk_norm": True}))
+    with pytest.raises(EmberError, match="head dimension of 24, not a power of two"):
+        FusedDecode(GPT.build(ModelConfig(vocab_size=320, n_layer=1, n_head=4, d_model=96, **GPT2), seed=0))
     with pytest.raises(EmberError, match="never compiled: drop compile"):
         Engine(tiny(**GPT2), _tokenizer(), compile=True, kernels="triton")
 

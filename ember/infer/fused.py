@@ -10,7 +10,8 @@ adds, the MLP's products and activation), and at batch 1 each costs its latency,
 (ember/kernels/decode.py): [norm + q|k|v], [RoPE + attention, writing k and v into the cache],
 [output product + residual], [norm + up + GELU, or norm + gate|up + SwiGLU], [down + residual];
 with the embedding and the final norm + head, gpt2-small's step is 62 launches, then the
-position's increment.
+position's increment. With ``pdl`` (the default) each kernel reads its weights (or its cached
+keys) before it waits for the one before, and on Hopper overlaps it (ember/kernels/decode.py).
 
 It covers the GPT-2 and Llama layouts: LayerNorm or RMSNorm before each sublayer, learned, rotary
 or no positions, the GELU (tanh) or SwiGLU MLP, biases or not, grouped-query attention; anything
@@ -56,6 +57,9 @@ def unsupported(model: nn.Module) -> list[str]:
         why.append("a post-norm, scoring or bidirectional model")
     if set(layer_mixers(cfg)) != {"attention"}:
         why.append("Mamba layers")
+    head_dim = cfg.d_model // cfg.n_head
+    if head_dim < 2 or head_dim & (head_dim - 1):  # the attention kernel's tiles: a power of two
+        why.append(f"a head dimension of {head_dim}, not a power of two")
     for name, module in model.named_modules():
         if name.endswith(("wq", "wk", "wv", "wo", "w1", "w2", "w3")) or name == "output":
             if type(module) is not nn.Linear:
@@ -91,7 +95,7 @@ class FusedDecode:
     a ``StaticKVCache`` the prefill filled: logits (B, 1, V) in fp32, k and v written at the
     cache's position, the position advanced (module docstring)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, pdl: bool = True):
         if why := unsupported(model):
             raise EmberError(
                 f"the fused decode step (kernels=triton) covers GPT-2 and Llama blocks; this model has "
@@ -114,20 +118,22 @@ class FusedDecode:
                 self.blocks.append(_Block(name, norms[0], *qkv, a.wo, norms[1], *up, mlp.w2))
         self.final = _norm(model.norm)
         self.head = model.output
+        self.pdl = pdl  # each product's weights read ahead; on Hopper, launched as dependents (docstring)
 
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> Tensor:
         pos, pad = cache.pos, cache.pad
         x = decode_embed(idx.reshape(-1), self.wte, self.wpe, pos, pad)  # (B, C)
-        none = NORMS["none"]
+        none, pdl = NORMS["none"], self.pdl
         for blk in self.blocks:
             (g1, b1, eps1, n1), (g2, b2, eps2, n2) = blk.norm1, blk.norm2
-            qkv = decode_linear(x, blk.qkv, blk.qkv_bias, g1, b1, None, eps1, n1, 0, None)
-            o = decode_attention(qkv, cache.k[blk.name], cache.v[blk.name], pos, pad, *self.rope, *self.heads)
-            x = decode_linear(o, blk.wo.weight, blk.wo.bias, None, None, x, 0.0, none, 0, None)
-            h = decode_linear(x, blk.up, blk.up_bias, g2, b2, None, eps2, n2, self.act, None)
-            x = decode_linear(h, blk.w2.weight, blk.w2.bias, None, None, x, 0.0, none, 0, None)
+            qkv = decode_linear(x, blk.qkv, blk.qkv_bias, g1, b1, None, eps1, n1, 0, None, pdl)
+            kv = cache.k[blk.name], cache.v[blk.name]
+            o = decode_attention(qkv, *kv, pos, pad, *self.rope, *self.heads, pdl)
+            x = decode_linear(o, blk.wo.weight, blk.wo.bias, None, None, x, 0.0, none, 0, None, pdl)
+            h = decode_linear(x, blk.up, blk.up_bias, g2, b2, None, eps2, n2, self.act, None, pdl)
+            x = decode_linear(h, blk.w2.weight, blk.w2.bias, None, None, x, 0.0, none, 0, None, pdl)
         g, b, eps, n = self.final
-        logits = decode_linear(x, self.head.weight, self.head.bias, g, b, None, eps, n, 0, torch.float32)
+        logits = decode_linear(x, self.head.weight, self.head.bias, g, b, None, eps, n, 0, torch.float32, pdl)
         pos += 1
         return logits[:, None]  # (B, 1, V)

@@ -1,8 +1,8 @@
 """The kernels of a fused decode step: a GPT-2 or Llama block at batch 1 in five launches.
 
     x = decode_embed(idx, wte, wpe, pos, pad)                        # (B, C): token + position rows
-    y = decode_linear(x, w, b, g, beta, r, eps, norm, act)           # y = act(norm(x) @ wᵀ + b) + r
-    o = decode_attention(qkv, k_cache, v_cache, pos, pad, cos, sin, n_head, n_kv_head)  # k, v at pos
+    y = decode_linear(x, w, b, g, beta, r, eps, norm, act, out_dtype, pdl)  # y = act(norm(x) @ wᵀ + b) + r
+    o = decode_attention(qkv, k_cache, v_cache, pos, pad, cos, sin, n_head, n_kv_head, pdl)  # k, v at pos
 
 A batch-1 decode step of gpt2-small is ~73 matrix-vector products of 1-5 MB each, and each
 costs its kernel's latency (3.5-6.3 µs on an H200 from a CUDA graph), not its bytes (0.3-1.3 µs):
@@ -21,6 +21,16 @@ launches; these five make one (``ember.infer.fused``):
   cache's whole width) with an online softmax; the first head of each key/value group writes the
   new key and value into slot ``pos``.
 
+With ``pdl`` (``FusedDecode``'s default), each kernel reads what no kernel of the step writes
+first: the products their first tile of weights (the step taken out of the loop, so no tile is
+held across it), the attention the position, pads, RoPE tables and its first tile of held slots
+(then each later tile one step ahead). On Hopper it is then launched as a programmatic
+dependent (``launch_pdl``): it may start while the kernel before still runs, and waits for it
+(``gdc_wait``) only before reading that kernel's outputs or storing anything, then lets the next
+one start (``gdc_launch_dependents``). A launch then overlaps the one before instead of
+following it. The interpreter runs the reading-ahead road without the wait; the tests hold it to
+the plain one.
+
 The products use ``tl.dot`` on 16-row tiles (tensor cores even for one row, as ``int8.py``),
 fp32 accumulation, the weight's dtype in. Inference only: no autograd formulas; ``kernel_op``
 registers each with its fake, and the cache writes as the attention op's mutations.
@@ -29,6 +39,7 @@ References: ``*_ref`` below; tests/test_fused_decode.py holds the whole step to 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,20 +75,60 @@ def _embed_kernel(IDX, WTE, WPE, POS, PAD, X, C, spad, HAS_WPE: tl.constexpr, BL
     tl.store(X + b * C + cols, x.to(X.dtype.element_ty), mask=cols < C)
 
 
-@triton.autotune(CONFIGS, key=["M", "N", "K"])
+@triton.jit
+def _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM: tl.constexpr, HAS_BETA: tl.constexpr):
+    """The rows' inputs kk, normalized (NORM) and rounded to X's dtype as the model's norm returns them."""
+    x = tl.load(X + rm[:, None] * K + kk[None, :], mask=in_m & in_k[None, :], other=0.0)
+    if NORM != 0:
+        xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
+        xn = xn * tl.load(G + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        if HAS_BETA:
+            xn += tl.load(BETA + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        x = tl.where(in_m & in_k[None, :], xn, 0.0).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _products(acc, up, x, w, u, FP32_DOT: tl.constexpr, ACT: tl.constexpr):
+    """acc += x @ wᵀ, and SwiGLU's up += x @ uᵀ, accumulated in fp32."""
+    if FP32_DOT:  # fp32 weights, and the interpreter (whose bf16 tl.dot is not exact)
+        acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+    if ACT == 2:
+        if FP32_DOT:
+            up += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
+        else:
+            up += tl.dot(x.to(u.dtype), tl.trans(u))
+    return acc, up
+
+
+@triton.autotune(CONFIGS, key=["M", "N", "K", "PREFETCH"])
 @triton.jit
 def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
                    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
-                   HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs
-    (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @ W[N + n]ᵀ + BIAS[N + n]))."""
+    (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @ W[N + n]ᵀ + BIAS[N + n])).
+    PREFETCH: the first tile of weights is read before anything else and its step taken out of
+    the loop; PDL: only then does the program wait for the kernel before it (module docstring)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = rm[:, None] < M
+    in_n = rn[:, None] < N
     rk = tl.arange(0, BLOCK_K)
+    if PREFETCH:  # the weights are no kernel's output: their first tile need not wait for one
+        w1 = tl.load(W + rn[:, None] * K + rk[None, :], mask=in_n & (rk[None, :] < K), other=0.0)
+        u1 = w1
+        if ACT == 2:
+            u1 = tl.load(W + (rn + N)[:, None] * K + rk[None, :], mask=in_n & (rk[None, :] < K), other=0.0)
+    if PDL:  # X and R are the kernel before's outputs, and Y may be a buffer it still reads
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start on its own weights now
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    rstd = mean
     if NORM != 0:  # the rows' statistics first, two passes over the (short, cache-hot) rows
-        mean = tl.zeros((BLOCK_M,), tl.float32)
         if NORM == 1:
             for k0 in range(0, K, BLOCK_K):
                 at = k0 + rk[None, :]
@@ -93,28 +144,20 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
         rstd = tl.rsqrt(var / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's second product: W's rows N..2N
-    for k0 in range(0, K, BLOCK_K):
+    start = 0
+    if PREFETCH:  # the first step, on the tile read early
+        x = _input_tile(X, G, BETA, rm, in_m, rk, rk < K, K, mean, rstd, NORM, HAS_BETA)
+        acc, up = _products(acc, up, x, w1, u1, FP32_DOT, ACT)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
         kk = k0 + rk
         in_k = kk < K
-        x = tl.load(X + rm[:, None] * K + kk[None, :], mask=in_m & in_k[None, :], other=0.0)
-        if NORM != 0:
-            xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
-            xn = xn * tl.load(G + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
-            if HAS_BETA:
-                xn += tl.load(BETA + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
-            x = tl.where(in_m & in_k[None, :], xn, 0.0).to(X.dtype.element_ty)  # rounded as the model's norm
-        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & in_k[None, :], other=0.0)
-        if FP32_DOT:  # fp32 weights, and the interpreter (whose bf16 tl.dot is not exact)
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        x = _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM, HAS_BETA)
+        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+        u = w
         if ACT == 2:
-            u = tl.load(W + (rn + N)[:, None] * K + kk[None, :], mask=(rn[:, None] < N) & in_k[None, :],
-                        other=0.0)
-            if FP32_DOT:
-                up += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
-            else:
-                up += tl.dot(x.to(u.dtype), tl.trans(u))
+            u = tl.load(W + (rn + N)[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+        acc, up = _products(acc, up, x, w, u, FP32_DOT, ACT)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if ACT == 2:
@@ -137,26 +180,40 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
 @triton.jit
 def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
                       H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
-                      BLOCK_S: tl.constexpr):
+                      PREFETCH: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr):
     """Row b, head h: softmax over the new key and the row's held slots, in fp32. Each head
-    vector is handled as its two halves, which RoPE (rotate-half) turns as pairs."""
+    vector is handled as its two halves, which RoPE (rotate-half) turns as pairs. What no kernel
+    of this step writes (the position, the pads, the tables and the held slots, written by
+    earlier steps) is read first; PREFETCH reads each tile of held slots one step ahead, the
+    first before q; PDL waits for the kernel before (q|k|v's product) only then."""
     b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     g = h // (H // HKV)  # its key/value head
     HALF: tl.constexpr = HD // 2
     d, e = tl.arange(0, HALF), tl.arange(0, HD)
+    pos, pad = tl.load(POS), tl.load(PAD + b * spad)
+    if ROPE:  # the new token's position, as StaticKVCache.extend gives it: its slot less the row's pads
+        t = tl.maximum(pos - pad, 0)
+        cos, sin = tl.load(COS + t * HALF + d).to(tl.float32), tl.load(SIN + t * HALF + d).to(tl.float32)
+    base = b * skb + g * skh
+    first = pad // BLOCK_S * BLOCK_S  # the held slots' tiles, not the cache's S
+    if PREFETCH:
+        s1 = first + tl.arange(0, BLOCK_S)
+        held1 = ((s1 < pos) & (s1 >= pad))[:, None]
+        c1_next = tl.load(KC + base + s1[:, None] * sks + d[None, :], mask=held1, other=0.0)
+        c2_next = tl.load(KC + base + s1[:, None] * sks + HALF + d[None, :], mask=held1, other=0.0)
+        v_next = tl.load(VC + base + s1[:, None] * sks + e[None, :], mask=held1, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     width = (H + 2 * HKV) * HD
     q = QKV + b * width + h * HD
     k = QKV + b * width + (H + g) * HD
     q1, q2 = tl.load(q + d).to(tl.float32), tl.load(q + HALF + d).to(tl.float32)
     k1, k2 = tl.load(k + d).to(tl.float32), tl.load(k + HALF + d).to(tl.float32)
     v_new = tl.load(QKV + b * width + (H + HKV + g) * HD + e)
-    pos, pad = tl.load(POS), tl.load(PAD + b * spad)
-    if ROPE:  # the new token's position, as StaticKVCache.extend gives it: its slot less the row's pads
-        t = tl.maximum(pos - pad, 0)
-        cos, sin = tl.load(COS + t * HALF + d).to(tl.float32), tl.load(SIN + t * HALF + d).to(tl.float32)
+    if ROPE:
         q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
         k1, k2 = k1 * cos - k2 * sin, k2 * cos + k1 * sin
-    base = b * skb + g * skh
     if h % (H // HKV) == 0:  # one writer per key/value head; the readers use k1, k2, v_new instead
         tl.store(KC + base + pos * sks + d, k1.to(KC.dtype.element_ty))
         tl.store(KC + base + pos * sks + HALF + d, k2.to(KC.dtype.element_ty))
@@ -168,19 +225,28 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, s
     m = tl.sum(q1 * k1, axis=0) + tl.sum(q2 * k2, axis=0)  # the running max starts at the new key's score
     total = m * 0.0 + 1.0  # exp(score - m) of the new key (a scalar of m's type)
     acc = v_new.to(tl.float32)
-    for s0 in range(pad // BLOCK_S * BLOCK_S, pos, BLOCK_S):  # the held slots' tiles, not the cache's S
+    for s0 in range(first, pos, BLOCK_S):
         s = s0 + tl.arange(0, BLOCK_S)
         held = (s < pos) & (s >= pad)
-        at = KC + base + s[:, None] * sks
-        c1 = tl.load(at + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
-        c2 = tl.load(at + HALF + d[None, :], mask=held[:, None], other=0.0).to(tl.float32)
+        if PREFETCH:  # this tile came with the step before; the next one's is asked for now
+            n = s + BLOCK_S
+            more = ((n < pos) & (n >= pad))[:, None]
+            at = KC + base + n[:, None] * sks
+            c1, c1_next = c1_next, tl.load(at + d[None, :], mask=more, other=0.0)
+            c2, c2_next = c2_next, tl.load(at + HALF + d[None, :], mask=more, other=0.0)
+            v, v_next = v_next, tl.load(VC + base + n[:, None] * sks + e[None, :], mask=more, other=0.0)
+        else:
+            at = KC + base + s[:, None] * sks
+            c1 = tl.load(at + d[None, :], mask=held[:, None], other=0.0)
+            c2 = tl.load(at + HALF + d[None, :], mask=held[:, None], other=0.0)
+            v = tl.load(VC + base + s[:, None] * sks + e[None, :], mask=held[:, None], other=0.0)
+        c1, c2 = c1.to(tl.float32), c2.to(tl.float32)
         scores = tl.sum(c1 * q1[None, :], axis=1) + tl.sum(c2 * q2[None, :], axis=1)
         scores = tl.where(held, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)  # 0 where not held
         shrink = tl.exp(m - m_new)
-        v = tl.load(VC + base + s[:, None] * sks + e[None, :], mask=held[:, None], other=0.0).to(tl.float32)
-        acc = acc * shrink + tl.sum(p[:, None] * v, axis=0)
+        acc = acc * shrink + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
         total = total * shrink + tl.sum(p, axis=0)
         m = m_new
     tl.store(O + b * H * HD + h * HD + e, (acc / total).to(O.dtype.element_ty))
@@ -194,40 +260,58 @@ def _embed_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad
     return x
 
 
+@functools.cache
+def _gdc(index: int) -> bool:
+    """Whether CUDA device ``index`` has grid dependency control (PDL): Hopper (sm_90) and later."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _overlap(x: Tensor, pdl: bool) -> dict:
+    """The launch's PREFETCH and PDL constants and options: ``pdl`` asks for both; PDL itself
+    needs a GPU with it (the interpreter runs the prefetching road alone, which the CPU tests
+    hold to the plain one)."""
+    on = pdl and x.is_cuda and not INTERPRET and _gdc(x.device.index or 0)
+    return {"PREFETCH": pdl, "PDL": on, **({"launch_pdl": True} if on else {})}
+
+
 def _linear_launch(x: Tensor, w: Tensor, bias: Tensor | None, g: Tensor | None, beta: Tensor | None,
                    r: Tensor | None, eps: float, norm: int, act: int,
-                   out_dtype: torch.dtype | None) -> Tensor:
+                   out_dtype: torch.dtype | None, pdl: bool = False) -> Tensor:
     """act(norm(x) @ wᵀ + bias) + r for x (M, K), w (N, K): (M, N) in ``out_dtype`` (x's if None);
-    for SwiGLU w is (2N, K), the gate's rows then the up's, and bias (2N,)."""
+    for SwiGLU w is (2N, K), the gate's rows then the up's, and bias (2N,). ``pdl``: prefetch
+    the weights and, on Hopper, launch as a programmatic dependent (module docstring)."""
     (M, K), N = x.shape, w.size(0) // 2 if act == ACTS["swiglu"] else w.size(0)
     x, w, r = x.contiguous(), w.contiguous(), r if r is None else r.contiguous()
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, 16))  # noqa: E731
     _linear_kernel[grid](x, w, bias, g, beta, r, y, M, N, K, eps, NORM=norm, HAS_BIAS=bias is not None,
                          HAS_BETA=beta is not None, ACT=act, HAS_RES=r is not None,
-                         FP32_DOT=INTERPRET or w.dtype == torch.float32, BLOCK_M=16)  # fmt: skip
+                         FP32_DOT=INTERPRET or w.dtype == torch.float32, BLOCK_M=16,
+                         **_overlap(x, pdl))  # fmt: skip
     return y
 
 
 def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, pad: Tensor,
-                      cos: Tensor | None, sin: Tensor | None, n_head: int, n_kv_head: int) -> Tensor:
+                      cos: Tensor | None, sin: Tensor | None, n_head: int, n_kv_head: int,
+                      pdl: bool = False) -> Tensor:
     """qkv (B, (H + 2·Hkv)·hd); caches (B, Hkv, S, hd); RoPE's tables (max_seq_len, hd/2) or None
-    -> o (B, H·hd); k (turned) and v written at slot pos."""
+    -> o (B, H·hd); k (turned) and v written at slot pos. ``pdl`` as ``_linear_launch``'s."""
     B, S, hd = qkv.size(0), k_cache.size(2), k_cache.size(3)
     o = qkv.new_empty(B, n_head * hd)
     spad = 1 if pad.numel() > 1 else 0
     _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, cos, sin, o, spad,
                                    *k_cache.stride()[:3], 1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
-                                   ROPE=cos is not None, BLOCK_S=min(64, pow2(S)))  # fmt: skip
+                                   ROPE=cos is not None, BLOCK_S=min(64, pow2(S)),
+                                   **_overlap(qkv, pdl))  # fmt: skip
     return o
 
 
 decode_embed = kernel_op("decode_embed", _embed_launch,
                          lambda idx, wte, *_: wte.new_empty(idx.size(0), wte.size(1)))
 decode_linear = kernel_op("decode_linear", _linear_launch, lambda x, w, *a: x.new_empty(
-    x.size(0), w.size(0) // 2 if a[-2] == ACTS["swiglu"] else w.size(0), dtype=a[-1] or x.dtype))
+    x.size(0), w.size(0) // 2 if a[6] == ACTS["swiglu"] else w.size(0), dtype=a[7] or x.dtype))
 decode_attention = kernel_op("decode_attention", _attention_launch,
-                             lambda qkv, kc, *a: qkv.new_empty(qkv.size(0), a[-2] * kc.size(3)),
+                             lambda qkv, kc, *a: qkv.new_empty(qkv.size(0), a[5] * kc.size(3)),
                              mutates=("k_cache", "v_cache"))
 
 
