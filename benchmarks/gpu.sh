@@ -33,12 +33,13 @@
 #             activities) and memory (the allocator's history, cuda-snapshot.pickle):
 #             the two instrument paths of issue 15 that have not run on a GPU       (180 s)
 #   decode    benchmarks/decode.py: fp32 parity first (HF, the graphed engine, ember's fused step:
-#             ember/infer/fused.py, five launches a block), then gpt2-small bf16, eager, compiled +
-#             CUDA graphs and the fused step graphed, with its kernels launched as programmatic
-#             dependents (PDL) and without (the other roads and int8 were measured before;
-#             --variants), lookahead 8
-#             against 1, against transformers' generate (issue 29 point 3), and the fastest
-#             row's anatomy: kernels a token, their time against the wall         (150 s)
+#             ember/infer/fused.py, five launches a block), then gpt2-small bf16, eager and the
+#             fused step graphed, its kernels launched as programmatic dependents (PDL) and
+#             without, in one run, against transformers' generate (issue 29 point 3), and the
+#             fastest row's anatomy: kernels a token, their time against the wall. The compiled
+#             + CUDA graphs road (1,600 tok/s on the H200), lookahead and int8 were measured
+#             before; their compile would starve fp8-loss (DECODE_ARGS='--variants
+#             compiled-graphs fused-graphs' brings them back)                              (150 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
@@ -163,7 +164,7 @@ for what in "$@"; do
         ;;
     decode)
         stage decode 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
-            --reps 1 --new-tokens 128 --variants compiled-graphs fused-graphs fused-graphs-no-pdl --anatomy ${DECODE_ARGS:-}"
+            --reps 1 --new-tokens 128 --variants fused-graphs fused-graphs-no-pdl --anatomy ${DECODE_ARGS:-}"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
