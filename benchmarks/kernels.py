@@ -15,6 +15,8 @@ TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or f
 The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_program`` and
 ``BACKWARD_STAGES``: the forward one row a program (not a tile of 4 at 768 wide; on the H200
 lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined.
+RoPE's "ember as before" row runs it as that lease timed it (``rope.TILE`` 4,096 and k's loads
+after q's stores, ``rope.LOADS_FIRST`` off).
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
 Triton kernels run under the interpreter: times mean nothing there, the run only shows that
 every row works.
@@ -112,6 +114,21 @@ def one_row(op):
     return call
 
 
+def rope_before(op):
+    """``op`` with ember's RoPE as the H200 lease timed it: tiles of 4,096 elements, k's loads
+    after q's stores (its own row, to keep the faster)."""
+    from ember.kernels import rope
+
+    def call(*args):
+        rope.TILE, rope.LOADS_FIRST = 4096, False
+        try:
+            return op(*args)
+        finally:
+            rope.TILE, rope.LOADS_FIRST = 2048, True
+
+    return call
+
+
 def peak_mb(fn, device: str) -> float:
     if device != "cuda":
         return float("nan")
@@ -201,6 +218,7 @@ def cases(shape: dict, dtype, device: str):
                 {"liger": fwd_bwd(lambda q, k: lg.liger_rope(q, k, full_cos, full_sin), (q, k))} if lg else {}
             ),
             "ember": fwd_bwd(lambda q, k: rope.rope_qk(q, k, cos, sin), (q, k)),
+            "ember as before": fwd_bwd(rope_before(lambda q, k: rope.rope_qk(q, k, cos, sin)), (q, k)),
         },
         4 * (q.numel() + k.numel()) * e,
         0,

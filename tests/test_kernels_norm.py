@@ -130,7 +130,14 @@ def rope_inputs(dtype, per_row: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_rope_matches_reference(dtype, per_row):
+@pytest.mark.parametrize("road", [(2048, True), (32, True), (4096, False)], ids=["tile", "one-position", "before"])
+def test_rope_matches_reference(dtype, per_row, road, monkeypatch):
+    """Each road: tiles of every position (T = 5), one position a program (q's and k's loads
+    first), and the H200 lease's (k's loads after q's stores: kernels.py's "ember as before")."""
+    from ember.kernels import rope
+
+    monkeypatch.setattr(rope, "TILE", road[0])
+    monkeypatch.setattr(rope, "LOADS_FIRST", road[1])
     inputs = rope_inputs(dtype, per_row)
     assert not inputs[0].is_contiguous()
     q, _, cos, sin = (t.detach().float() for t in inputs)

@@ -64,7 +64,7 @@ lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, 
       STAGES=norm.BACKWARD_STAGES, BLOCK=1024))
 lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32", T=i32, H=i32, HK=i32,
       sqb=i64, sqh=i64, sqt=i64, skb=i64, skh=i64, skt=i64, scb=i32, sct=i32),
-      dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=8, BLOCK_H=16, BLOCK_D=32))
+      dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=4, BLOCK_H=16, BLOCK_D=32, LOADS_FIRST=True))
 LONG = dict(ACC=tl.float32, BLOCK=8192, ONE_BLOCK=False)  # a vocab row: the two-pass loops
 lower(softmax._softmax_fwd, dict(X=bf, Y=bf, N=i32), LONG, 16)
 lower(softmax._softmax_bwd, dict(Y=bf, DY=bf, DX=bf, N=i32), LONG, 16)
