@@ -26,7 +26,6 @@ from torch import Tensor
 
 from ember.kernels import kernel_op, pow2, triton_ready
 
-
 # A program's tile: BLOCK_T positions x BLOCK_H heads x hd/2 of each half, about TILE elements.
 # LOADS_FIRST: q's and k's loads are all issued before any store (a store to QO may alias K as
 # far as the compiler knows, so otherwise k's loads wait behind q's stores). The H200 lease timed
