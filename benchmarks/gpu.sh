@@ -9,9 +9,11 @@
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode cli fp8-loss (<= 9 min)
 #   DEADLINE=280 bash benchmarks/gpu.sh kernels-norms serve-host levers   # 2nd call at once (timeout_s 300)
 #
-# (`kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and the norm
-# backward's tile changed since the last lease; `levers` ends with issue 28's train.kernels row,
-# ember against ember-triton in one script; `kernels-train` is the same through the CLI.)
+# (`all`'s decode stage times the fused step with and without PDL, new since the last lease;
+# `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order and the
+# norm backward's tile changed since the last lease, each beside its old road; `levers` ends with
+# issue 28's train.kernels row, ember against ember-triton in one script; `kernels-train` is the
+# same through the CLI.)
 # The leases so far: 2026-11-26, an H200: `all` (its serve stage then failed on its own
 # arguments), `serve decode kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex
 # rows fell back to eager FlexAttention, since fixed; train and decode cut at their limits),
