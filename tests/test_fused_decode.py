@@ -28,14 +28,30 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(params=["dot", "fma"])
+def gemv(request, monkeypatch):
+    """The products' two kinds of tuning config: tl.dot on rows padded to 16 (the interpreter's
+    one config) and one row a program on the CUDA cores, which the GPU's tuner may pick."""
+    import triton
+
+    from ember.kernels import decode
+
+    if request.param == "fma":
+        fma = triton.Config({"BLOCK_M": 1, "DOT": False, "BLOCK_N": 16, "BLOCK_K": 32})
+        monkeypatch.setattr(decode._linear_kernel, "configs", [fma])
+        monkeypatch.setattr(decode._linear_kernel, "cache", {})  # (its choices, by shape: none yet)
+    return request.param
+
+
 def tiny(**layout) -> GPT:
     cfg = ModelConfig(vocab_size=320, n_layer=2, n_head=4, d_model=64, max_seq_len=64, init_std=0.1, **layout)
     return GPT.build(cfg, device=DEVICE, seed=0).eval()
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-def test_linear_kernel_matches_its_reference(pdl):
-    """Both roads: each weight tile loaded where it is used, and (pdl) one step ahead."""
+def test_linear_kernel_matches_its_reference(pdl, gemv):
+    """Both roads (each weight tile loaded where it is used; with pdl the first before anything
+    else), with both kinds of config."""
     from ember.kernels.decode import ACTS, NORMS, decode_linear, decode_linear_ref
 
     g = torch.Generator().manual_seed(0)
@@ -77,7 +93,7 @@ def test_fused_step_matches_the_models_step(layout):
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-def test_fused_step_reads_many_tiles_of_slots_on_both_roads(pdl):
+def test_fused_step_reads_many_tiles_of_slots_on_both_roads(pdl, gemv):
     """Past 64 held slots, the attention's loop walks two tiles and more, and with ``pdl`` reads
     each one a step ahead (and the weights' tiles, 128 inputs in tiles of 32): the same logits and
     cache as the model's step, and as each other."""

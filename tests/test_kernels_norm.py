@@ -128,9 +128,12 @@ def rope_inputs(dtype, per_row: bool):
     return [q, k, cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)]
 
 
+ROADS = {"tile": (2048, True), "one-position": (32, True), "before": (4096, False)}  # rope.TILE, LOADS_FIRST
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("road", [(2048, True), (32, True), (4096, False)], ids=["tile", "one-position", "before"])
+@pytest.mark.parametrize("road", ROADS.values(), ids=ROADS.keys())
 def test_rope_matches_reference(dtype, per_row, road, monkeypatch):
     """Each road: tiles of every position (T = 5), one position a program (q's and k's loads
     first), and the H200 lease's (k's loads after q's stores: kernels.py's "ember as before")."""

@@ -43,11 +43,13 @@ bf, i32, i64 = "*bf16", "i32", "i64"
 LIN = dict(X=bf, W=bf, BIAS=bf, G=bf, BETA=bf, R=bf, Y=bf, M=i32, N=i32, K=i32, eps="fp32")
 for norm_kind, act, res in ((1, 1, False), (2, 0, False), (0, 0, True), (2, 2, False)):
     consts = dict(NORM=norm_kind, HAS_BIAS=True, HAS_BETA=norm_kind == 1, ACT=act, HAS_RES=res,
-                  FP32_DOT=False, PREFETCH=True, PDL=True, BLOCK_M=16, BLOCK_N=32, BLOCK_K=256)
+                  FP32_DOT=False, PREFETCH=True, PDL=True, BLOCK_M=16, DOT=True, BLOCK_N=32, BLOCK_K=256)
     absent = (("G", norm_kind), ("BETA", norm_kind == 1), ("R", res))
     consts.update({k: None for k, keep in absent if not keep})
     lower(decode._linear_kernel, LIN, consts)
 lower(decode._linear_kernel, LIN, {**consts, "BLOCK_N": 16, "BLOCK_K": 1024}, 8)  # a 768 row, one step
+FMA = {"BLOCK_M": 1, "DOT": False, "BLOCK_N": 16, "BLOCK_K": 1024}  # one row a program, CUDA cores
+lower(decode._linear_kernel, LIN, {**consts, **FMA}, 8)
 lower(decode._linear_kernel, LIN, {**consts, "PREFETCH": False, "PDL": False})  # the road before (pdl=False)
 ATT = dict(QKV=bf, KC=bf, VC=bf, POS="*i64", PAD="*i64", COS=bf, SIN=bf, O=bf, spad=i32, skb=i64,
            skh=i64, sks=i64, scale="fp32")
@@ -79,4 +81,4 @@ def test_changed_kernels_lower_to_sm90_cubins():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("lowered") == 15, out.stdout
+    assert out.stdout.count("lowered") == 16, out.stdout

@@ -31,8 +31,9 @@ one start (``gdc_launch_dependents``). A launch then overlaps the one before ins
 following it. The interpreter runs the reading-ahead road without the wait; the tests hold it to
 the plain one.
 
-The products use ``tl.dot`` on 16-row tiles (tensor cores even for one row, as ``int8.py``),
-fp32 accumulation, the weight's dtype in. Inference only: no autograd formulas; ``kernel_op``
+The products use ``tl.dot`` on 16-row tiles (tensor cores even for one row, as ``int8.py``), or
+one row a program on the CUDA cores, whichever the tuner times faster for the shape; fp32
+accumulation, the weight's dtype in. Inference only: no autograd formulas; ``kernel_op``
 registers each with its fake, and the cache writes as the attention op's mutations.
 References: ``*_ref`` below; tests/test_fused_decode.py holds the whole step to the model's.
 """
@@ -53,14 +54,23 @@ from ember.kernels import INTERPRET, kernel_op, pow2
 NORMS = {"none": 0, "layer": 1, "rms": 2}
 ACTS = {"none": 0, "gelu": 1, "swiglu": 2}  # swiglu: w holds the gate's rows, then the up's
 
-# (BLOCK_N, BLOCK_K, warps): int8.py's, less the two that spill registers with a norm (ptxas, sm_90),
-# and (16, 1024, 8): a 768-wide row in one step of the loop, so all of a program's weight loads are
-# in flight at once (an H200 spent 5.5 µs a product at 3-12 steps of 256; no spills at 8 warps,
-# but with SwiGLU's two products, which the tuner then times as it times every config)
-_CONFIGS = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8), (16, 1024, 8)]
-CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in _CONFIGS]
+# (BLOCK_N, BLOCK_K, warps) on tensor cores, rows padded to 16 (DOT): int8.py's, less the two that
+# spill registers with a norm (ptxas, sm_90), and (16, 1024, 8): a 768-wide row in one step of the
+# loop, so all of a program's weight loads are in flight at once (an H200 spent 5.5 µs a product
+# at 3-12 steps of 256; no spills at 8 warps, but with SwiGLU's two products, which the tuner then
+# times as it times every config). The same with one row a program on the CUDA cores (FMA): no
+# padded rows, so for sm_90 (ptxas) GPT-2's products take 63-125 registers where tl.dot's take
+# 186-255, and SwiGLU's no longer spill: more programs an SM, and room beside a running kernel
+# for the next one's programs (PDL). The tuner picks by timing, per shape.
+_DOT = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8), (16, 1024, 8)]
+_FMA = [(16, 256, 4), (16, 512, 4), (16, 1024, 8)]
+CONFIGS = [
+    triton.Config({"BLOCK_M": rows, "DOT": rows > 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
+    for rows, shapes in ((16, _DOT), (1, _FMA))
+    for n, k, w in shapes
+]
 if INTERPRET:  # one small config: the interpreter's programs run one after another
-    CONFIGS = [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32})]
+    CONFIGS = [triton.Config({"BLOCK_M": 16, "DOT": True, "BLOCK_N": 16, "BLOCK_K": 32})]
 
 
 @triton.jit
@@ -89,16 +99,20 @@ def _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM: tl.constexp
 
 
 @triton.jit
-def _products(acc, up, x, w, u, FP32_DOT: tl.constexpr, ACT: tl.constexpr):
-    """acc += x @ wᵀ, and SwiGLU's up += x @ uᵀ, accumulated in fp32."""
-    if FP32_DOT:  # fp32 weights, and the interpreter (whose bf16 tl.dot is not exact)
+def _products(acc, up, x, w, u, FP32_DOT: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr):
+    """acc += x @ wᵀ, and SwiGLU's up += x @ uᵀ, accumulated in fp32 (DOT: by tl.dot; else one
+    row, x (1, K), by products and a sum on the CUDA cores)."""
+    if not DOT:
+        acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+        if ACT == 2:
+            up += tl.sum(x.to(tl.float32) * u.to(tl.float32), axis=1)[None, :]
+    elif FP32_DOT:  # fp32 weights, and the interpreter (whose bf16 tl.dot is not exact)
         acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if ACT == 2:
+            up += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
     else:
         acc += tl.dot(x.to(w.dtype), tl.trans(w))
-    if ACT == 2:
-        if FP32_DOT:
-            up += tl.dot(x.to(tl.float32), tl.trans(u.to(tl.float32)), input_precision="ieee")
-        else:
+        if ACT == 2:
             up += tl.dot(x.to(u.dtype), tl.trans(u))
     return acc, up
 
@@ -108,7 +122,8 @@ def _products(acc, up, x, w, u, FP32_DOT: tl.constexpr, ACT: tl.constexpr):
 def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
                    NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
                    HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
     """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs
     (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @ W[N + n]ᵀ + BIAS[N + n])).
     PREFETCH: the first tile of weights is read before anything else and its step taken out of
@@ -147,7 +162,7 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
     start = 0
     if PREFETCH:  # the first step, on the tile read early
         x = _input_tile(X, G, BETA, rm, in_m, rk, rk < K, K, mean, rstd, NORM, HAS_BETA)
-        acc, up = _products(acc, up, x, w1, u1, FP32_DOT, ACT)
+        acc, up = _products(acc, up, x, w1, u1, FP32_DOT, ACT, DOT)
         start = BLOCK_K
     for k0 in range(start, K, BLOCK_K):
         kk = k0 + rk
@@ -157,7 +172,7 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
         u = w
         if ACT == 2:
             u = tl.load(W + (rn + N)[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
-        acc, up = _products(acc, up, x, w, u, FP32_DOT, ACT)
+        acc, up = _products(acc, up, x, w, u, FP32_DOT, ACT, DOT)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         if ACT == 2:
@@ -283,10 +298,10 @@ def _linear_launch(x: Tensor, w: Tensor, bias: Tensor | None, g: Tensor | None, 
     (M, K), N = x.shape, w.size(0) // 2 if act == ACTS["swiglu"] else w.size(0)
     x, w, r = x.contiguous(), w.contiguous(), r if r is None else r.contiguous()
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, 16))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, meta["BLOCK_M"]))  # noqa: E731
     _linear_kernel[grid](x, w, bias, g, beta, r, y, M, N, K, eps, NORM=norm, HAS_BIAS=bias is not None,
                          HAS_BETA=beta is not None, ACT=act, HAS_RES=r is not None,
-                         FP32_DOT=INTERPRET or w.dtype == torch.float32, BLOCK_M=16,
+                         FP32_DOT=INTERPRET or w.dtype == torch.float32,
                          **_overlap(x, pdl))  # fmt: skip
     return y
 
