@@ -138,6 +138,7 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
     (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @ W[N + n]ᵀ + BIAS[N + n])).
     PREFETCH: the first tile of weights is read before anything else and its step taken out of
     the loop; PDL: only then does the program wait for the kernel before it (module docstring)."""
+    tl.static_assert(DOT or BLOCK_M == 1, "the CUDA cores' products take one row a program")
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = rm[:, None] < M
