@@ -52,8 +52,9 @@
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
 #             and the caching allocator's peak                                      (240 s)
 #   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
-#   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py on CUDA: each kernel against
-#             its reference on the GPU itself (the CPU runs them under the interpreter)   (150 s)
+#   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py, test_paged_triton.py and
+#             test_fused_decode.py on CUDA: each kernel against its reference on the GPU itself,
+#             the fused step's PDL road included (the CPU runs them under the interpreter)   (150 s)
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
 #             lacks it), gpt2-small and llama-small shapes; kernels.json; then --host, each
@@ -189,7 +190,7 @@ for what in "$@"; do
     kernels-test)  # the kernels' own tests, on the GPU: the CPU runs them interpreted
         stage kernels-test 150 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
             tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py \
-            tests/test_paged_triton.py -k 'not cpp'"
+            tests/test_paged_triton.py tests/test_fused_decode.py -k 'not cpp'"
         ;;
     kernels)
         stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json && \
