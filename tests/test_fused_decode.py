@@ -68,6 +68,22 @@ def test_linear_kernel_matches_its_reference(pdl, gemv):
         torch.testing.assert_close(decode_linear(*args, pdl), decode_linear_ref(*args), rtol=1e-5, atol=1e-5)
 
 
+def assert_steps_match(model, step, ids, slots: int, pad: list[int], prompt: int, steps: int) -> None:
+    """Prefill ``prompt`` tokens of ``ids`` into two static caches, then ``steps`` tokens through
+    the model's step and through ``step``: the same logits (fp32, 1e-4) and the same cache."""
+    caches = [StaticKVCache(slots, pad=pad, device=DEVICE) for _ in range(2)]
+    with torch.inference_mode():
+        for cache in caches:
+            model(ids[:, :prompt], cache=cache)
+        for t in range(prompt, prompt + steps):
+            want = model(ids[:, t : t + 1], cache=caches[0])
+            torch.testing.assert_close(step(ids[:, t : t + 1], cache=caches[1]), want, rtol=1e-4, atol=1e-4)
+    assert int(caches[1].pos) == int(caches[0].pos) == prompt + steps
+    for kv in ("k", "v"):
+        for layer in caches[0].k:
+            torch.testing.assert_close(getattr(caches[1], kv)[layer], getattr(caches[0], kv)[layer])
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fused_step_matches_the_models_step(layout):
     """Prefill, then 4 tokens: the same logits and the same keys and values in the cache, for a
@@ -76,20 +92,8 @@ def test_fused_step_matches_the_models_step(layout):
 
     torch.manual_seed(0)
     model = tiny(**LAYOUTS[layout])
-    step = FusedDecode(model)
     ids = torch.randint(0, 320, (2, 12), device=DEVICE)
-    caches = [StaticKVCache(20, pad=[0, 3], device=DEVICE) for _ in range(2)]
-    with torch.inference_mode():
-        for cache in caches:
-            model(ids[:, :7], cache=cache)
-        for t in range(7, 11):
-            want = model(ids[:, t : t + 1], cache=caches[0])
-            got = step(ids[:, t : t + 1], cache=caches[1])
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        assert int(caches[1].pos) == int(caches[0].pos) == 11
-        for kv in ("k", "v"):
-            for layer in caches[0].k:
-                torch.testing.assert_close(getattr(caches[1], kv)[layer], getattr(caches[0], kv)[layer])
+    assert_steps_match(model, FusedDecode(model), ids, slots=20, pad=[0, 3], prompt=7, steps=4)
 
 
 @pytest.mark.parametrize("pdl", [False, True])
@@ -102,18 +106,8 @@ def test_fused_step_reads_many_tiles_of_slots_on_both_roads(pdl, gemv):
     cfg = ModelConfig(vocab_size=320, n_layer=1, n_head=4, d_model=128, max_seq_len=128, init_std=0.1,
                       **LAYOUTS["llama"])  # fmt: skip
     model = GPT.build(cfg, device=DEVICE, seed=0).eval()
-    step = FusedDecode(model, pdl=pdl)
     ids = torch.randint(0, 320, (2, 80), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    caches = [StaticKVCache(100, pad=[0, 5], device=DEVICE) for _ in range(2)]
-    with torch.inference_mode():
-        for cache in caches:
-            model(ids[:, :70], cache=cache)
-        for t in range(70, 73):
-            want = model(ids[:, t : t + 1], cache=caches[0])
-            torch.testing.assert_close(step(ids[:, t : t + 1], cache=caches[1]), want, rtol=1e-4, atol=1e-4)
-        for layer in caches[0].k:
-            torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer])
-            torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer])
+    assert_steps_match(model, FusedDecode(model, pdl=pdl), ids, slots=100, pad=[0, 5], prompt=70, steps=3)
 
 
 def test_generate_with_the_fused_step_gives_the_same_completions():
