@@ -36,8 +36,9 @@ def gemv(request, monkeypatch):
 
     from ember.kernels import decode
 
-    if request.param == "fma":
-        fma = triton.Config({"BLOCK_M": 1, "DOT": False, "BLOCK_N": 16, "BLOCK_K": 32})
+    if request.param.startswith("fma"):  # fma4: tiles of 4 outputs (N = 37 in 10 programs)
+        n = 4 if request.param == "fma4" else 16
+        fma = triton.Config({"BLOCK_M": 1, "DOT": False, "BLOCK_N": n, "BLOCK_K": 32})
         monkeypatch.setattr(decode._linear_kernel, "configs", [fma])
         monkeypatch.setattr(decode._linear_kernel, "cache", {})  # (its choices, by shape: none yet)
     return request.param
@@ -48,6 +49,7 @@ def tiny(**layout) -> GPT:
     return GPT.build(cfg, device=DEVICE, seed=0).eval()
 
 
+@pytest.mark.parametrize("gemv", ["dot", "fma", "fma4"], indirect=True)
 @pytest.mark.parametrize("pdl", [False, True])
 def test_linear_kernel_matches_its_reference(pdl, gemv):
     """Both roads (each weight tile loaded where it is used; with pdl the first before anything

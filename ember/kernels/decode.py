@@ -61,9 +61,11 @@ ACTS = {"none": 0, "gelu": 1, "swiglu": 2}  # swiglu: w holds the gate's rows, t
 # times as it times every config). The same with one row a program on the CUDA cores (FMA): no
 # padded rows, so for sm_90 (ptxas) GPT-2's products take 63-125 registers where tl.dot's take
 # 186-255, and SwiGLU's no longer spill: more programs an SM, and room beside a running kernel
-# for the next one's programs (PDL). The tuner picks by timing, per shape.
+# for the next one's programs (PDL); and 4 or 8 outputs a program, so that a 768-wide output
+# (the attention's and the MLP's down product) is 96-192 programs for 132 SMs, not 48 (4 x 1024:
+# 56-80 registers). The tuner picks by timing, per shape.
 _DOT = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8), (16, 1024, 8)]
-_FMA = [(16, 256, 4), (16, 512, 4), (16, 1024, 8)]
+_FMA = [(16, 256, 4), (16, 512, 4), (16, 1024, 8), (4, 1024, 4), (8, 1024, 4)]
 CONFIGS = [
     triton.Config({"BLOCK_M": rows, "DOT": rows > 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
     for rows, shapes in ((16, _DOT), (1, _FMA))
