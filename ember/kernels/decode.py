@@ -59,7 +59,7 @@ ACTS = {"none": 0, "gelu": 1, "swiglu": 2}  # swiglu: w holds the gate's rows, t
 # loop, so all of a program's weight loads are in flight at once (an H200 spent 5.5 µs a product
 # at 3-12 steps of 256; no spills at 8 warps, but with SwiGLU's two products, which the tuner then
 # times as it times every config). The same with one row a program on the CUDA cores (FMA): no
-# padded rows, so for sm_90 (ptxas) GPT-2's products take 63-125 registers where tl.dot's take
+# padded rows, so for sm_90 (ptxas) GPT-2's products take 56-182 registers where tl.dot's take
 # 186-255, and SwiGLU's no longer spill: more programs an SM, and room beside a running kernel
 # for the next one's programs (PDL); and 4 or 8 outputs a program, so that a 768-wide output
 # (the attention's and the MLP's down product) is 96-192 programs for 132 SMs, not 48 (4 x 1024:
