@@ -99,32 +99,25 @@ def fwd_bwd(op, inputs, grad=None):
     return run
 
 
-def one_row(op):
-    """``op`` with ember's norm as it was before its tiles and stages: one row a program forward,
-    the backward's loop unpipelined (its own row in the table, to keep the faster on this GPU)."""
-    from ember.kernels import norm
+ONE_ROW = {"ROWS_PER_PROGRAM": 1, "BACKWARD_STAGES": 1}  # ember.kernels.norm's settings before
+ROPE_BEFORE = {"TILE": 4096, "LOADS_FIRST": False}  # ember.kernels.rope's
+
+
+def overriding(module, op, **values):
+    """``op`` run with ``module``'s settings set to ``values``, each put back after the call:
+    a kernel's old road as its own row in the table, to keep the faster on this GPU. The norms'
+    "ember 1 row": one row a program forward, the backward's loop unpipelined; RoPE's "ember as
+    before": tiles of 4,096 elements, k's loads after q's stores, as the H200 lease timed it."""
 
     def call(*args):
-        norm.ROWS_PER_PROGRAM, stages, norm.BACKWARD_STAGES = 1, norm.BACKWARD_STAGES, 1
+        saved = {name: getattr(module, name) for name in values}
+        for name, value in values.items():
+            setattr(module, name, value)
         try:
             return op(*args)
         finally:
-            norm.ROWS_PER_PROGRAM, norm.BACKWARD_STAGES = None, stages
-
-    return call
-
-
-def rope_before(op):
-    """``op`` with ember's RoPE as the H200 lease timed it: tiles of 4,096 elements, k's loads
-    after q's stores (its own row, to keep the faster)."""
-    from ember.kernels import rope
-
-    def call(*args):
-        rope.TILE, rope.LOADS_FIRST = 4096, False
-        try:
-            return op(*args)
-        finally:
-            rope.TILE, rope.LOADS_FIRST = 2048, True
+            for name, value in saved.items():
+                setattr(module, name, value)
 
     return call
 
@@ -170,7 +163,8 @@ def cases(shape: dict, dtype, device: str):
                 else {}
             ),  # noqa: E501
             "ember": fwd_bwd(lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
-            "ember 1 row": fwd_bwd(one_row(lambda x, w: norm.rms_norm(x, w, 1e-5)), (x, w)),
+            "ember 1 row": fwd_bwd(overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), **ONE_ROW),
+                                  (x, w)),
         },
         5 * N * C * e,
         0,
@@ -183,7 +177,9 @@ def cases(shape: dict, dtype, device: str):
             "compile": fwd_bwd(torch.compile(lnm), (x, w, b)),
             **({"liger": fwd_bwd(lg.liger_layer_norm, (x, w, b, 1e-5))} if lg else {}),
             "ember": fwd_bwd(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), (x, w, b)),
-            "ember 1 row": fwd_bwd(one_row(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5)), (x, w, b)),
+            "ember 1 row": fwd_bwd(
+                overriding(norm, lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), **ONE_ROW), (x, w, b)
+            ),
         },
         5 * N * C * e,
         0,
@@ -218,7 +214,9 @@ def cases(shape: dict, dtype, device: str):
                 {"liger": fwd_bwd(lambda q, k: lg.liger_rope(q, k, full_cos, full_sin), (q, k))} if lg else {}
             ),
             "ember": fwd_bwd(lambda q, k: rope.rope_qk(q, k, cos, sin), (q, k)),
-            "ember as before": fwd_bwd(rope_before(lambda q, k: rope.rope_qk(q, k, cos, sin)), (q, k)),
+            "ember as before": fwd_bwd(
+                overriding(rope, lambda q, k: rope.rope_qk(q, k, cos, sin), **ROPE_BEFORE), (q, k)
+            ),
         },
         4 * (q.numel() + k.numel()) * e,
         0,
