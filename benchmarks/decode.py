@@ -432,7 +432,7 @@ def run_model(
             continue
         one.lookahead = 1 if who.endswith("lookahead 1") else one.lookahead
         if kernels == "triton":
-            one.decode.step.pdl = FUSED[variant_of(who.removeprefix("ember"))]
+            one.decode.step.pdl = compile == "triton"  # (not "triton-no-pdl")
         calls["1", who] = ember_generate(one, prompts[:1], args.new_tokens)
         if compile or graphs:
             compile_seconds[who] = timed(calls["1", who], device)

@@ -110,6 +110,22 @@ def _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM: tl.constexp
 
 
 @triton.jit
+def _weight_tile(W, rn, in_n, kk, in_k, K):
+    """Rows ``rn`` of W (N or 2N, K), inputs ``kk``: a (BLOCK_N, BLOCK_K) tile, zeros outside."""
+    return tl.load(W + rn[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+
+
+@triton.jit
+def _slot_tile(KC, VC, base, s, held, sks, d, e, HALF: tl.constexpr):
+    """Cached slots ``s`` of one key/value head: the keys' two halves and the values, zeros
+    where not ``held``."""
+    at = base + s[:, None] * sks
+    c1 = tl.load(KC + at + d[None, :], mask=held[:, None], other=0.0)
+    c2 = tl.load(KC + at + HALF + d[None, :], mask=held[:, None], other=0.0)
+    return c1, c2, tl.load(VC + at + e[None, :], mask=held[:, None], other=0.0)
+
+
+@triton.jit
 def _products(acc, up, x, w, u, FP32_DOT: tl.constexpr, ACT: tl.constexpr, DOT: tl.constexpr):
     """acc += x @ wᵀ, and SwiGLU's up += x @ uᵀ, accumulated in fp32 (DOT: by tl.dot; else one
     row, x (1, K), by products and a sum on the CUDA cores)."""
@@ -147,10 +163,10 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
     in_n = rn[:, None] < N
     rk = tl.arange(0, BLOCK_K)
     if PREFETCH:  # the weights are no kernel's output: their first tile need not wait for one
-        w1 = tl.load(W + rn[:, None] * K + rk[None, :], mask=in_n & (rk[None, :] < K), other=0.0)
+        w1 = _weight_tile(W, rn, in_n, rk, rk < K, K)
         u1 = w1
         if ACT == 2:
-            u1 = tl.load(W + (rn + N)[:, None] * K + rk[None, :], mask=in_n & (rk[None, :] < K), other=0.0)
+            u1 = _weight_tile(W, rn + N, in_n, rk, rk < K, K)
     if PDL:  # X and R are the kernel before's outputs, and Y may be a buffer it still reads
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start on its own weights now
@@ -181,10 +197,10 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
         kk = k0 + rk
         in_k = kk < K
         x = _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM, HAS_BETA)
-        w = tl.load(W + rn[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+        w = _weight_tile(W, rn, in_n, kk, in_k, K)
         u = w
         if ACT == 2:
-            u = tl.load(W + (rn + N)[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+            u = _weight_tile(W, rn + N, in_n, kk, in_k, K)
         acc, up = _products(acc, up, x, w, u, FP32_DOT, ACT, DOT)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -226,10 +242,7 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, s
     first = pad // BLOCK_S * BLOCK_S  # the held slots' tiles, not the cache's S
     if PREFETCH:
         s1 = first + tl.arange(0, BLOCK_S)
-        held1 = ((s1 < pos) & (s1 >= pad))[:, None]
-        c1_next = tl.load(KC + base + s1[:, None] * sks + d[None, :], mask=held1, other=0.0)
-        c2_next = tl.load(KC + base + s1[:, None] * sks + HALF + d[None, :], mask=held1, other=0.0)
-        v_next = tl.load(VC + base + s1[:, None] * sks + e[None, :], mask=held1, other=0.0)
+        c1_next, c2_next, v_next = _slot_tile(KC, VC, base, s1, (s1 < pos) & (s1 >= pad), sks, d, e, HALF)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -257,17 +270,11 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, s
         s = s0 + tl.arange(0, BLOCK_S)
         held = (s < pos) & (s >= pad)
         if PREFETCH:  # this tile came with the step before; the next one's is asked for now
+            c1, c2, v = c1_next, c2_next, v_next
             n = s + BLOCK_S
-            more = ((n < pos) & (n >= pad))[:, None]
-            at = KC + base + n[:, None] * sks
-            c1, c1_next = c1_next, tl.load(at + d[None, :], mask=more, other=0.0)
-            c2, c2_next = c2_next, tl.load(at + HALF + d[None, :], mask=more, other=0.0)
-            v, v_next = v_next, tl.load(VC + base + n[:, None] * sks + e[None, :], mask=more, other=0.0)
+            c1_next, c2_next, v_next = _slot_tile(KC, VC, base, n, (n < pos) & (n >= pad), sks, d, e, HALF)
         else:
-            at = KC + base + s[:, None] * sks
-            c1 = tl.load(at + d[None, :], mask=held[:, None], other=0.0)
-            c2 = tl.load(at + HALF + d[None, :], mask=held[:, None], other=0.0)
-            v = tl.load(VC + base + s[:, None] * sks + e[None, :], mask=held[:, None], other=0.0)
+            c1, c2, v = _slot_tile(KC, VC, base, s, held, sks, d, e, HALF)
         c1, c2 = c1.to(tl.float32), c2.to(tl.float32)
         scores = tl.sum(c1 * q1[None, :], axis=1) + tl.sum(c2 * q2[None, :], axis=1)
         scores = tl.where(held, scores, float("-inf"))
