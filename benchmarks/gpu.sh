@@ -10,8 +10,9 @@
 #   DEADLINE=280 bash benchmarks/gpu.sh kernels-norms serve-host levers   # 2nd call at once (timeout_s 300)
 #
 # (`all`'s decode stage times the fused step with and without PDL, new since the last lease;
-# `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order and the
-# norm backward's tile changed since the last lease, each beside its old road; `levers` ends with
+# `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order, the
+# norm backward's tile and softmax's long rows (pipelined, tuned) changed since the last lease,
+# each beside its old road; `levers` ends with
 # issue 28's train.kernels row, ember against ember-triton in one script; `kernels-train` is the
 # same through the CLI.)
 # The leases so far: 2026-11-26, an H200: `all` (its serve stage then failed on its own
@@ -65,7 +66,7 @@
 #              echo /.gpu/ >> .git/info/exclude; torchao is train's fp8 rows: the image lacks it)
 #   kernels-norms  kernels.py --ops rms_norm layer_norm softmax rope_qk (launched and from graphs,
 #             against Liger) and paged_attention (serving's decode attention against the gather
-#             road, eager and compiled), then --host                                 (120 s)
+#             road, eager and compiled), then --host                                 (140 s)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
@@ -197,7 +198,7 @@ for what in "$@"; do
             $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-norms)  # issue 28 pt 5's rows against Liger that were host-bound: launched, from graphs, host
-        stage kernels-norms 120 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
+        stage kernels-norms 140 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
             rope_qk paged_attention && $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-train)

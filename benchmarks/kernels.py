@@ -16,7 +16,9 @@ The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_p
 ``BACKWARD_STAGES``: the forward one row a program (not a tile of 4 at 768 wide; on the H200
 lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined.
 RoPE's "ember as before" row runs it as that lease timed it (``rope.TILE`` 4,096 and k's loads
-after q's stores, ``rope.LOADS_FIRST`` off).
+after q's stores, ``rope.LOADS_FIRST`` off); softmax's runs its long rows as that lease did
+(``softmax.BEFORE``: a program a row, each block's loads after the last), where "ember" takes
+the tuner's pick of ``softmax.LONG_CONFIGS``, printed after the table.
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
 Triton kernels run under the interpreter: times mean nothing there, the run only shows that
 every row works.
@@ -194,6 +196,7 @@ def cases(shape: dict, dtype, device: str):
             "compile": fwd_bwd(torch.compile(sm), (s,)),
             **({"liger": fwd_bwd(lg.liger_softmax, (s,))} if lg else {}),
             "ember": fwd_bwd(softmax.softmax, (s,)),
+            "ember as before": fwd_bwd(overriding(softmax, softmax.softmax, LONG=softmax.BEFORE), (s,)),
         },
         5 * s.numel() * e,
         0,
@@ -456,6 +459,11 @@ def main() -> None:
     from printing import print_table
 
     print_table(header, rows)
+    from ember.kernels import softmax
+
+    for kernel in (softmax._softmax_fwd_long, softmax._softmax_bwd_long):  # what the tuner kept, if it ran
+        if getattr(kernel, "best_config", None) is not None:
+            print(f"{kernel.fn.__name__}: the tuner kept {kernel.best_config}")
     if args.json:
         with open(args.json, "w") as f:
             table = [dict(zip(header, r, strict=True)) for r in rows]

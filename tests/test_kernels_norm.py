@@ -107,10 +107,14 @@ def test_softmax_matches_reference(shape, dtype):
     assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))
 
 
-def test_softmax_long_rows_loop(monkeypatch):
+@pytest.mark.parametrize("long", [(16, 1, 1, 1), (16, 1, 3, 0), (32, 1, 2, 2)])
+def test_softmax_long_rows_loop(monkeypatch, long):
     """Rows longer than a block go by the two-pass loop: a block of 16 makes 37 columns three
-    blocks, the last ragged; a row with -inf (masked) entries keeps finite outputs."""
+    blocks, the last ragged (32: two); a row with -inf (masked) entries keeps finite outputs.
+    Programs walk the rows: 2 "SMs" x 1 program for 3 rows (one program takes rows 0 and 2), one
+    program a row, and 2 x 2 programs for 3 rows (one idle)."""
     monkeypatch.setattr(softmax_module, "_MAX_BLOCK", 16)
+    monkeypatch.setattr(softmax_module, "LONG", long)
     (x,) = leaves(torch.float32, (3, 37))
     x.data[1, :20] = float("-inf")
     assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))

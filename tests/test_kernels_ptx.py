@@ -25,18 +25,24 @@ from triton.compiler import ASTSource
 
 from ember.kernels import decode, norm, paged, rope, softmax
 
-def lower(kernel, types, consts, num_warps=4):
+def lower(kernel, types, consts, num_warps=4, aligned=False):
     fn = kernel
     while not isinstance(fn, triton.runtime.jit.JITFunction):  # under @triton.autotune
         fn = fn.fn
     signature = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
+    # aligned: pointers and N divisible by 16, as Triton's launcher specializes them at gpt2's sizes
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if aligned and a not in consts and (types[a].startswith("*") or a == "N")}
+    compiled = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
     assert compiled.asm["cubin"], fn.__name__
     if consts.get("PDL"):  # waits for the kernel before, and lets the next one start, once each
         ptx = compiled.asm["ptx"]
         gdc = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
         assert gdc == (1, 1), (fn.__name__, gdc)
+    if consts.get("STAGES", 1) > 1 and aligned:  # the loop's loads run ahead: cp.async, not ld.global
+        ptx = compiled.asm["ptx"]
+        assert "cp.async" in ptx and "ld.global" not in ptx, fn.__name__
     print("lowered", fn.__name__, flush=True)
 
 bf, i32, i64 = "*bf16", "i32", "i64"
@@ -67,9 +73,9 @@ lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, 
 lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32", T=i32, H=i32, HK=i32,
       sqb=i64, sqh=i64, sqt=i64, skb=i64, skh=i64, skt=i64, scb=i32, sct=i32),
       dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=4, BLOCK_H=16, BLOCK_D=32, LOADS_FIRST=True))
-LONG = dict(ACC=tl.float32, BLOCK=8192, ONE_BLOCK=False)  # a vocab row: the two-pass loops
-lower(softmax._softmax_fwd, dict(X=bf, Y=bf, N=i32), LONG, 16)
-lower(softmax._softmax_bwd, dict(Y=bf, DY=bf, DX=bf, N=i32), LONG, 16)
+LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, PER_SM=1)  # a vocab row: the two-pass loops, pipelined
+lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32), LONG, 16, aligned=True)
+lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32), LONG, 16, aligned=True)
 PAGED = dict(Q=bf, K=bf, V=bf, TABLES="*i32", QPOS="*i64", TILES="*i64", O=bf, sqt=i64, sqh=i64, sks=i64,
              skh=i64, st=i64, n_tiles=i32, scale="fp32")
 lower(paged._paged_kernel, PAGED, dict(BS=16, H=12, GROUP=3, HD=64, BLOCK_M=16, BLOCK_N=32, PREC="tf32",

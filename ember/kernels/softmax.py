@@ -7,7 +7,8 @@ A row that fits one block (N <= 8192) is read once and written once; a longer ro
 the first pass keeps a running max and a sum rescaled to it (online softmax), the second writes
 exp(x - max) / sum, walking the row from its end, so that it first reads the blocks the first
 pass read last, the likeliest to be still in L2 (a 50,304-wide bf16 row is 100 KB; a few hundred
-rows in flight fill an H100's 50 MB). Backward: dx = y * (dy - sum(dy * y)). fp32 inside (fp64 for fp64), the
+rows in flight fill an H100's 50 MB, so the tuner also picks how many programs walk the rows,
+``LONG_CONFIGS``). Backward: dx = y * (dy - sum(dy * y)). fp32 inside (fp64 for fp64), the
 input's dtype out. Per call at R x N = 16 x 50,304 fp32 (3.2 MB a tensor, two passes): forward
 reads x twice and writes y, 9.7 MB; backward reads y, dy twice and writes dx, 16.1 MB. ~5 FLOPs
 (one exp) per element, 0.4 FLOP/byte: memory-bound, floor 9.7 MB / 3.35 TB/s = 2.9 us on an
@@ -21,24 +22,54 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import kernel_op, pow2, triton_ready
+from ember.kernels import INTERPRET, kernel_op, pow2, sm_count, triton_ready
 
-_MAX_BLOCK = 8192  # columns one program holds at once; longer rows loop
+_MAX_BLOCK = 8192  # the longest row one program holds in registers; longer rows loop
+
+# A longer row (a vocab row, 50,304 wide) by (columns a block, warps, stages, programs an SM; 0: a
+# program a row). The H200 timed the first, the road before, at 47% of the HBM bound forward and
+# backward (bf16, 4,096 rows): each block's loads waited for the last block's sums, and a
+# program a row kept 2-3 programs an SM going (64 and 40 registers for sm_90), up to 79 MB of
+# rows (the backward's y and dy) at a time, more than the 50 MB L2 that the second passes were
+# meant to read from. The others keep loads 2-3 blocks ahead (``tl.range``'s stages: cp.async
+# into 8-64 KB of shared memory, from ptxas for sm_90, no spills in bf16) and let 1-4 programs
+# an SM walk the rows, 132-528 rows at a time on an H100. The tuner times each on the shape at
+# hand and keeps the fastest.
+LONG_CONFIGS = [(8192, 16, 1, 0), (8192, 16, 3, 0), (8192, 16, 3, 1), (4096, 16, 3, 1), (4096, 16, 3, 2),
+                (4096, 8, 4, 2), (2048, 8, 3, 4)]
+if INTERPRET:  # one config, two programs (the CPU's "SMs") walking the rows: numpy runs each in turn
+    LONG_CONFIGS = [(_MAX_BLOCK, 4, 1, 1)]
+LONG: tuple[int, int, int, int] | None = None  # a config to run untuned (benchmarks' road before, tests)
+BEFORE = LONG_CONFIGS[0]
+
+
+def _configs() -> list[triton.Config]:
+    return [triton.Config({"BLOCK": b, "STAGES": s, "PER_SM": p}, num_warps=w) for b, w, s, p in LONG_CONFIGS]
 
 
 @triton.jit
-def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """A row that fits one block: read once, written once."""
     off = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
-    if ONE_BLOCK:
-        x = tl.load(X + off + cols, mask=cols < N, other=float("-inf")).to(ACC)
-        e = tl.exp(x - tl.max(x, axis=0))
-        tl.store(Y + off + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=cols < N)
-    else:
+    x = tl.load(X + off + cols, mask=cols < N, other=float("-inf")).to(ACC)
+    e = tl.exp(x - tl.max(x, axis=0))
+    tl.store(Y + off + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=cols < N)
+
+
+@triton.autotune(_configs(), key=["R", "N"])
+@triton.jit
+def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                      PER_SM: tl.constexpr):
+    """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ..."""
+    cols = tl.arange(0, BLOCK)
+    blocks = tl.cdiv(N, BLOCK)
+    for row in range(tl.program_id(0).to(tl.int64), R, tl.num_programs(0)):  # (int64: R x N may pass 2**31)
+        off = row * N
         # per lane: m the max seen, s the sum of exp(x - m); a lane that saw only -inf keeps s = 0
         m = tl.full((BLOCK,), float("-inf"), ACC)
         s = tl.zeros((BLOCK,), ACC)
-        for start in range(0, N, BLOCK):
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf")).to(ACC)
             m_new = tl.maximum(m, x)
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -46,8 +77,7 @@ def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.
             m = m_new
         row_max = tl.max(m, axis=0)
         inv = 1.0 / tl.sum(s * tl.exp(m - row_max), axis=0)
-        blocks = tl.cdiv(N, BLOCK)
-        for i in range(0, blocks):  # backwards: the blocks read last are likeliest still in cache
+        for i in tl.range(0, blocks, num_stages=STAGES):  # backwards: the last blocks read, likeliest in L2
             start = (blocks - 1 - i) * BLOCK
             x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf")).to(ACC)
             tl.store(Y + off + start + cols, (tl.exp(x - row_max) * inv).to(Y.dtype.element_ty),
@@ -55,30 +85,38 @@ def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.
 
 
 @triton.jit
-def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
     off = tl.program_id(0).to(tl.int64) * N
     cols = tl.arange(0, BLOCK)
-    if ONE_BLOCK:
-        y = tl.load(Y + off + cols, mask=cols < N, other=0.0).to(ACC)
-        dy = tl.load(DY + off + cols, mask=cols < N, other=0.0).to(ACC)
-        dx = y * (dy - tl.sum(y * dy, axis=0))
-        tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
-    else:
+    y = tl.load(Y + off + cols, mask=cols < N, other=0.0).to(ACC)
+    dy = tl.load(DY + off + cols, mask=cols < N, other=0.0).to(ACC)
+    dx = y * (dy - tl.sum(y * dy, axis=0))
+    tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
+
+
+@triton.autotune(_configs(), key=["R", "N"])
+@triton.jit
+def _softmax_bwd_long(Y, DY, DX, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                      PER_SM: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    blocks = tl.cdiv(N, BLOCK)
+    for row in range(tl.program_id(0).to(tl.int64), R, tl.num_programs(0)):  # (int64: R x N may pass 2**31)
+        off = row * N
         acc = tl.zeros((BLOCK,), ACC)
-        for start in range(0, N, BLOCK):
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             y = tl.load(Y + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
             acc += y * tl.load(DY + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
         dot = tl.sum(acc, axis=0)
-        blocks = tl.cdiv(N, BLOCK)
-        for i in range(0, blocks):  # backwards, as the forward's second pass
+        for i in tl.range(0, blocks, num_stages=STAGES):  # backwards, as the forward's second pass
             start = (blocks - 1 - i) * BLOCK
             y = tl.load(Y + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
             dy = tl.load(DY + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
             tl.store(DX + off + start + cols, (y * (dy - dot)).to(DX.dtype.element_ty), mask=start + cols < N)
 
 
-def _launch(kernel, *tensors: Tensor) -> Tensor:
-    """Run ``kernel`` over the rows of ``tensors`` (all shaped like the first); -> the output."""
+def _launch(one, long, *tensors: Tensor) -> Tensor:
+    """Run ``one`` (a row in a block) or ``long`` over the rows of ``tensors`` (all shaped like the
+    first); -> the output."""
     ok, why = triton_ready(tensors[0].device)
     if not ok:
         raise RuntimeError(why)
@@ -86,19 +124,31 @@ def _launch(kernel, *tensors: Tensor) -> Tensor:
     # (R, N); a 2-D input is not reshaped and its output not viewed back: each costs ~5 us of host
     rows = [t.contiguous() if flat else t.reshape(-1, N).contiguous() for t in tensors]
     out = torch.empty_like(rows[0])
-    block = min(pow2(N), _MAX_BLOCK)
-    acc = tl.float64 if out.dtype == torch.float64 else tl.float32
-    kernel[(out.size(0),)](*rows, out, N, ACC=acc, BLOCK=block, ONE_BLOCK=N <= block,
-                           num_warps=min(16, max(4, block // 512)))
+    R, acc = out.size(0), tl.float64 if out.dtype == torch.float64 else tl.float32
+    if N <= _MAX_BLOCK:
+        block = pow2(N)
+        one[(R,)](*rows, out, N, ACC=acc, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    else:
+        sms = sm_count(out.get_device()) if out.is_cuda else 2
+
+        def grid(meta):
+            return (min(R, sms * meta["PER_SM"]) if meta["PER_SM"] else R,)
+
+        if LONG is None:
+            long[grid](*rows, out, R, N, ACC=acc)
+        else:
+            block, warps, stages, per_sm = LONG
+            meta = dict(BLOCK=block, STAGES=stages, PER_SM=per_sm)
+            long.fn[grid(meta)](*rows, out, R, N, ACC=acc, num_warps=warps, **meta)
     return out if flat else out.view(tensors[0].shape)
 
 
 def _softmax_launch(x: Tensor) -> Tensor:
-    return _launch(_softmax_fwd, x)
+    return _launch(_softmax_fwd, _softmax_fwd_long, x)
 
 
 def _softmax_backward_launch(y: Tensor, dy: Tensor) -> Tensor:
-    return _launch(_softmax_bwd, y, dy)
+    return _launch(_softmax_bwd, _softmax_bwd_long, y, dy)
 
 
 def _setup(ctx, inputs, output):
