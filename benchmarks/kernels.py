@@ -14,7 +14,8 @@ docs/kernels.md); attention and the fused linear cross-entropy are compute-bound
 TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
 The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_program`` and
 ``BACKWARD_STAGES``: the forward one row a program (not a tile of 4 at 768 wide; on the H200
-lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined.
+lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined;
+their "ember 5 stages" rows load the backward's rows 4 ahead where "ember" loads 2.
 RoPE's "ember as before" row runs it as that lease timed it (``rope.TILE`` 4,096 and k's loads
 after q's stores, ``rope.LOADS_FIRST`` off); softmax's runs its long rows as that lease did
 (``softmax.BEFORE``: a program a row, each block's loads after the last), where "ember" takes
@@ -109,6 +110,8 @@ def fwd_bwd(op, inputs, grad=None):
 
 
 ONE_ROW = {"ROWS_PER_PROGRAM": 1, "BACKWARD_STAGES": 1}  # ember.kernels.norm's settings before
+# the backward's rows loaded 4 ahead, not 2: 4 programs an SM then keep ~36 KB of rows in flight each SM
+DEEP = {"BACKWARD_STAGES": 5}
 ROPE_BEFORE = {"TILE": 4096, "LOADS_FIRST": False}  # ember.kernels.rope's
 
 
@@ -116,7 +119,8 @@ def overriding(module, op, **values):
     """``op`` run with ``module``'s settings set to ``values``, each put back after the call:
     a kernel's old road as its own row in the table, to keep the faster on this GPU. The norms'
     "ember 1 row": one row a program forward, the backward's loop unpipelined; RoPE's "ember as
-    before": tiles of 4,096 elements, k's loads after q's stores, as the H200 lease timed it."""
+    before": tiles of 4,096 elements, k's loads after q's stores, as the H200 lease timed it;
+    softmax's: ``softmax.BEFORE``, untuned."""
 
     def call(*args):
         saved = {name: getattr(module, name) for name in values}
@@ -174,6 +178,8 @@ def cases(shape: dict, dtype, device: str):
             "ember": fwd_bwd(lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
             "ember 1 row": fwd_bwd(overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), **ONE_ROW),
                                   (x, w)),
+            "ember 5 stages": fwd_bwd(overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), **DEEP),
+                                     (x, w)),
         },
         5 * N * C * e,
         0,
@@ -188,6 +194,9 @@ def cases(shape: dict, dtype, device: str):
             "ember": fwd_bwd(lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), (x, w, b)),
             "ember 1 row": fwd_bwd(
                 overriding(norm, lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), **ONE_ROW), (x, w, b)
+            ),
+            "ember 5 stages": fwd_bwd(
+                overriding(norm, lambda x, w, b: norm.layer_norm(x, w, b, 1e-5), **DEEP), (x, w, b)
             ),
         },
         5 * N * C * e,
