@@ -144,21 +144,33 @@ def _products(acc, up, x, w, u, FP32_DOT: tl.constexpr, ACT: tl.constexpr, DOT: 
     return acc, up
 
 
-@triton.autotune(CONFIGS, key=["M", "N", "K", "PREFETCH"],
-                 prune_configs_by={"early_config_prune": _tuned_only_in_low_precision})
 @triton.jit
-def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
-                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
-                   HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):  # fmt: skip
-    """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for this program's BLOCK_N outputs
-    (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @ W[N + n]ᵀ + BIAS[N + n])).
-    PREFETCH: the first tile of weights is read before anything else and its step taken out of
-    the loop; PDL: only then does the program wait for the kernel before it (module docstring)."""
+def _wait(WAIT: tl.constexpr, SYNC, stage, need):
+    """Wait for what this program reads from others. WAIT 1: the kernel before (PDL: then the next
+    one may start); 2: a persistent step's stage ``stage`` - 1 (``ember.kernels.persistent``), its
+    count at SYNC + stage - 1 reaching ``need`` (0: known done); 0: nothing."""
+    if WAIT == 1:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if WAIT == 2:
+        if need > 0:
+            while tl.atomic_add(SYNC + stage - 1, 0, sem="acquire") < need:
+                pass
+
+
+@triton.jit
+def _linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, stage, need,
+                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
+                 HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):  # fmt: skip
+    """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for the BLOCK_N outputs of tile pid_n
+    and the BLOCK_M rows of tile pid_m (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @
+    W[N + n]ᵀ + BIAS[N + n])). PREFETCH: the first tile of weights is read before anything else and
+    its step taken out of the loop; only then does the program wait (``_wait``)."""
     tl.static_assert(DOT or BLOCK_M == 1, "the CUDA cores' products take one row a program")
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_m = rm[:, None] < M
     in_n = rn[:, None] < N
     rk = tl.arange(0, BLOCK_K)
@@ -167,9 +179,7 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
         u1 = w1
         if ACT == 2:
             u1 = _weight_tile(W, rn + N, in_n, rk, rk < K, K)
-    if PDL:  # X and R are the kernel before's outputs, and Y may be a buffer it still reads
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start on its own weights now
+    _wait(WAIT, SYNC, stage, need)  # X and R are outputs before this one, and Y may be a buffer one reads
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = mean
     if NORM != 0:  # the rows' statistics first, two passes over the (short, cache-hot) rows
@@ -221,16 +231,30 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=out)
 
 
+@triton.autotune(CONFIGS, key=["M", "N", "K", "PREFETCH"],
+                 prune_configs_by={"early_config_prune": _tuned_only_in_low_precision})
 @triton.jit
-def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
-                      H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
-                      PREFETCH: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr):
+def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
+                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
+                   HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+                   BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):  # fmt: skip
+    """``_linear_tile`` for tile (program_id(0), program_id(1)); PDL: it waits for the kernel
+    before (module docstring)."""
+    _linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, tl.program_id(0), tl.program_id(1), None, 0, 0,
+                 NORM, HAS_BIAS, HAS_BETA, ACT, HAS_RES, FP32_DOT, PREFETCH, 1 if PDL else 0, BLOCK_M, DOT,
+                 BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _attend(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, b, h, SYNC, stage, need,
+            H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
+            PREFETCH: tl.constexpr, WAIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Row b, head h: softmax over the new key and the row's held slots, in fp32. Each head
     vector is handled as its two halves, which RoPE (rotate-half) turns as pairs. What no kernel
     of this step writes (the position, the pads, the tables and the held slots, written by
     earlier steps) is read first; PREFETCH reads each tile of held slots one step ahead, the
-    first before q; PDL waits for the kernel before (q|k|v's product) only then."""
-    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    first before q; only then does the program wait (``_wait``) for q|k|v's product."""
     g = h // (H // HKV)  # its key/value head
     HALF: tl.constexpr = HD // 2
     d, e = tl.arange(0, HALF), tl.arange(0, HD)
@@ -243,9 +267,7 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, s
     if PREFETCH:
         s1 = first + tl.arange(0, BLOCK_S)
         c1_next, c2_next, v_next = _slot_tile(KC, VC, base, s1, (s1 < pos) & (s1 >= pad), sks, d, e, HALF)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait(WAIT, SYNC, stage, need)
     width = (H + 2 * HKV) * HD
     q = QKV + b * width + h * HD
     k = QKV + b * width + (H + g) * HD
@@ -285,6 +307,15 @@ def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, s
         total = total * shrink + tl.sum(p, axis=0)
         m = m_new
     tl.store(O + b * H * HD + h * HD + e, (acc / total).to(O.dtype.element_ty))
+
+
+@triton.jit
+def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
+                      H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
+                      PREFETCH: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``_attend`` for row program_id(0), head program_id(1); PDL: it waits for the kernel before."""
+    _attend(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, tl.program_id(0).to(tl.int64),
+            tl.program_id(1), None, 0, 0, H, HKV, HD, ROPE, PREFETCH, 1 if PDL else 0, BLOCK_S)
 
 
 def _embed_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad: Tensor) -> Tensor:
