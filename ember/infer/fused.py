@@ -90,12 +90,18 @@ class _Block(NamedTuple):
     w2: nn.Linear
 
 
+# The persistent step's tasks: BLOCK_N outputs by BLOCK_K inputs a product tile (one row on the CUDA
+# cores: 202 registers for sm_90 at 8 warps, no spills; several rows: tl.dot, at most 256 inputs a
+# step); programs 0: one an SM
+PERSISTENT = {"block_n": 16, "block_k": 1024, "programs": 0}
+
+
 class FusedDecode:
     """``step(idx, cache)`` as ``model(idx, cache=cache)`` computes it for one new token a row on
     a ``StaticKVCache`` the prefill filled: logits (B, 1, V) in fp32, k and v written at the
     cache's position, the position advanced (module docstring)."""
 
-    def __init__(self, model: nn.Module, pdl: bool = True):
+    def __init__(self, model: nn.Module, pdl: bool = True, persistent: bool = False):
         if why := unsupported(model):
             raise EmberError(
                 f"the fused decode step (kernels=triton) covers GPT-2 and Llama blocks; this model has "
@@ -119,9 +125,60 @@ class FusedDecode:
         self.final = _norm(model.norm)
         self.head = model.output
         self.pdl = pdl  # each product's weights read ahead; on Hopper, launched as dependents (docstring)
+        self.persistent = persistent  # the whole step in one launch (ember.kernels.persistent)
+        self.tables: dict[tuple, Tensor] = {}  # its pointer tables, by address: a CUDA graph replays its own
+
+    def _table(self, cache) -> Tensor:
+        """The (L, 14) int64 table of each block's weights' and caches' addresses (a row of
+        ``ember.kernels.persistent.COLUMNS`` a block), made once per set of addresses (read each
+        call: a model moved or cast since has new ones); refused where the step's one norm and eps
+        do not fit."""
+        kinds = {(n[2], n[3]) for b in self.blocks for n in (b.norm1, b.norm2)} | {self.final[2:]}
+        if len(kinds) > 1:
+            raise EmberError(
+                f"the persistent step takes one kind of norm and one eps; this model has {sorted(kinds)}"
+            )
+        rows = []
+        for b in self.blocks:
+            (g1, b1, *_), (g2, b2, *_) = b.norm1, b.norm2
+            row = (b.qkv, b.qkv_bias, b.wo.weight, b.wo.bias, b.up, b.up_bias, b.w2.weight, b.w2.bias,
+                   g1, b1, g2, b2)  # fmt: skip
+            if any(t is not None and not t.is_contiguous() for t in row):
+                raise EmberError(f"the persistent step reads weights by pointer: {b.name}'s are strided")
+            row += (cache.k[b.name], cache.v[b.name])
+            rows.append(tuple(0 if t is None else t.data_ptr() for t in row))
+        key = tuple(rows)
+        if key not in self.tables:
+            self.tables[key] = torch.tensor(rows, dtype=torch.int64, device=self.wte.device)
+        return self.tables[key]
+
+    def _step(self, idx: Tensor, cache) -> Tensor:
+        """The whole step in one launch (ember.kernels.persistent)."""
+        from ember.kernels.persistent import decode_step
+
+        B, (V, C) = idx.size(0), self.head.weight.shape
+        if B > 16:
+            raise EmberError(f"the persistent step takes at most 16 rows a step (tl.dot's tile), not {B}")
+        dot = B > 1  # one row on the CUDA cores; more on tl.dot, whose 16-row tiles spill past 256 inputs
+        block_k = PERSISTENT["block_k"] if not dot else min(256, PERSISTENT["block_k"])
+        k0 = cache.k[self.blocks[0].name]
+        b0 = self.blocks[0]
+        new = lambda n, dtype=self.wte.dtype: torch.empty(B, n, dtype=dtype, device=self.wte.device)  # noqa: E731
+        F = b0.up.size(0) // (2 if self.act == ACTS["swiglu"] else 1)
+        logits = new(V, torch.float32)
+        (_, beta, eps, norm), (gf, bf, eps_f, _) = b0.norm1, self.final
+        decode_step(idx.reshape(-1).contiguous(), self.wte, self.wpe, cache.pos, cache.pad, *self.rope,
+                    self._table(cache), gf, bf, self.head.weight, self.head.bias, new(C), new(b0.qkv.size(0)),
+                    new(self.heads[0] * k0.size(3)), new(F), logits,
+                    torch.empty(2 + 5 * len(self.blocks), dtype=torch.int32, device=self.wte.device), k0, eps,
+                    eps_f, *self.heads, norm, self.act, b0.qkv_bias is not None, beta is not None, dot,
+                    PERSISTENT["block_n"], block_k, PERSISTENT["programs"])  # fmt: skip
+        return logits[:, None]
 
     @torch.no_grad()
     def __call__(self, idx: Tensor, cache) -> Tensor:
+        if self.persistent:
+            return self._step(idx, cache)
         pos, pad = cache.pos, cache.pad
         x = decode_embed(idx.reshape(-1), self.wte, self.wpe, pos, pad)  # (B, C)
         none, pdl = NORMS["none"], self.pdl

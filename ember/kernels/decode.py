@@ -86,7 +86,12 @@ if INTERPRET:  # one small config: the interpreter's programs run one after anot
 
 @triton.jit
 def _embed_kernel(IDX, WTE, WPE, POS, PAD, X, C, spad, HAS_WPE: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
+    _embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, tl.program_id(0), HAS_WPE, BLOCK)
+
+
+@triton.jit
+def _embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, b, HAS_WPE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row b's token embedding, plus its learned position's (HAS_WPE), into X[b]."""
     cols = tl.arange(0, BLOCK)
     token = tl.load(IDX + b).to(tl.int64)
     x = tl.load(WTE + token * C + cols, mask=cols < C, other=0.0).to(tl.float32)
