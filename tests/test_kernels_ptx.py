@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ember.kernels import decode, norm, paged, rope, softmax
+from ember.kernels import decode, norm, paged, persistent, rope, softmax
 
 def lower(kernel, types, consts, num_warps=4, aligned=False):
     fn = kernel
@@ -40,6 +40,9 @@ def lower(kernel, types, consts, num_warps=4, aligned=False):
         ptx = compiled.asm["ptx"]
         gdc = ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")
         assert gdc == (1, 1), (fn.__name__, gdc)
+    if "TABLE" in fn.arg_names:  # the persistent step: waits acquire, counts release, one thread each
+        ptx = compiled.asm["ptx"]
+        assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx, fn.__name__
     if consts.get("STAGES", 1) > 1 and aligned:  # the loop's loads run ahead: cp.async, not ld.global
         ptx = compiled.asm["ptx"]
         assert "cp.async" in ptx and "ld.global" not in ptx, fn.__name__
@@ -76,6 +79,12 @@ lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32"
 LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, PER_SM=1)  # a vocab row: the two-pass loops, pipelined
 lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32), LONG, 16, aligned=True)
 lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32), LONG, 16, aligned=True)
+STEP = dict(IDX="*i64", WTE=bf, WPE=bf, POS="*i64", PAD="*i64", TABLE="*i64", GF=bf, BF=bf, HEAD=bf, X=bf,
+            QKV=bf, O=bf, HID=bf, LOGITS="*fp32", SYNC="*i32", B=i32, C=i32, F=i32, V=i32, L=i32, eps="fp32",
+            eps_f="fp32", spad=i32, skb=i64, skh=i64, sks=i64, scale="fp32")  # gpt2-small's step, one row
+lower(persistent._step_kernel, STEP, dict(COS=None, SIN=None, HEAD_B=None, H=12, HKV=12, HD=64, NORM=1,
+      HAS_BIAS=True, HAS_BETA=True, ACT=1, HAS_WPE=True, ROPE=False, HEAD_BIAS=False, FP32_DOT=False,
+      BLOCK_M=1, DOT=False, BLOCK_N=16, BLOCK_K=1024, BLOCK_S=64, BLOCK_C=1024), 8, aligned=True)
 PAGED = dict(Q=bf, K=bf, V=bf, TABLES="*i32", QPOS="*i64", TILES="*i64", O=bf, sqt=i64, sqh=i64, sks=i64,
              skh=i64, st=i64, n_tiles=i32, scale="fp32")
 lower(paged._paged_kernel, PAGED, dict(BS=16, H=12, GROUP=3, HD=64, BLOCK_M=16, BLOCK_N=32, PREC="tf32",
@@ -87,4 +96,4 @@ def test_changed_kernels_lower_to_sm90_cubins():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("lowered") == 16, out.stdout
+    assert out.stdout.count("lowered") == 17, out.stdout
