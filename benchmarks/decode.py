@@ -4,7 +4,8 @@
                                           [--threads N] [--device cpu|cuda] [--dtype fp32|bf16]
                                           [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
                                           [--variants compiled graphs compiled-graphs tuned-graphs
-                                                      fused-graphs fused-graphs-no-pdl]
+                                                      fused-graphs fused-graphs-no-pdl
+                                                      fused-graphs-persistent]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
@@ -366,7 +367,8 @@ def check_parity(
         except EmberError as e:
             print(f"fused step: not for this model: {e}")
             return ember
-        engine.decode.step.pdl = FUSED[variant]
+        for name, value in FUSED[variant].items():
+            setattr(engine.decode.step, name, value)
         try:  # a road that fails on this GPU (its launches or their capture) loses its row, not the run
             fused = ember_generate(engine, [prompt], args.new_tokens)()[0]
         except Exception as e:  # noqa: BLE001  (whatever it is, it is printed)
@@ -411,6 +413,7 @@ def run_model(
     graphed += [(" tuned graphs", TUNED, True)] if args.graphs else []  # frozen weights, max-autotune
     graphed += [(" fused graphs", "triton", True)] if args.graphs else []  # ember's own step (kernels)
     graphed += [(" fused graphs, no PDL", "triton-no-pdl", True)] if args.graphs else []  # its road before
+    graphed += [(" fused graphs persistent", "triton-persistent", True)] if args.graphs else []  # one launch
     keep = lambda m: not m or variant_of(m) in args.variants  # noqa: E731  (eager: the base row)
     variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed if keep(m)}
     for spec in args.quant:
@@ -431,8 +434,8 @@ def run_model(
             del variants[who]
             continue
         one.lookahead = 1 if who.endswith("lookahead 1") else one.lookahead
-        if kernels == "triton":
-            one.decode.step.pdl = compile == "triton"  # (not "triton-no-pdl")
+        for name, value in FUSED.get(variant_of(who.removeprefix("ember")), {}).items():
+            setattr(one.decode.step, name, value)  # the fused step's road
         calls["1", who] = ember_generate(one, prompts[:1], args.new_tokens)
         if compile or graphs:
             compile_seconds[who] = timed(calls["1", who], device)
@@ -590,8 +593,13 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
                  for name, (n, t) in top])  # fmt: skip
 
 
-VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs", "fused-graphs-no-pdl")
-FUSED = {"fused-graphs": True, "fused-graphs-no-pdl": False}  # the fused step's roads: FusedDecode.pdl
+VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs", "fused-graphs-no-pdl",
+            "fused-graphs-persistent")
+FUSED = {  # the fused step's roads, as FusedDecode's settings
+    "fused-graphs": {"pdl": True},
+    "fused-graphs-no-pdl": {"pdl": False},
+    "fused-graphs-persistent": {"persistent": True},  # the whole step in one launch
+}
 
 
 def variant_of(mode: str) -> str:
@@ -641,7 +649,8 @@ def main() -> None:
         "TUNED), frozen weights and max-autotune, a long compile; fused-graphs: Engine(kernels='triton'), "
         "ember's own five-launch block, graphed, its kernels launched as programmatic dependents on Hopper "
         "(each reads its first weights before waiting for the kernel before); fused-graphs-no-pdl: the same "
-        "step without (FusedDecode.pdl=False); a GPU lease's short run: compiled-graphs fused-graphs "
+        "step without (FusedDecode.pdl=False); fused-graphs-persistent: the whole step in one persistent "
+        "kernel (FusedDecode.persistent); a GPU lease's short run: compiled-graphs fused-graphs "
         "fused-graphs-no-pdl)",
     )
     parser.add_argument(

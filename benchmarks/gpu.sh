@@ -7,9 +7,10 @@
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
 #   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode cli fp8-loss (<= 9 min)
-#   DEADLINE=280 bash benchmarks/gpu.sh kernels-norms serve-host levers   # 2nd call at once (timeout_s 300)
+#   DEADLINE=280 bash benchmarks/gpu.sh decode-persistent kernels-norms serve-host levers  # 2nd (300 s)
 #
 # (`all`'s decode stage times the fused step with and without PDL, new since the last lease;
+# `decode-persistent` the whole step in one kernel, new too;
 # `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order, the
 # norm backward's tile and softmax's long rows (pipelined, tuned) changed since the last lease,
 # each beside its old road; `levers` ends with
@@ -21,7 +22,7 @@
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py; 2026-11-27, an H200: `all`
 # (serve cut at 200 s after its rows, fp8-loss left 37 s: both trimmed since), then
 # `kernels-norms serve-host levers` (serve-host and levers' llama-small row failed, fixed since):
-# benchmarks/RESULTS.md, "One GPU, ...". Next: `all`, then `kernels-norms serve-host levers`;
+# benchmarks/RESULTS.md, "One GPU, ...". Next: `all`, then `decode-persistent kernels-norms serve-host levers`;
 # later `fp8-filters`, `fp8-wide`, `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`,
 # `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel`
 # (earlier issues' GPU checks, each <= 5 min).
@@ -43,6 +44,10 @@
 #             + CUDA graphs road (1,600 tok/s on the H200), lookahead and int8 were measured
 #             before; their compile would starve fp8-loss (DECODE_ARGS='--variants
 #             compiled-graphs fused-graphs' brings them back)                              (150 s)
+#   decode-persistent  decode.py's fused step (five launches a block, PDL) against the whole step in one
+#             persistent kernel (ember/kernels/persistent.py; fp32 parity first), gpt2-small bf16,
+#             graphed, with the faster one's anatomy. Its own stage: a wait that never ends on a GPU
+#             (the CPU's interpreter runs one program, which cannot show one) costs this stage alone (100 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
@@ -53,9 +58,10 @@
 #   plan      `ember plan gpt2-small --measure` in bf16: predicted against measured,
 #             and the caching allocator's peak                                      (240 s)
 #   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
-#   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py, test_paged_triton.py and
-#             test_fused_decode.py on CUDA: each kernel against its reference on the GPU itself,
-#             the fused step's PDL road included (the CPU runs them under the interpreter)   (150 s)
+#   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py, test_paged_triton.py,
+#             test_fused_decode.py and test_persistent_decode.py on CUDA: each kernel against its
+#             reference on the GPU itself, the fused step's PDL road and the persistent step (one
+#             program an SM there) included (the CPU runs them under the interpreter)        (150 s)
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
 #             and Liger-Kernel (its wheel unpacked into .gpu/, carried: the image
 #             lacks it), gpt2-small and llama-small shapes; kernels.json; then --host, each
@@ -170,6 +176,10 @@ for what in "$@"; do
         stage decode 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
             --reps 1 --new-tokens 128 --variants fused-graphs fused-graphs-no-pdl --anatomy ${DECODE_ARGS:-}"
         ;;
+    decode-persistent)  # issue 29 pt 3: the whole step in one persistent kernel, beside the five-launch block
+        stage decode-persistent 100 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
+            --quant none --reps 1 --new-tokens 128 --variants fused-graphs fused-graphs-persistent --anatomy"
+        ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
             --reps 1 --new-tokens 128 --variants compiled-graphs tuned-graphs --anatomy"
@@ -191,7 +201,7 @@ for what in "$@"; do
     kernels-test)  # the kernels' own tests, on the GPU: the CPU runs them interpreted
         stage kernels-test 150 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
             tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py \
-            tests/test_paged_triton.py tests/test_fused_decode.py -k 'not cpp'"
+            tests/test_paged_triton.py tests/test_fused_decode.py tests/test_persistent_decode.py -k 'not cpp'"
         ;;
     kernels)
         stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json && \
@@ -255,7 +265,7 @@ for what in "$@"; do
         summary env serve train decode cli fp8-loss
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2
+        echo "unknown stage $what: env analyze decode decode-persistent decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2
         exit 2
         ;;
     esac
