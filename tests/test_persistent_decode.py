@@ -39,7 +39,7 @@ def test_persistent_step_matches_the_models_step(layout):
 
 def test_persistent_step_reads_many_tiles_of_slots():
     """Past 64 held slots the attention task walks two tiles, each read a step ahead, and the
-    products' inputs span tiles (128 inputs; a block of 32 under the patch below)."""
+    products' inputs span tiles (128 inputs in blocks of 32 under the patch below)."""
     from ember.infer import fused
     from ember.infer.fused import FusedDecode
 
@@ -50,11 +50,11 @@ def test_persistent_step_reads_many_tiles_of_slots():
     step = FusedDecode(model, persistent=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(fused.PERSISTENT, "block_k", 32)
-        patch.setitem(fused.PERSISTENT, "block_n", 8)
         assert_steps_match(model, step, ids, slots=100, pad=[0, 5], prompt=70, steps=1)
         assert_steps_match(model, step, ids[:1], slots=100, pad=[0], prompt=70, steps=1)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's waits alone run as Python, to be watched")
 def test_each_task_waits_for_the_whole_stage_before(monkeypatch):
     """On a GPU a task that counted the stage before wrongly would read unfinished outputs (too
     few) or wait forever (too many), where the interpreter's single program, walking the tasks in

@@ -39,7 +39,6 @@ from ember.kernels.decode import _attend, _embed_row, _linear_tile
 # A block's pointers in TABLE's row: weights and biases of q|k|v, o, up (gate|up), down; the
 # two norms' weights and biases; the layer's key and value caches.
 COLUMNS = ("qkv", "qkv_b", "wo", "wo_b", "up", "up_b", "w2", "w2_b", "g1", "b1", "g2", "b2", "kc", "vc")
-_W = len(COLUMNS)
 
 
 @triton.jit
@@ -131,6 +130,7 @@ def _step_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad:
     zeroed here. ``programs``: the grid (0: one an SM)."""
     B, C = x.shape
     L, F, V = table.size(0), hid.size(1), logits.size(1)
+    assert table.shape[1] == len(COLUMNS) == 14, table.shape  # (_at reads rows of 14)
     S, hd = k_cache.size(2), k_cache.size(3)
     sync.zero_()  # (the counters; a memset node in a CUDA graph)
     grid = programs or (1 if INTERPRET else sm_count(x.get_device()))
