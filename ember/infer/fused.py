@@ -2,6 +2,7 @@
 
     engine = Engine(model, tokenizer, graphs=True, kernels="triton")    # this step, from a CUDA graph
     logits = FusedDecode(model)(idx, cache)      # idx (B, 1), cache a filled StaticKVCache -> (B, 1, V)
+    logits = FusedDecode(model, persistent=True)(idx, cache)        # the same in one launch, B <= 16
 
 PyTorch's kernels run a block's decode step as a dozen or more launches (norms, three products
 for q, k, v, RoPE, the cache writes, the mask, attention, the output product, the residual
@@ -12,6 +13,9 @@ adds, the MLP's products and activation), and at batch 1 each costs its latency,
 with the embedding and the final norm + head, gpt2-small's step is 62 launches, then the
 position's increment. With ``pdl`` (the default) each kernel reads its weights (or its cached
 keys) before it waits for the one before, and on Hopper overlaps it (ember/kernels/decode.py).
+With ``persistent`` the whole step is one launch instead: the same tiles as tasks that one
+program an SM walks in order, each waiting for the stage before on a counter
+(ember/kernels/persistent.py; it reads the weights and the cache's buffers by address).
 
 It covers the GPT-2 and Llama layouts: LayerNorm or RMSNorm before each sublayer, learned, rotary
 or no positions, the GELU (tanh) or SwiGLU MLP, biases or not, grouped-query attention; anything
