@@ -86,11 +86,11 @@ if INTERPRET:  # one small config: the interpreter's programs run one after anot
 
 @triton.jit
 def _embed_kernel(IDX, WTE, WPE, POS, PAD, X, C, spad, HAS_WPE: tl.constexpr, BLOCK: tl.constexpr):
-    _embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, tl.program_id(0), HAS_WPE, BLOCK)
+    embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, tl.program_id(0), HAS_WPE, BLOCK)
 
 
 @triton.jit
-def _embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, b, HAS_WPE: tl.constexpr, BLOCK: tl.constexpr):
+def embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, b, HAS_WPE: tl.constexpr, BLOCK: tl.constexpr):
     """Row b's token embedding, plus its learned position's (HAS_WPE), into X[b]."""
     cols = tl.arange(0, BLOCK)
     token = tl.load(IDX + b).to(tl.int64)
@@ -164,7 +164,7 @@ def _wait(WAIT: tl.constexpr, SYNC, stage, need):
 
 
 @triton.jit
-def _linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, stage, need,
+def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, stage, need,
                  NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
                  HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -244,15 +244,15 @@ def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
                    HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
                    BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):  # fmt: skip
-    """``_linear_tile`` for tile (program_id(0), program_id(1)); PDL: it waits for the kernel
+    """``linear_tile`` for tile (program_id(0), program_id(1)); PDL: it waits for the kernel
     before (module docstring)."""
-    _linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, tl.program_id(0), tl.program_id(1), None, 0, 0,
+    linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, tl.program_id(0), tl.program_id(1), None, 0, 0,
                  NORM, HAS_BIAS, HAS_BETA, ACT, HAS_RES, FP32_DOT, PREFETCH, 1 if PDL else 0, BLOCK_M, DOT,
                  BLOCK_N, BLOCK_K)
 
 
 @triton.jit
-def _attend(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, b, h, SYNC, stage, need,
+def attend_head(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, b, h, SYNC, stage, need,
             H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
             PREFETCH: tl.constexpr, WAIT: tl.constexpr, BLOCK_S: tl.constexpr):
     """Row b, head h: softmax over the new key and the row's held slots, in fp32. Each head
@@ -318,8 +318,8 @@ def _attend(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, b, h
 def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
                       H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
                       PREFETCH: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr):
-    """``_attend`` for row program_id(0), head program_id(1); PDL: it waits for the kernel before."""
-    _attend(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, tl.program_id(0).to(tl.int64),
+    """``attend_head`` for row program_id(0), head program_id(1); PDL: it waits for the kernel before."""
+    attend_head(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, tl.program_id(0).to(tl.int64),
             tl.program_id(1), None, 0, 0, H, HKV, HD, ROPE, PREFETCH, 1 if PDL else 0, BLOCK_S)
 
 

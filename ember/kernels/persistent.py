@@ -10,7 +10,7 @@ gpt2-small at 16-23% of the HBM bound (benchmarks/RESULTS.md, "Decode's floor").
 holds the step, in stages: [embedding], then per block [norm + q|k|v tiles], [attention, a task a
 (row, head)], [o tiles + residual], [norm + up (+ gate) tiles + activation], [down tiles +
 residual], then [final norm + head tiles]. Each task is one of ``decode.py``'s tiles, by the same
-helpers (``_linear_tile``, ``_attend``), so the numbers are the five-launch step's.
+helpers (``linear_tile``, ``attend_head``), so the numbers are the five-launch step's.
 
 Order without a grid barrier: tasks are numbered stage by stage, and program p takes tasks p,
 p + G, p + 2G, ... (G programs, all resident: one an SM). A task first reads what no task of the
@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ember.kernels import INTERPRET, pow2, sm_count
-from ember.kernels.decode import _attend, _embed_row, _linear_tile
+from ember.kernels.decode import attend_head, embed_row, linear_tile
 
 # A block's pointers in TABLE's row: weights and biases of q|k|v, o, up (gate|up), down; the
 # two norms' weights and biases; the layer's key and value caches.
@@ -84,31 +84,31 @@ def _step_kernel(IDX, WTE, WPE, POS, PAD, COS, SIN, TABLE, GF, BF, HEAD, HEAD_B,
         need = tl.where(stage <= known, 0, before)
         if kind == 0:
             for b in range(0, B):
-                _embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, b, HAS_WPE, BLOCK_C)
+                embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, b, HAS_WPE, BLOCK_C)
         elif kind == 1:
-            _linear_tile(X, _at(TABLE, layer, 0, WTE), _at(TABLE, layer, 1, WTE), _at(TABLE, layer, 8, WTE),
+            linear_tile(X, _at(TABLE, layer, 0, WTE), _at(TABLE, layer, 1, WTE), _at(TABLE, layer, 8, WTE),
                          _at(TABLE, layer, 9, WTE), None, QKV, B, (H + 2 * HKV) * HD, C, eps, tile, 0, SYNC,
                          stage, need, NORM, HAS_BIAS, HAS_BETA, 0, False, FP32_DOT, True, 2, BLOCK_M, DOT,
                          BLOCK_N, BLOCK_K)
         elif kind == 2:
-            _attend(QKV, _at(TABLE, layer, 12, X), _at(TABLE, layer, 13, X), POS, PAD, COS, SIN, O, spad,
+            attend_head(QKV, _at(TABLE, layer, 12, X), _at(TABLE, layer, 13, X), POS, PAD, COS, SIN, O, spad,
                     skb, skh, sks, scale, (tile // H).to(tl.int64), tile % H, SYNC, stage, need, H, HKV, HD,
                     ROPE, True, 2, BLOCK_S)
         elif kind == 3:
-            _linear_tile(O, _at(TABLE, layer, 2, WTE), _at(TABLE, layer, 3, WTE), None, None, X, X, B, C, C,
+            linear_tile(O, _at(TABLE, layer, 2, WTE), _at(TABLE, layer, 3, WTE), None, None, X, X, B, C, C,
                          0.0, tile, 0, SYNC, stage, need, 0, HAS_BIAS, False, 0, True, FP32_DOT, True, 2,
                          BLOCK_M, DOT, BLOCK_N, BLOCK_K)
         elif kind == 4:
-            _linear_tile(X, _at(TABLE, layer, 4, WTE), _at(TABLE, layer, 5, WTE), _at(TABLE, layer, 10, WTE),
+            linear_tile(X, _at(TABLE, layer, 4, WTE), _at(TABLE, layer, 5, WTE), _at(TABLE, layer, 10, WTE),
                          _at(TABLE, layer, 11, WTE), None, HID, B, F, C, eps, tile, 0, SYNC, stage, need,
                          NORM, HAS_BIAS, HAS_BETA, ACT, False, FP32_DOT, True, 2, BLOCK_M, DOT, BLOCK_N,
                          BLOCK_K)
         elif kind == 5:
-            _linear_tile(HID, _at(TABLE, layer, 6, WTE), _at(TABLE, layer, 7, WTE), None, None, X, X, B, C, F,
+            linear_tile(HID, _at(TABLE, layer, 6, WTE), _at(TABLE, layer, 7, WTE), None, None, X, X, B, C, F,
                          0.0, tile, 0, SYNC, stage, need, 0, HAS_BIAS, False, 0, True, FP32_DOT, True, 2,
                          BLOCK_M, DOT, BLOCK_N, BLOCK_K)
         else:
-            _linear_tile(X, HEAD, HEAD_B, GF, BF, None, LOGITS, B, V, C, eps_f, tile, 0, SYNC, stage, need,
+            linear_tile(X, HEAD, HEAD_B, GF, BF, None, LOGITS, B, V, C, eps_f, tile, 0, SYNC, stage, need,
                          NORM, HEAD_BIAS, HAS_BETA, 0, False, FP32_DOT, True, 2, BLOCK_M, DOT, BLOCK_N,
                          BLOCK_K)
         known = tl.maximum(known, stage)
