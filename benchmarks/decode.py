@@ -5,7 +5,7 @@
                                           [--no-graphs] [--peak-bandwidth GB/s] [--anatomy]
                                           [--variants compiled graphs compiled-graphs tuned-graphs
                                                       fused-graphs fused-graphs-no-pdl
-                                                      fused-graphs-persistent]
+                                                      fused-graphs-persistent fused-graphs-persistent-n8]
 
 Both generate ``--new-tokens`` (256) tokens greedily after a 64-token prompt, at batch 1,
 at batch 8 (8 different prompts), and at batch 8 with prompts of 64 down to about 22
@@ -413,7 +413,8 @@ def run_model(
     graphed += [(" tuned graphs", TUNED, True)] if args.graphs else []  # frozen weights, max-autotune
     graphed += [(" fused graphs", "triton", True)] if args.graphs else []  # ember's own step (kernels)
     graphed += [(" fused graphs, no PDL", "triton-no-pdl", True)] if args.graphs else []  # its road before
-    graphed += [(" fused graphs persistent", "triton-persistent", True)] if args.graphs else []  # one launch
+    persistent = [f" {v.replace('-', ' ')}" for v in FUSED if "persistent" in v]  # the step in one launch
+    graphed += [(mode, "triton-persistent", True) for mode in persistent] if args.graphs else []
     keep = lambda m: not m or variant_of(m) in args.variants  # noqa: E731  (eager: the base row)
     variants = {f"ember{m}": (ours, c, g) for m, c, g in modes + graphed if keep(m)}
     for spec in args.quant:
@@ -594,11 +595,12 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
 
 
 VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs", "fused-graphs-no-pdl",
-            "fused-graphs-persistent")
+            "fused-graphs-persistent", "fused-graphs-persistent-n8")
 FUSED = {  # the fused step's roads, as FusedDecode's settings
     "fused-graphs": {"pdl": True},
     "fused-graphs-no-pdl": {"pdl": False},
-    "fused-graphs-persistent": {"persistent": True},  # the whole step in one launch
+    "fused-graphs-persistent": {"persistent": True},  # the whole step in one launch, 16 x 1024 a task
+    "fused-graphs-persistent-n8": {"persistent": True, "tile": (8, 1024)},  # 96 tasks for 768 outputs, not 48
 }
 
 
@@ -650,7 +652,8 @@ def main() -> None:
         "ember's own five-launch block, graphed, its kernels launched as programmatic dependents on Hopper "
         "(each reads its first weights before waiting for the kernel before); fused-graphs-no-pdl: the same "
         "step without (FusedDecode.pdl=False); fused-graphs-persistent: the whole step in one persistent "
-        "kernel (FusedDecode.persistent); a GPU lease's short run: compiled-graphs fused-graphs "
+        "kernel (FusedDecode.persistent), -n8 with 8 outputs a task (FusedDecode.tile); a GPU lease's short "
+        "run: compiled-graphs fused-graphs "
         "fused-graphs-no-pdl)",
     )
     parser.add_argument(

@@ -44,11 +44,11 @@
 #             + CUDA graphs road (1,600 tok/s on the H200), lookahead and int8 were measured
 #             before; their compile would starve fp8-loss (DECODE_ARGS='--variants
 #             compiled-graphs fused-graphs' brings them back)                              (150 s)
-#   decode-persistent  decode.py's row for the whole step in one persistent kernel
-#             (ember/kernels/persistent.py; fp32 parity first), gpt2-small bf16, graphed, against HF's
-#             generate, with its anatomy; the five-launch step's rows are `decode`'s, the same lease.
-#             Its own stage: a wait that never ends on a GPU (the CPU's interpreter runs one program,
-#             which cannot show one) costs this stage alone                                  (100 s)
+#   decode-persistent  decode.py's rows for the whole step in one persistent kernel, 16 and 8
+#             outputs a task (ember/kernels/persistent.py; fp32 parity first), gpt2-small bf16,
+#             graphed, against HF's generate, with the faster one's anatomy; the five-launch step's
+#             rows are `decode`'s, the same lease. Its own stage: a wait that never ends on a GPU
+#             (the CPU's interpreter runs one program, which cannot show one) costs it alone  (120 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
@@ -178,8 +178,8 @@ for what in "$@"; do
             --reps 1 --new-tokens 128 --variants fused-graphs fused-graphs-no-pdl --anatomy ${DECODE_ARGS:-}"
         ;;
     decode-persistent)  # issue 29 pt 3: the whole step in one persistent kernel, beside the five-launch block
-        stage decode-persistent 100 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
-            --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent --anatomy"
+        stage decode-persistent 120 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
+            --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent fused-graphs-persistent-n8 --anatomy"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \

@@ -39,8 +39,7 @@ def test_persistent_step_matches_the_models_step(layout):
 
 def test_persistent_step_reads_many_tiles_of_slots():
     """Past 64 held slots the attention task walks two tiles, each read a step ahead, and the
-    products' inputs span tiles (128 inputs in blocks of 32 under the patch below)."""
-    from ember.infer import fused
+    products' inputs span tiles (128 inputs in blocks of 32)."""
     from ember.infer.fused import FusedDecode
 
     cfg = ModelConfig(vocab_size=320, n_layer=1, n_head=4, d_model=128, max_seq_len=128, init_std=0.1,
@@ -48,10 +47,9 @@ def test_persistent_step_reads_many_tiles_of_slots():
     model = GPT.build(cfg, device=DEVICE, seed=0).eval()
     ids = torch.randint(0, 320, (2, 80), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     step = FusedDecode(model, persistent=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(fused.PERSISTENT, "block_k", 32)
-        assert_steps_match(model, step, ids, slots=100, pad=[0, 5], prompt=70, steps=1)
-        assert_steps_match(model, step, ids[:1], slots=100, pad=[0], prompt=70, steps=1)
+    step.tile = (8, 32)  # one row: 8 outputs a task; two rows: tl.dot's 16
+    assert_steps_match(model, step, ids, slots=100, pad=[0, 5], prompt=70, steps=1)
+    assert_steps_match(model, step, ids[:1], slots=100, pad=[0], prompt=70, steps=1)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's waits alone run as Python, to be watched")

@@ -131,6 +131,7 @@ class FusedDecode:
         self.pdl = pdl  # each product's weights read ahead; on Hopper, launched as dependents (docstring)
         self.persistent = persistent  # the whole step in one launch (ember.kernels.persistent)
         self.tables: dict[tuple, Tensor] = {}  # its pointer tables, by address: a CUDA graph replays its own
+        self.tile: tuple[int, int] | None = None  # its (BLOCK_N, BLOCK_K) for one row; None: PERSISTENT's
 
     def _table(self, cache) -> Tensor:
         """The (L, 14) int64 table of each block's weights' and caches' addresses (a row of
@@ -164,7 +165,8 @@ class FusedDecode:
         if B > 16:
             raise EmberError(f"the persistent step takes at most 16 rows a step (tl.dot's tile), not {B}")
         dot = B > 1  # one row on the CUDA cores; more on tl.dot, whose 16-row tiles spill past 256 inputs
-        block_k = PERSISTENT["block_k"] if not dot else min(256, PERSISTENT["block_k"])
+        block_n, block_k = self.tile or (PERSISTENT["block_n"], PERSISTENT["block_k"])
+        block_n, block_k = (max(16, block_n), min(256, block_k)) if dot else (block_n, block_k)
         k0 = cache.k[self.blocks[0].name]
         b0 = self.blocks[0]
         new = lambda n, dtype=self.wte.dtype: torch.empty(B, n, dtype=dtype, device=self.wte.device)  # noqa: E731
@@ -176,7 +178,7 @@ class FusedDecode:
                     new(self.heads[0] * k0.size(3)), new(F), logits,
                     torch.empty(2 + 5 * len(self.blocks), dtype=torch.int32, device=self.wte.device), k0, eps,
                     eps_f, *self.heads, norm, self.act, b0.qkv_bias is not None, beta is not None, dot,
-                    PERSISTENT["block_n"], block_k, PERSISTENT["programs"])  # fmt: skip
+                    block_n, block_k, PERSISTENT["programs"])  # fmt: skip
         return logits[:, None]
 
     @torch.no_grad()
