@@ -112,16 +112,20 @@ def test_fused_step_reads_many_tiles_of_slots_on_both_roads(pdl, gemv):
     assert_steps_match(model, FusedDecode(model, pdl=pdl), ids, slots=100, pad=[0, 5], prompt=70, steps=3)
 
 
-def test_generate_with_the_fused_step_gives_the_same_completions():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_generate_with_the_fused_step_gives_the_same_completions(persistent):
+    """Through GraphedDecode, on both roads: five launches a block, and the whole step in one
+    (``FusedDecode.persistent``, ember/kernels/persistent.py; 4 tokens, each slower interpreted)."""
     from ember.infer.fused import FusedDecode
 
     tok = _tokenizer()
     model = tiny(**GPT2)
-    prompts = ["def f(x):", "return x +"]
-    plain = Engine(model, tok).generate(prompts, Sampling(max_new_tokens=8, temperature=0))
+    prompts, n = ["def f(x):", "return x +"], 4 if persistent else 8
+    plain = Engine(model, tok).generate(prompts, Sampling(max_new_tokens=n, temperature=0))
     engine = Engine(model, tok, graphs=True, kernels="triton")
     assert isinstance(engine.decode.step, FusedDecode) and engine.decode.step.pdl  # through GraphedDecode
-    fused = engine.generate(prompts, Sampling(max_new_tokens=8, temperature=0))
+    engine.decode.step.persistent = persistent
+    fused = engine.generate(prompts, Sampling(max_new_tokens=n, temperature=0))
     assert [c.token_ids for c in fused] == [c.token_ids for c in plain]
 
 

@@ -1,20 +1,18 @@
 """The whole decode step in one persistent kernel (``FusedDecode(model, persistent=True)``,
 ember/kernels/persistent.py) against the model's own step: logits and cache writes (fp32, 1e-4)
 over several tokens for each layout, one row on the CUDA cores' road and two (one left-padded) on
-tl.dot's, past several tiles of held slots, and the greedy completions of ``generate`` through
-the graphed engine. Under Triton's interpreter one program walks every task in order;
+tl.dot's, past several tiles of held slots (tests/test_fused_decode.py runs ``generate`` through
+the graphed engine on it). Under Triton's interpreter one program walks every task in order;
 tests/test_kernels_ptx.py compiles the kernel for sm_90, where one program an SM walks them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_decode import DEVICE, GPT2, LAYOUTS, _tokenizer, assert_steps_match, tiny
+from test_fused_decode import DEVICE, GPT2, LAYOUTS, assert_steps_match, tiny
 
 from ember.config import ModelConfig
 from ember.errors import EmberError
-from ember.infer.engine import Engine
-from ember.infer.sampling import Sampling
 from ember.kernels import triton_ready
 from ember.model.gpt import GPT
 
@@ -80,20 +78,6 @@ def test_each_task_waits_for_the_whole_stage_before(monkeypatch):
     assert all(need == counted for _, need, counted in seen), seen
     # q|k|v 192 outputs in 12 tiles of 16, attention 2 rows x 4 heads, o 4 tiles, up 16, down 4
     assert [need for _, need, _ in seen[:6]] == [1, 12, 8, 4, 16, 4]
-
-
-def test_generate_with_the_persistent_step_gives_the_same_completions():
-    from ember.infer.fused import FusedDecode
-
-    tok = _tokenizer()
-    model = tiny(**GPT2)
-    prompts = ["def f(x):", "return x +"]
-    plain = Engine(model, tok).generate(prompts, Sampling(max_new_tokens=4, temperature=0))
-    engine = Engine(model, tok, graphs=True, kernels="triton")
-    assert isinstance(engine.decode.step, FusedDecode)
-    engine.decode.step.persistent = True
-    ours = engine.generate(prompts, Sampling(max_new_tokens=4, temperature=0))
-    assert [c.token_ids for c in ours] == [c.token_ids for c in plain]
 
 
 def test_the_persistent_step_refuses_what_it_cannot_take():
