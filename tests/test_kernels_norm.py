@@ -101,6 +101,23 @@ def test_norm_modules_swap_in(ours, theirs, kwargs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_backward_sums_its_partials_in_one_launch(dtype):
+    """dw and db from the backward's per-program partial rows: 130 rows (three blocks of 64, the
+    last ragged) by 37 columns (two blocks of 32), summed in fp32 and cast once to the output's
+    dtype, as torch's sum and then its cast."""
+    import triton.language as tl
+
+    from ember.kernels import norm
+
+    g = torch.Generator().manual_seed(0)
+    pw, pb = (torch.randn(130, 37, generator=g).to(DEVICE) for _ in range(2))
+    dw, db = (torch.empty(37, dtype=dtype, device=DEVICE) for _ in range(2))
+    norm._sum_partials[(2,)](pw, pb, dw, db, 130, 37, HAS_W=True, HAS_B=True, ACC=tl.float32, BLOCK_P=64,
+                             BLOCK_N=32)  # fmt: skip
+    assert_near((dw, db), (pw.sum(0).to(dtype), pb.sum(0).to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(3, 37), (5, 130), (2, 50_304)])
 def test_softmax_matches_reference(shape, dtype):
     (x,) = leaves(dtype, shape)
