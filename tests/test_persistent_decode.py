@@ -7,6 +7,8 @@ tests/test_kernels_ptx.py compiles the kernel for sm_90, where one program an SM
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from test_fused_decode import DEVICE, GPT2, LAYOUTS, assert_steps_match, tiny
@@ -48,6 +50,8 @@ def test_persistent_step_reads_many_tiles_of_slots():
     step.tile = (8, 32)  # one row: 8 outputs a task; two rows: tl.dot's 16
     assert_steps_match(model, step, ids, slots=100, pad=[0, 5], prompt=70, steps=1)
     assert_steps_match(model, step, ids[:1], slots=100, pad=[0], prompt=70, steps=1)
+    gc.collect()
+    assert len(step.tables) == 0  # each cache's pointer table went with its cache
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's waits alone run as Python, to be watched")

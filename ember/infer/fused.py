@@ -30,6 +30,7 @@ engine's decode step, reading a built model and the kernels of the floors below.
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -130,14 +131,16 @@ class FusedDecode:
         self.head = model.output
         self.pdl = pdl  # each product's weights read ahead; on Hopper, launched as dependents (docstring)
         self.persistent = persistent  # the whole step in one launch (ember.kernels.persistent)
-        self.tables: dict[tuple, Tensor] = {}  # its pointer tables, by address: a CUDA graph replays its own
+        # its pointer table for each live cache, with the addresses it holds (a CUDA graph's static
+        # cache keeps its own for the graph's life; an eager stream's goes with its cache)
+        self.tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.tile: tuple[int, int] | None = None  # its (BLOCK_N, BLOCK_K) for one row; None: PERSISTENT's
 
     def _table(self, cache) -> Tensor:
         """The (L, 14) int64 table of each block's weights' and caches' addresses (a row of
-        ``ember.kernels.persistent.COLUMNS`` a block), made once per set of addresses (read each
-        call: a model moved or cast since has new ones); refused where the step's one norm and eps
-        do not fit."""
+        ``ember.kernels.persistent.COLUMNS`` a block), made again only when its addresses change
+        (read each call: a model moved or cast since, or a cache's rows selected, has new ones);
+        refused where the step's one norm and eps do not fit."""
         kinds = {(n[2], n[3]) for b in self.blocks for n in (b.norm1, b.norm2)} | {self.final[2:]}
         if len(kinds) > 1:
             raise EmberError(
@@ -152,10 +155,10 @@ class FusedDecode:
                 raise EmberError(f"the persistent step reads weights by pointer: {b.name}'s are strided")
             row += (cache.k[b.name], cache.v[b.name])
             rows.append(tuple(0 if t is None else t.data_ptr() for t in row))
-        key = tuple(rows)
-        if key not in self.tables:
-            self.tables[key] = torch.tensor(rows, dtype=torch.int64, device=self.wte.device)
-        return self.tables[key]
+        held = self.tables.get(cache)
+        if held is None or held[0] != rows:
+            held = self.tables[cache] = rows, torch.tensor(rows, dtype=torch.int64, device=self.wte.device)
+        return held[1]
 
     def _step(self, idx: Tensor, cache) -> Tensor:
         """The whole step in one launch (ember.kernels.persistent)."""
