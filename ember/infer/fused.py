@@ -30,6 +30,7 @@ engine's decode step, reading a built model and the kernels of the floors below.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -136,13 +137,17 @@ class FusedDecode:
         self.tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.tile: tuple[int, int] | None = None  # its (BLOCK_N, BLOCK_K) for one row; None: PERSISTENT's
 
+    @functools.cached_property
+    def _norm_kinds(self) -> set[tuple[float, int]]:
+        """(eps, kind) of every norm: the persistent step takes one."""
+        return {(n[2], n[3]) for b in self.blocks for n in (b.norm1, b.norm2)} | {self.final[2:]}
+
     def _table(self, cache) -> Tensor:
         """The (L, 14) int64 table of each block's weights' and caches' addresses (a row of
         ``ember.kernels.persistent.COLUMNS`` a block), made again only when its addresses change
         (read each call: a model moved or cast since, or a cache's rows selected, has new ones);
         refused where the step's one norm and eps do not fit."""
-        kinds = {(n[2], n[3]) for b in self.blocks for n in (b.norm1, b.norm2)} | {self.final[2:]}
-        if len(kinds) > 1:
+        if len(kinds := self._norm_kinds) > 1:
             raise EmberError(
                 f"the persistent step takes one kind of norm and one eps; this model has {sorted(kinds)}"
             )

@@ -115,9 +115,14 @@ def _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM: tl.constexp
 
 
 @triton.jit
-def _weight_tile(W, rn, in_n, kk, in_k, K):
-    """Rows ``rn`` of W (N or 2N, K), inputs ``kk``: a (BLOCK_N, BLOCK_K) tile, zeros outside."""
-    return tl.load(W + rn[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+def _weight_tiles(W, rn, in_n, kk, in_k, N, K, ACT: tl.constexpr):
+    """Rows ``rn`` of W, inputs ``kk``: a (BLOCK_N, BLOCK_K) tile, zeros outside, and for SwiGLU
+    (W (2N, K)) the up's rows ``rn + N`` too (else the same tile again)."""
+    w = tl.load(W + rn[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+    u = w
+    if ACT == 2:
+        u = tl.load(W + (rn + N)[:, None] * K + kk[None, :], mask=in_n & in_k[None, :], other=0.0)
+    return w, u
 
 
 @triton.jit
@@ -165,10 +170,10 @@ def _wait(WAIT: tl.constexpr, SYNC, stage, need):
 
 @triton.jit
 def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, stage, need,
-                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
-                 HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+                NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_BETA: tl.constexpr, ACT: tl.constexpr,
+                HAS_RES: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr,
+                BLOCK_M: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
     """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for the BLOCK_N outputs of tile pid_n
     and the BLOCK_M rows of tile pid_m (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @
     W[N + n]ᵀ + BIAS[N + n])). PREFETCH: the first tile of weights is read before anything else and
@@ -180,10 +185,7 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
     in_n = rn[:, None] < N
     rk = tl.arange(0, BLOCK_K)
     if PREFETCH:  # the weights are no kernel's output: their first tile need not wait for one
-        w1 = _weight_tile(W, rn, in_n, rk, rk < K, K)
-        u1 = w1
-        if ACT == 2:
-            u1 = _weight_tile(W, rn + N, in_n, rk, rk < K, K)
+        w1, u1 = _weight_tiles(W, rn, in_n, rk, rk < K, N, K, ACT)
     _wait(WAIT, SYNC, stage, need)  # X and R are outputs before this one, and Y may be a buffer one reads
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = mean
@@ -212,10 +214,7 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
         kk = k0 + rk
         in_k = kk < K
         x = _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM, HAS_BETA)
-        w = _weight_tile(W, rn, in_n, kk, in_k, K)
-        u = w
-        if ACT == 2:
-            u = _weight_tile(W, rn + N, in_n, kk, in_k, K)
+        w, u = _weight_tiles(W, rn, in_n, kk, in_k, N, K, ACT)
         acc, up = _products(acc, up, x, w, u, FP32_DOT, ACT, DOT)
     if HAS_BIAS:
         acc += tl.load(BIAS + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]

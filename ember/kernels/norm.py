@@ -214,7 +214,8 @@ def _backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
     has_b = ctx.bias_dtype is not None
     dx, dw, db = _norm_backward(dy, dh if ctx.has_r else None, h, weight, mean, rstd, ctx.rms, has_b)
-    dw, db = dw.to(weight.dtype) if weight is not None else None, db.to(ctx.bias_dtype) if has_b else None
+    # dw comes in the weight's dtype; a bias of another dtype is cast here
+    dw, db = dw if weight is not None else None, db.to(ctx.bias_dtype) if has_b else None
     return dx, dx if ctx.has_r else None, dw, db, None, None
 
 

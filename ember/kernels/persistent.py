@@ -24,6 +24,12 @@ The last head task to finish advances the cache's position.
 Residual adds are in place on the step's X: a tile reads and writes its own columns, after every
 reader of the whole row (the stage before) has finished. Inference only, B <= 16 rows (tl.dot's
 tile; one row on the CUDA cores).
+
+Unlike the other files here, ``decode_step`` is not a ``torch.library`` op and has no reference
+function beside it: it writes the caches through pointers no schema can name, it is replayed
+from a CUDA graph rather than traced, and its reference is the model's own step, which
+tests/test_persistent_decode.py holds it to (as tests/test_fused_decode.py does the five-launch
+step built from the same tiles).
 """
 
 from __future__ import annotations
@@ -79,8 +85,8 @@ def _step_kernel(IDX, WTE, WPE, POS, PAD, COS, SIN, TABLE, GF, BF, HEAD, HEAD_B,
         kind = tl.where(t == 0, 0, kind)
         stage = tl.where(kind == 0, 0, tl.where(kind == 6, 1 + 5 * L, 1 + 5 * layer + kind - 1))
         # the stage before's task count: the embedding's 1, else the kind before's (the down's for a q|k|v)
-        before = tl.where(kind == 2, n1, tl.where(kind == 3, n2, tl.where(kind == 4, n3, n3)))
-        before = tl.where(stage == 1, 1, tl.where(kind == 5, n4, before))
+        before = tl.where(kind == 2, n1, tl.where(kind == 3, n2, tl.where(kind == 5, n4, n3)))
+        before = tl.where(stage == 1, 1, before)
         need = tl.where(stage <= known, 0, before)
         if kind == 0:
             for b in range(0, B):
