@@ -17,6 +17,7 @@ pytest.importorskip("triton", reason="Triton is the kernels' compiler: pip insta
 
 SCRIPT = r"""
 import os
+import re
 os.environ["TRITON_INTERPRET"] = "0"  # before any kernel is decorated: real JIT functions
 import triton
 import triton.language as tl
@@ -30,9 +31,11 @@ def lower(kernel, types, consts, num_warps=4, aligned=False):
     while not isinstance(fn, triton.runtime.jit.JITFunction):  # under @triton.autotune
         fn = fn.fn
     signature = {a: "constexpr" if a in consts else types[a] for a in fn.arg_names}
-    # aligned: pointers and N divisible by 16, as Triton's launcher specializes them at gpt2's sizes
+    # aligned: pointers, widths and strides divisible by 16, as Triton's launcher specializes them
+    # at gpt2's sizes
+    wide = ("N", "C", "F", "V", "skb", "skh", "sks")
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-             if aligned and a not in consts and (types[a].startswith("*") or a == "N")}
+             if aligned and a not in consts and (types[a].startswith("*") or a in wide)}
     compiled = triton.compile(ASTSource(fn, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
     assert compiled.asm["cubin"], fn.__name__
@@ -43,6 +46,10 @@ def lower(kernel, types, consts, num_warps=4, aligned=False):
     if "TABLE" in fn.arg_names:  # the persistent step: waits acquire, counts release, one thread each
         ptx = compiled.asm["ptx"]
         assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.add" in ptx, fn.__name__
+        # and reads the weights its table points to 16 bytes a load (a few scalar loads are left;
+        # 617 when the table's pointers carried no alignment)
+        scalar = len(re.findall(r"ld\.global[.a-z0-9]*\.b16 ", ptx))
+        assert scalar < 32 and ptx.count("ld.global.v4") > 64, (fn.__name__, scalar)
     if consts.get("STAGES", 1) > 1 and aligned:  # the loop's loads run ahead: cp.async, not ld.global
         ptx = compiled.asm["ptx"]
         assert "cp.async" in ptx and "ld.global" not in ptx, fn.__name__

@@ -160,6 +160,9 @@ class FusedDecode:
                 raise EmberError(f"the persistent step reads weights by pointer: {b.name}'s are strided")
             row += (cache.k[b.name], cache.v[b.name])
             rows.append(tuple(0 if t is None else t.data_ptr() for t in row))
+            if any(p % 16 for p in rows[-1]):  # the kernel's loads take each address as 16-byte aligned
+                raise EmberError(f"the persistent step reads weights by pointer: one of {b.name}'s is not "
+                                 "16-byte aligned (a view into a larger tensor?); .clone() it")  # fmt: skip
         held = self.tables.get(cache)
         if held is None or held[0] != rows:
             held = self.tables[cache] = rows, torch.tensor(rows, dtype=torch.int64, device=self.wte.device)

