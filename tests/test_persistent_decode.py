@@ -91,6 +91,12 @@ def test_the_persistent_step_refuses_what_it_cannot_take():
     with pytest.raises(EmberError, match="at most 16 rows a step"):
         step(torch.zeros(17, 1, dtype=torch.long, device=DEVICE), cache=None)
     model = tiny(**GPT2)
+    step, (_, cache) = FusedDecode(model, persistent=True), _prefilled(model)
+    wo = model.layers["1"].attention.wo.weight
+    wo.data = torch.cat([wo.new_zeros(1), wo.detach().reshape(-1)])[1:].view(wo.shape)  # 4 bytes off
+    with pytest.raises(EmberError, match="one of 1's is not 16-byte aligned"):
+        step(torch.zeros(1, 1, dtype=torch.long, device=DEVICE), cache=cache)
+    model = tiny(**GPT2)
     model.layers["1"].mlp_norm.eps = 1e-3  # one block's norm unlike the rest
     with pytest.raises(EmberError, match="one kind of norm and one eps"):
         step = FusedDecode(model, persistent=True)
