@@ -97,8 +97,8 @@ class _Block(NamedTuple):
 
 
 # The persistent step's tasks: BLOCK_N outputs by BLOCK_K inputs a product tile (one row on the CUDA
-# cores: 202 registers for sm_90 at 8 warps, no spills; several rows: tl.dot, at most 256 inputs a
-# step); programs 0: one an SM
+# cores: 128 registers for sm_90 at 8 warps; several rows: tl.dot, at most 256 inputs a step);
+# programs 0: one an SM (fewer may be asked for, never more)
 PERSISTENT = {"block_n": 16, "block_k": 1024, "programs": 0}
 
 

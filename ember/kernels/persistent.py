@@ -136,13 +136,15 @@ def _step_launch(idx: Tensor, wte: Tensor, wpe: Tensor | None, pos: Tensor, pad:
     """One step into ``logits`` (B, V) fp32, the caches written at pos, pos advanced. ``table``
     (L, 14) int64: each block's pointers (``COLUMNS``); ``k_cache`` one layer's (B, Hkv, S, hd),
     for the caches' strides; x, qkv, o, hid the step's activations; ``sync`` (2 + 5L,) int32,
-    zeroed here. ``programs``: the grid (0: one an SM)."""
+    zeroed here. ``programs``: the grid (0: one an SM; never more)."""
     B, C = x.shape
     L, F, V = table.size(0), hid.size(1), logits.size(1)
     assert table.shape[1] == len(COLUMNS) == 14, table.shape  # (_at reads rows of 14)
     S, hd = k_cache.size(2), k_cache.size(3)
     sync.zero_()  # (the counters; a memset node in a CUDA graph)
-    grid = programs or (1 if INTERPRET else sm_count(x.get_device()))
+    # at most one program an SM, all resident at once, or a wait could spin on a task no SM runs;
+    # the interpreter runs one program after another, so there one program walks every task
+    grid = 1 if INTERPRET else min(programs or 2**31, sm_count(x.get_device()))
     _step_kernel[(grid,)](
         idx, wte, wpe, pos, pad, cos, sin, table, gf, bf, head, head_b, x, qkv, o, hid, logits, sync,
         B, C, F, V, L, eps, eps_f, 1 if pad.numel() > 1 else 0, *k_cache.stride()[:3], hd**-0.5,
