@@ -37,7 +37,7 @@ def assert_near(got, want):
         if b is None:
             assert a is None
             continue
-        scale = b.detach().abs().max().item() or 1.0
+        scale = (b.detach().abs().max().item() if b.numel() else 0.0) or 1.0
         rtol, atol = (2e-2, 2e-2) if b.dtype == torch.bfloat16 else (1e-5, 1e-6)
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale)
 
@@ -83,6 +83,21 @@ def test_norm_without_weight_and_default_eps():
     assert_near(outputs_and_grads(rms_norm, [x, None]), outputs_and_grads(rms_norm_ref, [x, None]))
     inputs = [x, None, None]
     assert_near(outputs_and_grads(layer_norm, inputs), outputs_and_grads(layer_norm_ref, inputs))
+
+
+@pytest.mark.parametrize("used", [0, 1])
+def test_norm_with_an_output_unused_and_with_no_rows(used):
+    """The backward gets no gradient for an unused output (nor for mean and rstd, never filled
+    with zeros): only y's, or only h's, flows back. A batch of no rows runs no kernel."""
+    x, r = leaves(torch.float32, (6, 20), (6, 20))
+    w, b = leaves(torch.float32, (20,), (20,))
+    ours, ref = (lambda *a, f=f: f(*a)[used] for f in (add_layer_norm, NORMS["add_layer"][1]))
+    inputs = [x, r, w, b, 1e-5]
+    want = outputs_and_grads(ref, inputs)  # (h alone: no gradient reaches w and b, which ours gives as zeros)
+    want[3:] = [torch.zeros_like(t) if g is None else g for t, g in zip((w, b), want[3:], strict=True)]
+    assert_near(outputs_and_grads(ours, inputs), want)
+    empty = [t[:0].detach().requires_grad_() for t in (x, r)] + [w, b, 1e-5]
+    assert_near(outputs_and_grads(add_layer_norm, empty), outputs_and_grads(NORMS["add_layer"][1], empty))
 
 
 @pytest.mark.parametrize(

@@ -174,6 +174,10 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
     empty without a weight or a bias."""
     h, dy, dh, w = (t.contiguous() if t is not None else None for t in (h, dy, dh, weight))
     M, N = rstd.numel(), h.size(-1)
+    if M == 0:  # no rows: no launch (its grid would be empty)
+        out = _grad_dtype(h, w)
+        return h.new_empty(h.shape), h.new_zeros(N if w is not None else 0, dtype=out), \
+            h.new_zeros(N if has_bias else 0, dtype=out)  # fmt: skip
     sms = sm_count(h.get_device()) if h.is_cuda else 2
     programs = min(M, 4 * sms)  # each sums its rows' dw, db: (programs, N) partials, summed below
     dw, db = (h.new_empty(programs if has else 0, N, dtype=_acc(h)) for has in (w is not None, has_bias))
@@ -206,12 +210,16 @@ _norm_backward = kernel_op("norm_backward", _norm_backward_launch, _norm_backwar
 
 def _setup(ctx, inputs, output):
     x, residual, weight, bias, _, ctx.rms = inputs
+    # mean and rstd never get a gradient: left undefined, not filled with zeros (two more kernels
+    # a backward, on ops of tens of microseconds)
+    ctx.set_materialize_grads(False)
     ctx.has_r, ctx.bias_dtype = residual is not None, bias.dtype if bias is not None else None
     ctx.save_for_backward(output[1] if ctx.has_r else x, weight, output[2], output[3])
 
 
 def _backward(ctx, dy, dh, _dmean, _drstd):
     h, weight, mean, rstd = ctx.saved_tensors
+    dy = torch.zeros_like(h) if dy is None else dy  # (y unused: only h flowed on)
     has_b = ctx.bias_dtype is not None
     dx, dw, db = _norm_backward(dy, dh if ctx.has_r else None, h, weight, mean, rstd, ctx.rms, has_b)
     # dw comes in the weight's dtype; a bias of another dtype is cast here
