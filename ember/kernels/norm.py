@@ -13,6 +13,8 @@ memory-bound, floor 50 MB / 3.35 TB/s = 15 us on an H100. References: ``*_ref`` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -122,6 +124,23 @@ ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_
 BACKWARD_STAGES = 3
 
 
+def backward_stages(block: int, elem: int, loads: int, smem: int) -> int:
+    """The backward's stages at rows of ``block`` values of ``elem`` bytes, ``loads`` of them a
+    row (dy, h and dh with a residual): each stage past the first keeps one row's loads in shared
+    memory, so at most what ``smem`` bytes hold, 32 KB kept for the reductions (an H100's 227 KB
+    a block hold 3 stages of 16,384-wide bf16 rows, 2 of 32,768, 1 of 65,536)."""
+    return max(1, min(BACKWARD_STAGES, 1 + (smem - 32 * 1024) // (loads * block * elem)))
+
+
+@functools.cache
+def _smem(index: int) -> int:
+    """A block's shared memory on CUDA device ``index``, as Triton's launcher checks it."""
+    try:
+        return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    except Exception:  # noqa: BLE001 -- a Triton without that table: the least of recent GPUs' (99 KB)
+        return 99 * 1024
+
+
 def rows_per_program(block: int) -> int:
     """The forward's rows a program: a tile of about 4,096 values, 4 rows at gpt2-small's 768
     wide. Each thread then has four rows' loads in flight, and one shared-memory round sums the
@@ -185,7 +204,9 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
     _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
                            db if has_bias else None, M, N, -(-M // programs), RMS=rms,
                            HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias,
-                           STAGES=BACKWARD_STAGES, **args)
+                           STAGES=backward_stages(args["BLOCK"], h.element_size(), 2 + (dh is not None),
+                                                  _smem(h.get_device()) if h.is_cuda else 227 * 1024),
+                           **args)  # fmt: skip
     out = _grad_dtype(h, w)
     dw_sum, db_sum = (h.new_empty(N if has else 0, dtype=out) for has in (w is not None, has_bias))
     if w is not None or has_bias:
