@@ -41,6 +41,7 @@ if INTERPRET:  # one config, two programs (the CPU's "SMs") walking the rows: nu
     LONG_CONFIGS = [(_MAX_BLOCK, 4, 1, 1)]
 LONG: tuple[int, int, int, int] | None = None  # a config to run untuned (benchmarks' road before, tests)
 BEFORE = LONG_CONFIGS[0]
+_TUNED: set[tuple] = set()  # (kernel, rows' bucket, N, dtype) the tuner has timed
 
 
 def _configs() -> list[triton.Config]:
@@ -57,9 +58,9 @@ def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + off + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=cols < N)
 
 
-@triton.autotune(_configs(), key=["R", "N"])
+@triton.autotune(_configs(), key=["ROWS", "N"])
 @triton.jit
-def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+def _softmax_fwd_long(X, Y, R, N, ROWS, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
                       PER_SM: tl.constexpr):
     """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ..."""
     cols = tl.arange(0, BLOCK)
@@ -94,9 +95,9 @@ def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
 
 
-@triton.autotune(_configs(), key=["R", "N"])
+@triton.autotune(_configs(), key=["ROWS", "N"])
 @triton.jit
-def _softmax_bwd_long(Y, DY, DX, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+def _softmax_bwd_long(Y, DY, DX, R, N, ROWS, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
                       PER_SM: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     blocks = tl.cdiv(N, BLOCK)
@@ -134,12 +135,18 @@ def _launch(one, long, *tensors: Tensor) -> Tensor:
         def grid(meta):
             return (min(R, sms * meta["PER_SM"]) if meta["PER_SM"] else R,)
 
-        if LONG is None:
-            long[grid](*rows, out, R, N, ACC=acc)
+        # the tuner's key: N and the rows to a power of two (up to 4,096), so that a new row count
+        # does not time every config again. A shape first met inside a CUDA graph's capture runs
+        # the road before untuned: the tuner's timing would break the capture.
+        key = (long, min(pow2(R), 4096), N, out.dtype)
+        capturing = out.is_cuda and torch.cuda.is_current_stream_capturing() and key not in _TUNED
+        if LONG is None and not capturing:
+            long[grid](*rows, out, R, N, key[1], ACC=acc)
+            _TUNED.add(key)
         else:
-            block, warps, stages, per_sm = LONG
+            block, warps, stages, per_sm = LONG or BEFORE
             meta = dict(BLOCK=block, STAGES=stages, PER_SM=per_sm)
-            long.fn[grid(meta)](*rows, out, R, N, ACC=acc, num_warps=warps, **meta)
+            long.fn[grid(meta)](*rows, out, R, N, key[1], ACC=acc, num_warps=warps, **meta)
     return out if flat else out.view(tensors[0].shape)
 
 
