@@ -235,7 +235,8 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty), mask=out)
 
 
-@triton.autotune(CONFIGS, key=["M", "N", "K", "PREFETCH"],
+# the key: the shape and what the product fuses (a SwiGLU product of the same shape needs other registers)
+@triton.autotune(CONFIGS, key=["M", "N", "K", "PREFETCH", "NORM", "ACT", "HAS_RES"],
                  prune_configs_by={"early_config_prune": _tuned_only_in_low_precision})
 @triton.jit
 def _linear_kernel(X, W, BIAS, G, BETA, R, Y, M, N, K, eps,
