@@ -6,11 +6,12 @@
 # 30 s), and a warm machine goes back 30 s after a call: two calls back to back, then give_back.
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
-#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env serve train decode cli fp8-loss (<= 9 min)
-#   DEADLINE=280 bash benchmarks/gpu.sh decode-persistent kernels-norms serve-host levers  # 2nd (300 s)
+#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env train fp8-loss cli decode serve (<= 9 min)
+#   DEADLINE=290 bash benchmarks/gpu.sh decode-persistent kernels-norms serve-host  # 2nd (timeout_s 300)
 #
-# (`all`'s decode stage times the fused step with and without PDL, new since the last lease;
-# `decode-persistent` the whole step in one kernel, new too;
+# (`all` runs each point's own rows, the unmeasured first: the fp8 loss has never run whole, nor
+# the CLI at 64 rows; its decode stage times the fused step with PDL, new since the last lease;
+# `decode-persistent` the whole step in one kernel, new too, and the fused step without PDL;
 # `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order, the
 # norm backward's tile and softmax's long rows (pipelined, tuned) changed since the last lease,
 # each beside its old road; `levers` ends with
@@ -22,8 +23,8 @@
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py; 2026-11-27, an H200: `all`
 # (serve cut at 200 s after its rows, fp8-loss left 37 s: both trimmed since), then
 # `kernels-norms serve-host levers` (serve-host and levers' llama-small row failed, fixed since):
-# benchmarks/RESULTS.md, "One GPU, ...". Next: `all`, then `decode-persistent kernels-norms serve-host levers`;
-# later `fp8-filters`, `fp8-wide`, `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`,
+# benchmarks/RESULTS.md, "One GPU, ...". Next: `all`, then `decode-persistent kernels-norms serve-host`;
+# later `levers`, `fp8-filters`, `fp8-wide`, `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`,
 # `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel`
 # (earlier issues' GPU checks, each <= 5 min).
 #
@@ -39,16 +40,18 @@
 #   decode    benchmarks/decode.py: fp32 parity first (HF, the graphed engine, ember's fused step:
 #             ember/infer/fused.py, five launches a block), then gpt2-small bf16, eager and the
 #             fused step graphed, its kernels launched as programmatic dependents (PDL) and
-#             without, in one run, against transformers' generate (issue 29 point 3), and the
-#             fastest row's anatomy: kernels a token, their time against the wall. The compiled
+#             without (`all`: with alone, DECODE_VARIANTS), in one run, against transformers'
+#             generate (issue 29 point 3), and the fastest row's anatomy: kernels a token, their
+#             time against the wall. The compiled
 #             + CUDA graphs road (1,600 tok/s on the H200), lookahead and int8 were measured
 #             before; their compile would starve fp8-loss (DECODE_ARGS='--variants
 #             compiled-graphs fused-graphs' brings them back)                              (150 s)
 #   decode-persistent  decode.py's rows for the whole step in one persistent kernel, 16 and 8
 #             outputs a task (ember/kernels/persistent.py; fp32 parity first), gpt2-small bf16,
 #             graphed, against HF's generate, with the faster one's anatomy; the five-launch step's
-#             rows are `decode`'s, the same lease. Its own stage: a wait that never ends on a GPU
-#             (the CPU's interpreter runs one program, which cannot show one) costs it alone  (120 s)
+#             rows are `decode`'s, the same lease, and the five-launch step without PDL beside
+#             them. Its own stage: a wait that never ends on a GPU (the CPU's interpreter runs
+#             one program, which cannot show one) costs it alone                            (150 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
@@ -81,10 +84,12 @@
 #             transformers' compiled GPT-2, and Muon (issue 29 pt 1; each row printed as it
 #             ends, with its wall time; each ember row's anatomy: device time by kind of
 #             kernel, and the MFU its GEMMs alone would give; then the floor: the step's
-#             products and attention alone, bf16 and fp8, the ceilings on 45% MFU and fp8's 1.2x) (120 s)
+#             products and attention alone, bf16 and fp8, the ceilings on 45% MFU and fp8's 1.2x;
+#             `all` leaves the anatomy and the floor out: TRAIN_ARGS)                        (120 s)
 #   cli       `ember train gpt2-small` through the CLI (benchmarks/parallel.py's single layout): the
 #             preset's own step, 8 micro-batches of 64 × 1024, loader, logging every 10 steps;
-#             MFU over steps 5-14 (issue 29 pt 1 as worded; a CPU dry run: CCFG=tiny CMB=4)  (150 s)
+#             MFU over steps 11-20, the trainer's second logged window (its first, steps 2-10,
+#             holds the warm-up; issue 29 pt 1 as worded; a CPU dry run: CCFG=tiny CMB=4)   (150 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
@@ -104,7 +109,8 @@
 #             closed-loop clients, ember's Triton paged kernel, then the gather road, CUDA-graph
 #             buckets; each path's 64-client anatomy (the device's busy share: host- or
 #             device-bound). SERVE_PATHS="triton flex gather" adds FlexAttention (an H200,
-#             2026-11-27: 1.46x sequential at 64 clients, 737 µs of kernels a token)        (150 s)
+#             2026-11-27: 1.46x sequential at 64 clients, 737 µs of kernels a token); `all`
+#             serves triton alone, without the anatomy                                    (150 s)
 #   serve-host  serve.py --host: the scheduler's own work a token at 64 clients, the model stubbed,
 #             on this machine's host (the 2-core CPU's figures: RESULTS.md)                (60 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
@@ -116,6 +122,7 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 DEV=${DEV:-cuda}  # (DEV=cpu PY=.venv/bin/python: a dry run of the script's plumbing here)
 export PYTHONPATH="$PWD:$PWD/.gpu${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps all it printed (a pipe's buffer is lost)
 failed=0
 
 DEADLINE=${DEADLINE:-0}  # > 0: every stage ends by this many seconds after the start (a lease's budget)
@@ -152,7 +159,7 @@ summary() {  # summary STAGE...: $OUT/summary.md, the device, then each stage's 
         for s in "$@"; do
             [ "$s" = env ] && continue
             echo; echo "## $s ($(grep -h '^== '"$s"': ' "$OUT/$s.log" 2>/dev/null | tail -1 | sed 's/^== //'))"
-            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|^floor: |x sequential|^timed: |leaves the batch-1 answer|completions differ' "$OUT/$s.log" 2>/dev/null
+            grep -h -E '^\||: loss |: refused|: failed|tokens/s, MFU|^anatomy of|in the GEMMs|^floor: |x sequential|^timed: |leaves the batch-1 answer|completions differ|^target|one request after another' "$OUT/$s.log" 2>/dev/null
         done
     } >"$OUT/summary.md"
     echo "== summary: $OUT/summary.md"
@@ -175,11 +182,13 @@ for what in "$@"; do
         ;;
     decode)
         stage decode 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
-            --reps 1 --new-tokens 128 --variants fused-graphs fused-graphs-no-pdl --anatomy ${DECODE_ARGS:-}"
+            --reps 1 --new-tokens 128 --variants ${DECODE_VARIANTS:-fused-graphs fused-graphs-no-pdl} --anatomy \
+            ${DECODE_ARGS:-}"
         ;;
     decode-persistent)  # issue 29 pt 3: the whole step in one persistent kernel, beside the five-launch block
-        stage decode-persistent 120 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
-            --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent fused-graphs-persistent-n8 --anatomy"
+        stage decode-persistent 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
+            --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent fused-graphs-persistent-n8 \
+            fused-graphs-no-pdl --anatomy"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
@@ -220,11 +229,12 @@ for what in "$@"; do
         done
         ;;
     train)
-        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV --anatomy --floor --rows ember hf-compiled ember-muon"
+        stage train 120 "$PY benchmarks/gpu_train.py --device $DEV ${TRAIN_ARGS---anatomy --floor} \
+            --rows ember hf-compiled ember-muon"
         ;;
     cli)  # issue 29 pt 1 as worded: `ember train gpt2-small` itself, its preset's 524,288-token steps
         stage cli 150 "$PY benchmarks/parallel.py --config ${CCFG:-gpt2-small} --device $DEV --batch-tokens 0 \
-            --micro-batch ${CMB:-64} --steps 14 --warmup 4 --layouts single"
+            --micro-batch ${CMB:-64} --steps 20 --warmup 10 --layouts single train.report=false"
         ;;
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
@@ -253,17 +263,20 @@ for what in "$@"; do
         stage serve 150 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] ${SERVE_ARGS:-} --device $DEV \
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 \
-            --attention ${SERVE_PATHS:-triton gather} --anatomy"
+            --attention ${SERVE_PATHS:-triton gather} ${SERVE_ANATOMY---anatomy}"
         ;;
     serve-host)  # the scheduler's host work a token on the GPU machine's own host, model stubbed
         # (CUDA hidden: the host's own work on its cores, as on the CPU; the triton cache plans
         # under the interpreter there, and with the model stubbed no kernel runs)
         CUDA_VISIBLE_DEVICES= stage serve-host 60 "$PY benchmarks/serve.py --host --attention gather flex triton"
         ;;
-    all)  # issue 29 in one call: env, serve, train, decode, cli, fp8-loss (<= 9 min together)
+    all)  # issue 29 in one call: env, train, fp8-loss, cli, decode, serve (<= 9 min together)
+        # the points' own rows only (the anatomies and floors measured before, the old roads, FlexAttention
+        # and the gather road: their own stages), the unmeasured first
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
-        DEADLINE=$DEADLINE bash "$SELF" env serve train decode cli fp8-loss || failed=1
-        summary env serve train decode cli fp8-loss
+        TRAIN_ARGS= DECODE_VARIANTS=fused-graphs SERVE_PATHS=${SERVE_PATHS:-triton} SERVE_ANATOMY= \
+            DEADLINE=$DEADLINE bash "$SELF" env train fp8-loss cli decode serve || failed=1
+        summary env train fp8-loss cli decode serve
         ;;
     *)
         echo "unknown stage $what: env analyze decode decode-persistent decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2

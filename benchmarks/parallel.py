@@ -65,11 +65,11 @@ def run(name: str, args, out: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env.pop("LOCAL_RANK", None)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    print("+", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, env=env)  # its log as it goes: a run stopped at a limit still shows its steps
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return {"name": name, "ranks": nproc, "error": " / ".join(tail)}
+        return {"name": name, "ranks": nproc, "error": f"exit {proc.returncode} (its output is above)"}
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "tokens_per_s" in r][args.warmup :]
     return {
