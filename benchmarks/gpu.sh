@@ -233,8 +233,8 @@ for what in "$@"; do
             --rows ember hf-compiled ember-muon"
         ;;
     cli)  # issue 29 pt 1 as worded: `ember train gpt2-small` itself, its preset's 524,288-token steps
-        stage cli 150 "$PY benchmarks/parallel.py --config ${CCFG:-gpt2-small} --device $DEV --batch-tokens 0 \
-            --micro-batch ${CMB:-64} --steps 20 --warmup 10 --layouts single train.report=false"
+        stage cli 150 "$PY benchmarks/parallel.py train.report=false --config ${CCFG:-gpt2-small} --device $DEV \
+            --batch-tokens 0 --micro-batch ${CMB:-64} --steps 20 --warmup 10 --layouts single"
         ;;
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"
