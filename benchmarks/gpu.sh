@@ -87,9 +87,11 @@
 #             products and attention alone, bf16 and fp8, the ceilings on 45% MFU and fp8's 1.2x;
 #             `all` leaves the anatomy and the floor out: TRAIN_ARGS)                        (120 s)
 #   cli       `ember train gpt2-small` through the CLI (benchmarks/parallel.py's single layout): the
-#             preset's own step, 8 micro-batches of 64 × 1024, loader, logging every 10 steps;
-#             MFU over steps 11-20, the trainer's second logged window (its first, steps 2-10,
-#             holds the warm-up; issue 29 pt 1 as worded; a CPU dry run: CCFG=tiny CMB=4)   (150 s)
+#             preset's own step, 8 micro-batches of 64 × 1024, loader, logging every 5 steps;
+#             MFU over steps 6-15, the trainer's second and third logged windows (its first,
+#             steps 2-5, holds the warm-up; each window is written at its end, so a stage cut
+#             after step 10 still has one; issue 29 pt 1 as worded; a CPU dry run: CCFG=tiny
+#             CMB=4)                                                                        (150 s)
 #   fp8-loss  gpu_train.py --loss-steps 300: gpt2-small bf16 and fp8 on the python corpus, the
 #             same seed and batches; the last 20 steps' mean loss of each, and tokens/s after
 #             step 20 (issue 29 pt 2)                                                    (150 s)
@@ -233,8 +235,8 @@ for what in "$@"; do
             --rows ember hf-compiled ember-muon"
         ;;
     cli)  # issue 29 pt 1 as worded: `ember train gpt2-small` itself, its preset's 524,288-token steps
-        stage cli 150 "$PY benchmarks/parallel.py train.report=false --config ${CCFG:-gpt2-small} --device $DEV \
-            --batch-tokens 0 --micro-batch ${CMB:-64} --steps 20 --warmup 10 --layouts single"
+        stage cli 150 "$PY benchmarks/parallel.py train.report=false train.log_every=5 --config ${CCFG:-gpt2-small} \
+            --device $DEV --batch-tokens 0 --micro-batch ${CMB:-64} --steps 15 --warmup 5 --layouts single"
         ;;
     fp8-loss)  # issue 29 point 2: tokens/s and the loss after 300 steps against bf16's, one run each
         stage fp8-loss 150 "$PY benchmarks/gpu_train.py --device $DEV --loss-steps 300 --rows ember ember-fp8"

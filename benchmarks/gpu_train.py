@@ -311,6 +311,7 @@ def losses_row(args, overrides) -> tuple[list[float], float]:
     cfg = config(args, [*overrides, f"train.max_steps={args.loss_steps}", "train.warmup_steps=20"])
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with scratch_trainer(cfg) as trainer:
+        trainer.deferred = True  # the guard on the device, as in Trainer.run: no host read a step
         batches = trainer.loader.iterate()
         losses = [trainer.advance(batches)[0] for _ in range(20)]
         sync()

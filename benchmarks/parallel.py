@@ -72,6 +72,8 @@ def run(name: str, args, out: Path) -> dict:
         return {"name": name, "ranks": nproc, "error": f"exit {proc.returncode} (its output is above)"}
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "tokens_per_s" in r][args.warmup :]
+    if not steps:
+        return {"name": name, "ranks": nproc, "error": f"no step past the first {args.warmup} was logged"}
     return {
         "name": name,
         "ranks": nproc,
