@@ -210,6 +210,22 @@ def test_nonfinite_stops_and_names_the_module(tiny_cfg, value):
         trainer.run()
 
 
+def test_a_nonfinite_step_whose_rerun_runs_out_of_memory_still_says_non_finite(tiny_cfg, monkeypatch):
+    """The rerun that locates the module is eager; at a compiled step's micro-batch it may not fit
+    the device, and the run then stops as non-finite, not as out of memory at that micro-batch."""
+    import ember.train.trainer as trainer_module
+
+    def out_of_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 13.18 GiB")
+
+    monkeypatch.setattr(trainer_module, "_find_nonfinite_module", out_of_memory)
+    trainer = Trainer(tiny_cfg("train.max_steps=3"))
+    with torch.no_grad():
+        trainer.model.layers["1"].attention.wq.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"step 1: .*non-finite output: not located \(the eager rerun"):
+        trainer.run()
+
+
 def test_out_of_memory_names_the_micro_batch_and_the_fix(tiny_cfg):
     """A device out of memory (on a GPU: the preset's micro-batch on a smaller card) stops with
     an EmberError that says where and how to fix it, not torch's allocator dump."""

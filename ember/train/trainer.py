@@ -707,7 +707,10 @@ class Trainer:
         module = "not located under pipeline parallel"
         if getattr(self.model, "schedule", None) is None:
             contexts = (self.autocast, self.attention, self.loss_parallel)
-            module = _find_nonfinite_module(self.model, self.task, batch, *contexts)
+            try:  # the rerun is eager: at a compiled step's micro-batch it may not fit
+                module = _find_nonfinite_module(self.model, self.task, batch, *contexts)
+            except torch.OutOfMemoryError:
+                module = "not located (the eager rerun that looks for it ran out of memory)"
         raise NonFiniteError(
             f"step {step}: loss or gradient norm is not finite; first non-finite output: {module}. "
             "Lower train.lr, set train.grad_clip, or pass train.nonfinite=skip. With the statistics of what "
