@@ -294,8 +294,11 @@ def test_whole_step_compile_matches_eager(tiny_cfg):
     with pytest.raises(ConfigError, match="train.task=mlm's reads values on the host"):
         mlm = ("train.task=mlm", "model.causal=false", "model.head=mlm")
         check_layout(tiny_cfg(*whole[:2], *mlm), world_size=1)
-    with pytest.raises(ConfigError, match="with 2 micro-batches a step they would be lost"):
+    # the fix it names fits the device: one micro-batch a step (its rows kept), not a step's rows at once
+    with pytest.raises(ConfigError, match=r"with 2 micro-batches a step they would be lost; make a step one "
+                       r"micro-batch, train\.batch_tokens=128 \(4 rows\)"):  # fmt: skip
         check_layout(tiny_cfg(*whole), world_size=1)
+    check_layout(tiny_cfg(*whole, "train.batch_tokens=128"), world_size=1)
     check_layout(tiny_cfg(*whole[:2]), world_size=1)  # accumulation is fine without CUDA graphs
 
 

@@ -84,7 +84,7 @@ def check_layout(cfg, world_size: int, model_cfg=None) -> Layout:
         _check_tensor_parallel(cfg, world_size, m, task)
     rows, grad_accum = _check_batch(t, dp)
     if t.compile and t.compile_mode == "reduce-overhead" and grad_accum > 1:
-        raise ConfigError(f"train.compile_mode=reduce-overhead replays CUDA graphs whose outputs, the gradients too, the next replay overwrites: with {grad_accum} micro-batches a step they would be lost; set train.micro_batch to the rows of a step ({rows // dp}), or train.compile_mode=default")  # fmt: skip # noqa: E501
+        raise ConfigError(f"train.compile_mode=reduce-overhead replays CUDA graphs whose outputs, the gradients too, the next replay overwrites: with {grad_accum} micro-batches a step they would be lost; make a step one micro-batch, train.batch_tokens={t.micro_batch * t.seq_len * dp} ({t.micro_batch} rows{f' on each of {dp} ranks' if dp > 1 else ''}), or set train.compile_mode=default")  # fmt: skip # noqa: E501
     return Layout(dp, rows, grad_accum)
 
 
