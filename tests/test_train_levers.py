@@ -217,6 +217,9 @@ def test_fp8_is_refused_before_any_work(tiny_cfg, monkeypatch):
     with pytest.raises(ConfigError, match="not with FSDP, train.qat"):
         qat = tiny_cfg("train.precision=fp8", "train.qat=int8-weight").train
         check_fp8(qat, torch.device("cuda"), ("FSDP",), (9, 0))
+    with pytest.raises(ConfigError, match=r"3 × 30 tokens: make train.seq_len \(or train.micro_batch\)"):
+        check_fp8(tiny_cfg("train.precision=fp8", "train.micro_batch=3", "train.seq_len=30").train,
+                  torch.device("cuda"), capability=(9, 0))  # fmt: skip
     monkeypatch.setitem(sys.modules, "torchao", None)  # not installed
     with pytest.raises(ConfigError, match=r"pip install 'ember\[quant\]'"):
         check_fp8(cfg.train, torch.device("cuda"), capability=(9, 0))

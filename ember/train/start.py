@@ -202,6 +202,8 @@ def check_fp8(train_cfg, device: torch.device, layout: tuple[str, ...] = (), cap
         clash += ["train.kernels=triton's fused head and loss (train.fp8_linears=all converts the head)"]
     if clash:
         raise ConfigError(f"{where} converts the block linears to torchao's Float8Linear: not with {', '.join(clash)} yet")  # fmt: skip # noqa: E501
+    if train_cfg.micro_batch * train_cfg.seq_len % 16:  # the weight gradient's inner dimension: the tokens
+        raise ConfigError(f"{where}: float8 matrix products want every dimension a multiple of 16, the weight gradient's too, which sums over a micro-batch's {train_cfg.micro_batch} × {train_cfg.seq_len} tokens: make train.seq_len (or train.micro_batch) a multiple of 16")  # fmt: skip # noqa: E501
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
