@@ -34,9 +34,10 @@ def run(tiny_data, tmp_path_factory):
     return out / "tiny"
 
 
-def test_val_split_matches_the_trainer(run):
+def test_val_split_matches_the_trainer(run, monkeypatch):
     """With disjoint windows, the eval of the whole val split equals the trainer's LMTask.evaluate
-    over the same windows, and every token is scored once."""
+    over the same windows, and every token is scored once; the trainer's evaluation, a row of
+    fp32 logits at a time, gives what it gives on the whole batch at once."""
     import numpy as np
 
     from ember.data.loader import TokenDataset, ValLoader
@@ -56,6 +57,9 @@ def test_val_split_matches_the_trainer(run):
     assert ours["loss"] == pytest.approx(theirs["val_loss"], abs=1e-5)
     assert ours["bpb"] == pytest.approx(theirs["val_bpb"], abs=1e-5)
     assert ours["tokens"] == n_full * 32
+    monkeypatch.setattr("ember.train.tasks.lm.EVAL_BYTES", 1)  # one row at a time
+    by_row = LMTask(0.0, token_bytes).evaluate(model, loader, torch.autocast("cpu", enabled=False))
+    assert by_row == pytest.approx(theirs, rel=1e-6)
 
     results = evaluate_run(run, splits=["val"])
     r = results["val"]

@@ -23,6 +23,8 @@ from ember.parallel.dist import all_reduce, print0
 from ember.parallel.parallelize import unwrap
 from ember.train.task import Task
 
+EVAL_BYTES = 2**30  # the fp32 logits an evaluation makes at a time (a few rows of a batch)
+
 
 class LMTask(Task):
     """``token_bytes[i]`` is the number of UTF-8 bytes token ``i`` stands for, so bits per byte
@@ -86,17 +88,22 @@ class LMTask(Task):
                 logits = model(x)
             if logits is None:  # a pipeline rank without the last stage
                 continue
-            logits = logits.float()
             if hasattr(logits, "full_tensor"):  # split by vocabulary (parallel.loss_parallel): gathered
                 logits = logits.full_tensor()
-            nats_per_token = F.cross_entropy(logits.flatten(0, 1), y.reshape(-1), reduction="none")
+            # a few rows at a time in fp32: at gpt2-small's 64 rows the whole batch's fp32 logits and
+            # log-probabilities would be 26 GB on top of the training step's memory
+            rows = max(1, EVAL_BYTES // (4 * logits[0].numel()))
+            nats_per_token = torch.cat([
+                F.cross_entropy(part.float().flatten(0, 1), target.reshape(-1), reduction="none")
+                for part, target in zip(logits.split(rows), y.split(rows), strict=True)
+            ])  # fmt: skip
             text = token_bytes[y.reshape(-1)] > 0  # <|eos|> and friends stand for no bytes of text
             nats = nats_per_token.sum()
             sums += torch.stack(
                 [
                     nats.double(),
                     torch.tensor(y.numel(), device=device, dtype=torch.float64),
-                    nats_per_token[text].sum().double(),
+                    (nats_per_token * text).sum().double(),
                     token_bytes[y].sum().double(),
                 ]
             )
