@@ -11,7 +11,7 @@
 #
 # (`all` runs each point's own rows, the unmeasured first: the fp8 loss has never run whole, nor
 # the CLI at 64 rows; its decode stage times the fused step with PDL, new since the last lease;
-# `decode-persistent` the whole step in one kernel, new too, and the fused step without PDL;
+# `decode-persistent` the whole step in one kernel, new too (the step without PDL: `decode`);
 # `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order, the
 # norm backward's tile and softmax's long rows (pipelined, tuned) changed since the last lease,
 # each beside its old road; `levers` ends with
@@ -49,9 +49,8 @@
 #   decode-persistent  decode.py's rows for the whole step in one persistent kernel, 16 and 8
 #             outputs a task (ember/kernels/persistent.py; fp32 parity first), gpt2-small bf16,
 #             graphed, against HF's generate, with the faster one's anatomy; the five-launch step's
-#             rows are `decode`'s, the same lease, and the five-launch step without PDL beside
-#             them. Its own stage: a wait that never ends on a GPU (the CPU's interpreter runs
-#             one program, which cannot show one) costs it alone                            (150 s)
+#             rows are `decode`'s, the same lease. Its own stage: a wait that never ends on a GPU
+#             (the CPU's interpreter runs one program, which cannot show one) costs it alone  (120 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
 #             faster one's anatomy (issue 29 pt 3's next lever)                       (200 s)
@@ -188,9 +187,8 @@ for what in "$@"; do
             ${DECODE_ARGS:-}"
         ;;
     decode-persistent)  # issue 29 pt 3: the whole step in one persistent kernel, beside the five-launch block
-        stage decode-persistent 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
-            --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent fused-graphs-persistent-n8 \
-            fused-graphs-no-pdl --anatomy"
+        stage decode-persistent 120 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
+            --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent fused-graphs-persistent-n8 --anatomy"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled
         stage decode-tuned 200 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \

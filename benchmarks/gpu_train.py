@@ -137,14 +137,14 @@ def anatomy(row: str, step, args, gemm_flops_per_token: float) -> None:
         for _ in range(steps):
             step()
 
-    kernels, wall = profiled(three, cuda)
+    kernels, wall, busy_us = profiled(three, cuda)
     kinds: dict[str, list[float]] = {}
     for name, t in kernels:
         kind = next((k for k, keys in KINDS.items() if any(key in name.lower() for key in keys)), "other")
         kinds.setdefault(kind, []).append(t)
     busy, ms = sum(t for _, t in kernels), lambda us: us / steps / 1e3
     print(f"anatomy of {row}: {len(kernels) / steps:.0f} kernels a step, {ms(busy):.1f} ms of them a step "
-          f"in {wall / steps * 1e3:.1f} ms of wall (the device busy {busy * 1e-6 / wall:.0%})")  # fmt: skip
+          f"in {wall / steps * 1e3:.1f} ms of wall (the device busy {busy_us / wall / 1e6:.0%})")  # fmt: skip
     rows = [[kind, f"{len(ts) / steps:.0f}", f"{ms(sum(ts)):.2f}", f"{sum(ts) / busy:.0%}"]
             for kind, ts in sorted(kinds.items(), key=lambda kv: -sum(kv[1]))]  # fmt: skip
     print_table(["kind", "kernels a step", "ms a step", "share of device time"], rows)

@@ -165,9 +165,10 @@ def anatomy(scheduler: Scheduler, attention: str, level: dict, clients: list[int
     bounds the rate."""
     c = 64 if 64 in clients else clients[-1]
     got = {}
-    kernels, wall = profiled(lambda: got.update(serve_level(scheduler, level[c], c)), device.type == "cuda")
+    cuda = device.type == "cuda"
+    kernels, wall, busy = profiled(lambda: got.update(serve_level(scheduler, level[c], c)), cuda)
     scheduler.blocks.block_of.clear(), scheduler.blocks.key_of.clear()
-    busy, tokens = sum(t for _, t in kernels) * 1e-6, got["tokens"]
+    busy, tokens = busy * 1e-6, got["tokens"]
     print(f"anatomy of {attention} at {c} clients: {tokens:,} tokens in {wall:.2f} s under the profiler, "
           f"{len(kernels) / tokens:.0f} kernels and {busy / tokens * 1e6:.0f} µs of them an output token: "
           f"the device busy {busy / wall:.0%} of the wall")  # fmt: skip
