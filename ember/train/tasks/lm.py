@@ -103,7 +103,7 @@ class LMTask(Task):
                 [
                     nats.double(),
                     torch.tensor(y.numel(), device=device, dtype=torch.float64),
-                    (nats_per_token * text).sum().double(),
+                    nats_per_token.where(text, 0.0).sum().double(),
                     token_bytes[y].sum().double(),
                 ]
             )
