@@ -62,6 +62,7 @@ from ember.data.prepare import prepare
 from ember.errors import EmberError
 from ember.model.gpt import GPT, Attention, block_linears
 from ember.model.hf import to_hf
+from ember.parallel.parallelize import unwrap
 from ember.train.trainer import scratch_trainer
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet), the issue's yardstick
@@ -271,8 +272,7 @@ def ember_row(args, overrides, x, y, row: str = "ember") -> tuple[float, float]:
 
         seconds = timed(step, args)
         if args.anatomy:  # (a profiler that fails costs the anatomy, not the row's timing)
-            m = trainer.model_cfg
-            gemm = trainer.flops_per_token - 12 * m.n_layer * m.d_model * args.seq_len  # 6N: the products'
+            gemm = unwrap(trainer.model).flops_per_token(0)  # 6N: the products' alone, no attention
             print(f"{row}: timed {seconds * 1e3:.1f} ms a step", flush=True)
             try:
                 anatomy(row, step, args, gemm)

@@ -18,11 +18,9 @@ import time
 
 import torch
 from printing import cpu_model
-from serve import MODELS, code_tokenizer, workload
+from serve import code_tokenizer, seeded_model, workload
 
-from ember.config import ModelConfig
 from ember.infer.engine import KVCache
-from ember.model.gpt import GPT
 
 
 def main() -> None:
@@ -33,9 +31,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     device = torch.device(args.device)
-    cfg = ModelConfig(max_seq_len=512, init_std=0.1, dropout=0.0, **MODELS["gpt2-small"])  # serve.py's
-    model = GPT.build(cfg, device=device, seed=args.seed).eval()
-    n_valid = min(code_tokenizer().vocab_size, cfg.vocab_size)  # the engine masks ids past the vocabulary
+    model = seeded_model("gpt2-small", device, args.seed)  # serve.py's
+    n_valid = min(code_tokenizer().vocab_size, model.cfg.vocab_size)  # the engine masks ids past these
     gaps, rounding, start = [], [], time.perf_counter()
     with torch.inference_mode():
         for i, (prompt, n_out) in enumerate(workload(args.requests, args.seed, (16, n_valid))):

@@ -249,15 +249,21 @@ def divergence(model, prompt: list[int], ref: list[int], got: list[int]) -> tupl
     return where, (logits[ref[where]] - logits[got[where]]).item()
 
 
+def seeded_model(name: str, device: torch.device, seed: int) -> GPT:
+    """The device mode's model: ``MODELS[name]``'s shape, random weights (``init_std`` 0.1, so
+    greedy ids are rarely ties), fp32, in eval mode (benchmarks/greedy_margins.py walks it too)."""
+    cfg = ModelConfig(max_seq_len=512, init_std=0.1, dropout=0.0, **MODELS[name])
+    return GPT.build(cfg, device=device, seed=seed).eval()
+
+
 def device_main(args) -> None:
     """Issue 29's serving check in one process (module docstring)."""
     device = torch.device(args.device)
     serve = load_config("tiny", args.serve).serve
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 greedy parity with the batch-1 engine
     tokenizer = code_tokenizer()
-    cfg = ModelConfig(max_seq_len=512, init_std=0.1, dropout=0.0, **MODELS[args.model])
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    model = GPT.build(cfg, device=device, seed=args.seed).eval().to(dtype)
+    model = seeded_model(args.model, device, args.seed).to(dtype)
     engine = Engine(model, tokenizer, device=device)
     n = max(args.requests, max(args.clients))
     requests = workload(n, args.seed, (16, engine.n_valid))
