@@ -89,7 +89,8 @@ lower(norm._sum_partials, dict(PW="*fp32", PB="*fp32", DW=bf, DB=bf, P=i32, N=i3
       dict(HAS_W=True, HAS_B=True, ACC=tl.float32, BLOCK_P=64, BLOCK_N=32))
 lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32", T=i32, H=i32, HK=i32,
       sqb=i64, sqh=i64, sqt=i64, skb=i64, skh=i64, skt=i64, scb=i32, sct=i32),
-      dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=4, BLOCK_H=16, BLOCK_D=32, LOADS_FIRST=True))
+      dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=4, BLOCK_H=16, BLOCK_HK=4,
+           BLOCK_D=32, LOADS_FIRST=True))
 LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, PER_SM=1)  # a vocab row: the two-pass loops, pipelined
 lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32, ROWS=i32), LONG, 16, aligned=True)
 lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32, ROWS=i32), LONG, 16,
