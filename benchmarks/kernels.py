@@ -15,7 +15,8 @@ TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or f
 The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_program`` and
 ``BACKWARD_STAGES``: the forward one row a program (not a tile of 4 at 768 wide; on the H200
 lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined;
-their "ember 3 stages" rows load the backward's rows 2 ahead where "ember" loads 4.
+their "ember untimed" rows run the backward's first config (``norm.BACKWARD_CONFIGS``: 4 programs
+an SM, 4 rows ahead), where "ember" takes the one ``ember.kernels.fastest`` timed fastest.
 RoPE's "ember as before" row runs it as that lease timed it (``rope.TILE`` 4,096 and k's loads
 after q's stores, ``rope.LOADS_FIRST`` off); softmax's runs its long rows as that lease did
 (``softmax.BEFORE``: a program a row, each block's loads after the last), where "ember" takes
@@ -109,9 +110,10 @@ def fwd_bwd(op, inputs, grad=None):
     return run
 
 
-ONE_ROW = {"ROWS_PER_PROGRAM": 1, "BACKWARD_STAGES": 1}  # ember.kernels.norm's settings before
-# the backward's rows loaded 2 ahead, as before the H200 lease of 2026-11-27 22:17 chose 4 ahead
-SHALLOW = {"BACKWARD_STAGES": 3}
+ONE_ROW = {"ROWS_PER_PROGRAM": 1, "BACKWARD": (4, 1, 1)}  # ember.kernels.norm's settings before
+# the backward untimed: norm.BACKWARD_CONFIGS' first, 4 programs an SM loading 4 rows ahead (the
+# H200 lease of 2026-11-27 22:17: RMSNorm 63% of the bound), where "ember" takes the tuner's pick
+FIRST = {"BACKWARD": (4, 5, 1)}
 ROPE_BEFORE = {"TILE": 4096, "LOADS_FIRST": False}  # ember.kernels.rope's
 
 
@@ -181,7 +183,7 @@ def cases(shape: dict, dtype, device: str):
             ),  # noqa: E501
             "ember": fwd_bwd(lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
             "ember 1 row": overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w), **ONE_ROW),
-            "ember 3 stages": overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w), **SHALLOW),
+            "ember untimed": overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w), **FIRST),
         },
         5 * N * C * e,
         0,
@@ -195,7 +197,7 @@ def cases(shape: dict, dtype, device: str):
             **({"liger": fwd_bwd(lg.liger_layer_norm, (x, w, b, 1e-5))} if lg else {}),
             "ember": fwd_bwd(lnm_ember, (x, w, b)),
             "ember 1 row": overriding(norm, lnm_ember, (x, w, b), **ONE_ROW),
-            "ember 3 stages": overriding(norm, lnm_ember, (x, w, b), **SHALLOW),
+            "ember untimed": overriding(norm, lnm_ember, (x, w, b), **FIRST),
         },
         5 * N * C * e,
         0,
@@ -472,11 +474,13 @@ def main() -> None:
     from printing import print_table
 
     print_table(header, rows)
-    from ember.kernels import softmax
+    from ember.kernels import PICKS, softmax
 
     for kernel in (softmax._softmax_fwd_long, softmax._softmax_bwd_long):  # what the tuner kept, if it ran
         if getattr(kernel, "best_config", None) is not None:
             print(f"{kernel.fn.__name__}: the tuner kept {kernel.best_config}")
+    for key, config in PICKS.items():  # (programs an SM, stages, warps' multiple) for the norm backward
+        print(f"{key[0]} {key[1:]}: the tuner kept {config}")
     if args.json:
         with open(args.json, "w") as f:
             table = [dict(zip(header, r, strict=True)) for r in rows]

@@ -190,6 +190,42 @@ def test_rope_matches_reference(dtype, per_row, road, monkeypatch):
     assert dq.transpose(1, 2).is_contiguous() and dk.transpose(1, 2).is_contiguous()
 
 
+def test_fastest_times_each_config_once_and_passes_over_one_that_cannot_launch(monkeypatch):
+    """ember.kernels.fastest (the norm backward's tuner): on CUDA each config is timed once for a
+    key, one that cannot launch is passed over however fast, and the winner is remembered; on a
+    CPU, with one config, or while a CUDA graph is captured, the first config runs untimed.
+    (do_bench and the capture check are stood in for: this machine has no CUDA.)"""
+    import triton.runtime.errors as errors
+    import triton.testing
+
+    import ember.kernels as kernels
+
+    cost, timed = {"a": 3.0, "b": 1.0, "c": 0.5}, []
+
+    def run(config):
+        if config == "c":
+            raise errors.OutOfResources(300_000, 232_448, "shared memory")
+        timed.append(config)
+
+    def bench(fn, **_):
+        fn()
+        return cost[timed[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", bench)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(kernels, "PICKS", {})
+    cuda, configs = torch.device("cuda"), ["a", "b", "c"]
+    assert kernels.fastest(("k", 1), configs, run, torch.device("cpu")) == "a" and timed == []
+    capturing[0] = True
+    assert kernels.fastest(("k", 1), configs, run, cuda) == "a" and timed == []  # not remembered
+    capturing[0] = False
+    assert kernels.fastest(("k", 1), configs, run, cuda) == "b" and timed == ["a", "b"]
+    assert kernels.fastest(("k", 1), configs, run, cuda) == "b" and timed == ["a", "b"]  # remembered
+    assert kernels.fastest(("k", 3), ["c"], run, cuda) == "c"  # one config: nothing to time
+    assert kernels.fastest(("k", 2), configs, run, cuda) == "b" and timed == ["a", "b"] * 2
+
+
 def test_gradcheck_fp64():
     """fast_mode: one random direction per input, since each call is a slow interpreted launch."""
     x, r = leaves(torch.float64, (3, 7), (3, 7))

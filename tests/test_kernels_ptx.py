@@ -80,7 +80,7 @@ lower(norm._norm_fwd, dict(X=bf, R=bf, W=bf, B=bf, Y=bf, H=bf, Mean="*fp32", Rst
 BWD = dict(DY=bf, DH=bf, H=bf, W=bf, Mean="*fp32", Rstd="*fp32", DX=bf, DW="*fp32", DB="*fp32", M=i32, N=i32,
            rows_per_program=i32)  # the backward's loop pipelined (tl.range's stages: cp.async loads)
 lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, ACC=tl.float32,
-      STAGES=norm.BACKWARD_STAGES, BLOCK=1024))
+      STAGES=norm.BACKWARD_CONFIGS[0][1], BLOCK=1024))
 H100 = 232448  # bytes of shared memory a block (opt-in): 32,768-wide bf16 rows with a residual fit
 wide = lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, ACC=tl.float32,
              STAGES=norm.backward_stages(32768, 2, 3, H100), BLOCK=32768), 16, aligned=True)

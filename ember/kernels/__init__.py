@@ -69,6 +69,35 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+PICKS: dict[tuple, object] = {}  # key -> the config ``fastest`` timed fastest for it
+
+
+def fastest(key: tuple, configs: list, run: Callable, device: torch.device):
+    """The one of ``configs`` under which ``run(config)``, a launch, takes least time on CUDA:
+    each timed once for ``key`` (do_bench's median, on the call's own tensors) and the winner
+    remembered. A config that cannot launch (too much shared memory) is passed over. Nothing is
+    timed, and the first config runs, with one config, on a CPU (the interpreter), or while a
+    CUDA graph is captured (timing would break the capture; the key is timed at a later call).
+    ``triton.autotune`` does the same for a kernel's own arguments; this also lets a config
+    change what the host allocates around the launch (a backward's partial sums a program)."""
+    if key in PICKS:
+        return PICKS[key]
+    if len(configs) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    import triton.runtime.errors as errors
+    from triton.testing import do_bench
+
+    failures = tuple(getattr(errors, n) for n in ("OutOfResources", "PTXASError") if hasattr(errors, n))
+    times = []
+    for config in configs:
+        try:
+            times.append(do_bench(lambda c=config: run(c), warmup=5, rep=20, return_mode="median"))
+        except failures:
+            times.append(float("inf"))
+    PICKS[key] = configs[times.index(min(times))]
+    return PICKS[key]
+
+
 def kernel_op(name: str, fn: Callable, fake: Callable, setup_context: Callable | None = None,
               backward: Callable | None = None, mutates: tuple[str, ...] = ()) -> Callable:
     """Register ``fn`` as the custom op ``ember::<name>``, with ``fake`` for tracing and, given

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor, nn
 
-from ember.kernels import kernel_op, pow2, sm_count, triton_ready
+from ember.kernels import fastest, kernel_op, pow2, sm_count, triton_ready
 
 
 @triton.jit
@@ -117,21 +117,27 @@ def _sum_partials(PW, PB, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr
 
 
 ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_per_program()
-# The backward's loop in flight: its programs, 4 an SM, each walk ~30 rows of gpt2-small's 16,384,
-# and one row at a time left each load's latency exposed (an H200: RMSNorm's forward and backward
-# at 38% of the HBM bound, the forward's tile of rows no faster than one row). 5: the next four
-# rows' loads issued while this one's sums run (the interpreter ignores it). An H200, 16,384 x 768
-# bf16 forward + backward: 3 stages 56% of the bound (RMSNorm) and 48% (LayerNorm), 5 stages 63%
-# and 49%; 1: the loop unpipelined, 38% and 29%. backward_stages() caps it by shared memory.
-BACKWARD_STAGES = 5
+# The backward's configs: (programs an SM, stages, warps as a multiple of the row's). Its programs
+# each walk their share of the rows, and one row at a time left each load's latency exposed (an
+# H200: RMSNorm's forward and backward at 38% of the HBM bound). The loop is pipelined: with 5
+# stages the next four rows' loads are in flight while this one's sums run (the interpreter
+# ignores it). An H200, 16,384 x 768 bf16 forward + backward, 4 programs an SM: 3 stages 56% of the
+# bound (RMSNorm) and 48% (LayerNorm), 5 stages 63% and 49%. More programs an SM keep more rows in
+# flight (48-64 registers and 16 KB of shared memory a program at 768 wide leave room for 8).
+# ``ember.kernels.fastest`` times them on the shape at hand once and keeps the fastest; the first
+# is the road that H200 timed. backward_stages() caps the stages by shared memory.
+BACKWARD_CONFIGS = [(4, 5, 1), (8, 5, 1), (8, 3, 1), (4, 3, 1), (2, 5, 2)]
+BACKWARD: tuple[int, int, int] | None = None  # a config to run untimed (benchmarks' roads, tests)
 
 
-def backward_stages(block: int, elem: int, loads: int, smem: int) -> int:
+def backward_stages(block: int, elem: int, loads: int, smem: int, stages: int | None = None) -> int:
     """The backward's stages at rows of ``block`` values of ``elem`` bytes, ``loads`` of them a
     row (dy, h and dh with a residual): each stage past the first keeps one row's loads in shared
     memory, so at most what ``smem`` bytes hold, 32 KB kept for the reductions (an H100's 227 KB
-    a block hold 3 stages of 16,384-wide bf16 rows, 2 of 32,768, 1 of 65,536)."""
-    return max(1, min(BACKWARD_STAGES, 1 + (smem - 32 * 1024) // (loads * block * elem)))
+    a block hold 3 stages of 16,384-wide bf16 rows, 2 of 32,768, 1 of 65,536); ``stages``: the
+    most wanted (the first config's)."""
+    stages = BACKWARD_CONFIGS[0][1] if stages is None else stages
+    return max(1, min(stages, 1 + (smem - 32 * 1024) // (loads * block * elem)))
 
 
 @functools.cache
@@ -195,21 +201,28 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
     empty without a weight or a bias."""
     h, dy, dh, w = (t.contiguous() if t is not None else None for t in (h, dy, dh, weight))
     M, N = rstd.numel(), h.size(-1)
+    out = _grad_dtype(h, w)
     if M == 0:  # no rows: no launch (its grid would be empty)
-        out = _grad_dtype(h, w)
         return h.new_empty(h.shape), h.new_zeros(N if w is not None else 0, dtype=out), \
             h.new_zeros(N if has_bias else 0, dtype=out)  # fmt: skip
     sms = sm_count(h.get_device()) if h.is_cuda else 2
-    programs = min(M, 4 * sms)  # each sums its rows' dw, db: (programs, N) partials, summed below
-    dw, db = (h.new_empty(programs if has else 0, N, dtype=_acc(h)) for has in (w is not None, has_bias))
     dx, args = h.new_empty(h.shape), _launch_args(h)
-    _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
-                           db if has_bias else None, M, N, -(-M // programs), RMS=rms,
-                           HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias,
-                           STAGES=backward_stages(args["BLOCK"], h.element_size(), 2 + (dh is not None),
-                                                  _smem(h.get_device()) if h.is_cuda else 227 * 1024),
-                           **args)  # fmt: skip
-    out = _grad_dtype(h, w)
+    warps, smem = args.pop("num_warps"), _smem(h.get_device()) if h.is_cuda else 227 * 1024
+
+    def run(config: tuple[int, int, int]) -> tuple[int, Tensor, Tensor]:
+        per_sm, stages, more_warps = config
+        programs = min(M, per_sm * sms)  # each sums its rows' dw, db: (programs, N) partials, summed below
+        dw, db = (h.new_empty(programs if has else 0, N, dtype=_acc(h)) for has in (w is not None, has_bias))
+        stages = backward_stages(args["BLOCK"], h.element_size(), 2 + (dh is not None), smem, stages)
+        _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
+                               db if has_bias else None, M, N, -(-M // programs), RMS=rms,
+                               HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias, STAGES=stages,
+                               num_warps=min(16, warps * more_warps), **args)  # fmt: skip
+        return programs, dw, db
+
+    key = ("norm_backward", min(pow2(M), 65536), N, h.dtype, rms, dh is not None, w is not None, has_bias)
+    config = BACKWARD or fastest(key, BACKWARD_CONFIGS, run, h.device)
+    programs, dw, db = run(config)
     dw_sum, db_sum = (h.new_empty(N if has else 0, dtype=out) for has in (w is not None, has_bias))
     if w is not None or has_bias:
         _sum_partials[(-(-N // 32),)](dw, db, dw_sum, db_sum, programs, N, HAS_W=w is not None,
