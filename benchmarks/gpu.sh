@@ -6,27 +6,26 @@
 # 30 s), and a warm machine goes back 30 s after a call: two calls back to back, then give_back.
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
-#   bash benchmarks/gpu.sh all                      # 1st call, issue 29: env train fp8-loss cli decode serve (<= 9 min)
-#   DEADLINE=290 bash benchmarks/gpu.sh decode-persistent kernels-norms serve-host  # 2nd (timeout_s 300)
+#   DEADLINE=540 bash benchmarks/gpu.sh kernels-norms decode-floor serve levers   # 1st call (timeout_s 575)
+#   DEADLINE=290 bash benchmarks/gpu.sh decode-wide fp8-wide                      # 2nd (timeout_s 300)
 #
-# (`all` runs each point's own rows, the unmeasured first: the fp8 loss has never run whole, nor
-# the CLI at 64 rows; its decode stage times the fused step with PDL, new since the last lease;
-# `decode-persistent` the whole step in one kernel, new too (the step without PDL: `decode`);
-# `kernels-norms` is issue 28's row ops against Liger, with the RoPE layout and load order, the
-# norm backward's tile and softmax's long rows (pipelined, tuned) changed since the last lease,
-# each beside its old road; `levers` ends with
-# issue 28's train.kernels row, ember against ember-triton in one script; `kernels-train` is the
-# same through the CLI.)
+# (`kernels-norms` is issue 28's row ops against Liger: the norm backward now picks its config by
+# timing on the GPU, RoPE transposes inside its op, both new since the fourth lease; `decode-floor`
+# times the decode step's chain of launches with no bytes in it, the bound on issue 29 pt 3 at
+# gpt2-small's shape; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on
+# the third) with each path's anatomy; `levers` starts with llama-small's row, never run whole;
+# `decode-wide` and `fp8-wide` show points 3 and 2 at widths where bytes and products outweigh
+# launches and casts. `all` (issue 29's own rows, 497 s on the fourth lease) re-measures the rest.)
 # The leases so far: 2026-11-26, an H200: `all` (its serve stage then failed on its own
 # arguments), `serve decode kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex
 # rows fell back to eager FlexAttention, since fixed; train and decode cut at their limits),
 # then gpu_train's ember/muon/fp8 rows, the CLI row and decode.py; 2026-11-27, an H200: `all`
 # (serve cut at 200 s after its rows, fp8-loss left 37 s: both trimmed since), then
-# `kernels-norms serve-host levers` (serve-host and levers' llama-small row failed, fixed since):
-# benchmarks/RESULTS.md, "One GPU, ...". Next: `all`, then `decode-persistent kernels-norms serve-host`;
-# later `levers`, `fp8-filters`, `fp8-wide`, `decode-tuned`, `decode-wide`, `kernels-train`, `autotune`,
-# `kernels` (its graph column), `kernels-test` whole, then `analyze`, `lora`, `plan`, `parallel`
-# (earlier issues' GPU checks, each <= 5 min).
+# `kernels-norms serve-host levers` (serve-host and levers' llama-small row failed, fixed since);
+# 2026-11-27 22:17, an H200: `all` in 497 s, every stage whole, then `decode-persistent
+# kernels-norms serve-host`: benchmarks/RESULTS.md, "One GPU, ...". Later: `fp8-filters`,
+# `decode-tuned`, `kernels-train`, `autotune`, `kernels` (its graph column), `kernels-test` whole,
+# then `analyze`, `lora`, `plan`, `parallel` (earlier issues' GPU checks, each <= 5 min).
 #
 # Each stage writes $OUT/<stage>.log (OUT defaults to runs/gpu) and is stopped at its own time
 # limit (below) or at DEADLINE seconds after the call began (`all`: 540), whichever comes first,
@@ -77,8 +76,9 @@
 #              for w in /tmp/lg/*.whl; do unzip -qo $w -d .gpu; done && rm -rf .gpu/test &&
 #              echo /.gpu/ >> .git/info/exclude; torchao is train's fp8 rows: the image lacks it)
 #   kernels-norms  kernels.py --ops rms_norm layer_norm softmax rope_qk (launched and from graphs,
-#             against Liger) and paged_attention (serving's decode attention against the gather
-#             road, eager and compiled), then --host                                 (140 s)
+#             against Liger; the norms' tuned backward beside its first config untimed) and
+#             paged_attention (serving's decode attention against the gather road, eager and
+#             compiled), then --host                                                 (170 s)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
@@ -102,11 +102,12 @@
 #   fp8-wide  gpu_train.py at 2048 wide (gpt2-small's 12 layers, 16 heads of 128: ~0.7B parameters),
 #             bf16 against fp8 with the floor: float8 where its GEMMs outweigh its casts, against
 #             768 wide where they do not (WIDE: other overrides)                              (180 s)
-#   levers    gpu_train.py's lever rows, the unmeasured first: CUDA graphs on the whole step,
-#             cuDNN and flash attention; 64 rows a micro-batch (what `ember plan` finds fits an
-#             H100); Muon at the preset's 524,288 tokens a step (32 micro-batches of 16, the
-#             proposed "<= 3%"); llama-small against LlamaForCausalLM; `ember plan`; then
-#             the rows measured before: per-block compile, kernels=triton, hf eager       (300 s)
+#   levers    gpu_train.py's lever rows, the unmeasured first: llama-small against
+#             LlamaForCausalLM with its floor (issue 29 pt 1's "reported beside it"; its row failed on
+#             the third lease, never run since); `ember plan`; then those the third lease measured:
+#             CUDA graphs on the whole step, cuDNN and flash attention; 64 rows a micro-batch; Muon
+#             at the preset's 524,288 tokens a step (32 micro-batches of 16, "<= 3%"); per-block
+#             compile, kernels=triton, hf eager                                             (300 s)
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
@@ -224,7 +225,7 @@ for what in "$@"; do
             $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-norms)  # issue 28 pt 5's rows against Liger that were host-bound: launched, from graphs, host
-        stage kernels-norms 140 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
+        stage kernels-norms 170 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
             rope_qk paged_attention && $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-train)
@@ -254,12 +255,12 @@ for what in "$@"; do
             --steps 10 --warmup 3 --floor --rows ember ember-fp8"
         ;;
     levers)  # issue 29's levers one by one, the unmeasured first (each row prints as it ends)
-        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --rows ember ember-whole-graphs ember-cudnn \
-            ember-flash && \
+        stage levers 300 "$PY benchmarks/gpu_train.py --device $DEV --model llama-small --floor \
+            --rows ember hf-compiled ember-block && \
+            $PY -m ember plan gpt2-small train.device=$DEV && \
+            $PY benchmarks/gpu_train.py --device $DEV --rows ember ember-whole-graphs ember-cudnn ember-flash && \
             $PY benchmarks/gpu_train.py --device $DEV --batch 64 --rows ember && \
             $PY benchmarks/gpu_train.py --device $DEV --accum 32 --steps 5 --warmup 2 --rows ember ember-muon && \
-            $PY benchmarks/gpu_train.py --device $DEV --model llama-small --floor --rows ember hf-compiled ember-block && \
-            $PY -m ember plan gpt2-small train.device=$DEV && \
             $PY benchmarks/gpu_train.py --device $DEV --rows hf-compiled ember-block ember-triton hf-eager"
         ;;
     autotune)  # one more lever: inductor's max-autotune picks each GEMM's kernel by timing (slow to compile)
@@ -285,7 +286,7 @@ for what in "$@"; do
         summary env train fp8-loss cli decode serve
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-persistent decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2
+        echo "unknown stage $what: env analyze decode decode-persistent decode-floor decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2
         exit 2
         ;;
     esac
