@@ -105,12 +105,18 @@ def embed_row(IDX, WTE, WPE, POS, PAD, X, C, spad, b, HAS_WPE: tl.constexpr, BLO
 def _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM: tl.constexpr, HAS_BETA: tl.constexpr):
     """The rows' inputs kk, normalized (NORM) and rounded to X's dtype as the model's norm returns them."""
     x = tl.load(X + rm[:, None] * K + kk[None, :], mask=in_m & in_k[None, :], other=0.0)
+    return _normed(x, G, BETA, in_m, kk, in_k, mean, rstd, NORM, HAS_BETA)
+
+
+@triton.jit
+def _normed(x, G, BETA, in_m, kk, in_k, mean, rstd, NORM: tl.constexpr, HAS_BETA: tl.constexpr):
+    """``_input_tile`` of inputs already loaded."""
     if NORM != 0:
         xn = (x.to(tl.float32) - mean[:, None]) * rstd[:, None]
         xn = xn * tl.load(G + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
         if HAS_BETA:
             xn += tl.load(BETA + kk, mask=in_k, other=0.0).to(tl.float32)[None, :]
-        x = tl.where(in_m & in_k[None, :], xn, 0.0).to(X.dtype.element_ty)
+        x = tl.where(in_m & in_k[None, :], xn, 0.0).to(x.dtype)
     return x
 
 
@@ -176,8 +182,10 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
                 BLOCK_K: tl.constexpr):  # fmt: skip
     """Y[:, n] = act(norm(X) @ W[n]ᵀ + BIAS[n]) + R[:, n] for the BLOCK_N outputs of tile pid_n
     and the BLOCK_M rows of tile pid_m (SwiGLU: silu(norm(X) @ W[n]ᵀ + BIAS[n]) · (norm(X) @
-    W[N + n]ᵀ + BIAS[N + n])). PREFETCH: the first tile of weights is read before anything else and
-    its step taken out of the loop; only then does the program wait (``_wait``)."""
+    W[N + n]ᵀ + BIAS[N + n])). PREFETCH: the first tile of weights is read before anything else;
+    only then does the program wait (``_wait``). The rows' first BLOCK_K inputs are read once, for
+    the statistics' first step and the product's: at K <= BLOCK_K (a 768-wide row in tiles of
+    1,024) a LayerNorm product reads its input once after the wait, not three times in turn."""
     tl.static_assert(DOT or BLOCK_M == 1, "the CUDA cores' products take one row a program")
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -187,17 +195,22 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
     if PREFETCH:  # the weights are no kernel's output: their first tile need not wait for one
         w1, u1 = _weight_tiles(W, rn, in_n, rk, rk < K, N, K, ACT)
     _wait(WAIT, SYNC, stage, need)  # X and R are outputs before this one, and Y may be a buffer one reads
+    x1 = tl.load(X + rm[:, None] * K + rk[None, :], mask=in_m & (rk[None, :] < K), other=0.0)  # 1st inputs
+    if not PREFETCH:
+        w1, u1 = _weight_tiles(W, rn, in_n, rk, rk < K, N, K, ACT)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = mean
     if NORM != 0:  # the rows' statistics first, two passes over the (short, cache-hot) rows
         if NORM == 1:
-            for k0 in range(0, K, BLOCK_K):
+            mean += tl.sum(x1.to(tl.float32), axis=1)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 at = k0 + rk[None, :]
                 x = tl.load(X + rm[:, None] * K + at, mask=in_m & (at < K), other=0.0)
                 mean += tl.sum(x.to(tl.float32), axis=1)
             mean = mean / K
-        var = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        x = tl.where(rk[None, :] < K, x1.to(tl.float32) - mean[:, None], 0.0)
+        var = tl.sum(x * x, axis=1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             at = k0 + rk[None, :]
             x = tl.load(X + rm[:, None] * K + at, mask=in_m & (at < K), other=0.0).to(tl.float32)
             x = tl.where(at < K, x - mean[:, None], 0.0)
@@ -205,12 +218,9 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
         rstd = tl.rsqrt(var / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's second product: W's rows N..2N
-    start = 0
-    if PREFETCH:  # the first step, on the tile read early
-        x = _input_tile(X, G, BETA, rm, in_m, rk, rk < K, K, mean, rstd, NORM, HAS_BETA)
-        acc, up = _products(acc, up, x, w1, u1, FP32_DOT, ACT, DOT)
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
+    x = _normed(x1, G, BETA, in_m, rk, rk < K, mean, rstd, NORM, HAS_BETA)  # the first step, out of the loop
+    acc, up = _products(acc, up, x, w1, u1, FP32_DOT, ACT, DOT)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
         in_k = kk < K
         x = _input_tile(X, G, BETA, rm, in_m, kk, in_k, K, mean, rstd, NORM, HAS_BETA)
