@@ -6,15 +6,17 @@
 # 30 s), and a warm machine goes back 30 s after a call: two calls back to back, then give_back.
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
-#   DEADLINE=540 bash benchmarks/gpu.sh kernels-norms decode-floor serve levers   # 1st call (timeout_s 575)
-#   DEADLINE=290 bash benchmarks/gpu.sh decode-wide fp8-wide                      # 2nd (timeout_s 300)
+#   DEADLINE=540 bash benchmarks/gpu.sh decode decode-floor kernels-norms serve   # 1st call (timeout_s 575)
+#   DEADLINE=290 bash benchmarks/gpu.sh levers                                    # 2nd (timeout_s 300)
 #
-# (`kernels-norms` is issue 28's row ops against Liger: the norm backward now picks its config by
-# timing on the GPU, RoPE transposes inside its op, both new since the fourth lease; `decode-floor`
-# times the decode step's chain of launches with no bytes in it, the bound on issue 29 pt 3 at
-# gpt2-small's shape; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on
-# the third) with each path's anatomy; `levers` starts with llama-small's row, never run whole;
-# `decode-wide` and `fp8-wide` show points 3 and 2 at widths where bytes and products outweigh
+# (`decode` times the fused step with two changes since the fourth lease: a product reads its
+# rows once for the norm and the product, and the attention's tile of held slots is tuned (up to
+# 256, read whole before the wait); `decode-floor` times the step's chain of launches with no
+# bytes in it, the bound on issue 29 pt 3 at gpt2-small's shape; `kernels-norms` is issue 28's row
+# ops against Liger: the norm backward now picks its config by timing on the GPU, RoPE transposes
+# inside its op; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the
+# third) with each path's anatomy; `levers` starts with llama-small's row, never run whole.
+# Then `decode-wide` and `fp8-wide`: points 3 and 2 at widths where bytes and products outweigh
 # launches and casts. `all` (issue 29's own rows, 497 s on the fourth lease) re-measures the rest.)
 # The leases so far: 2026-11-26, an H200: `all` (its serve stage then failed on its own
 # arguments), `serve decode kernels`, `kernels-test`; 2026-11-27, an H100: `all` (serve's flex
@@ -44,7 +46,7 @@
 #             time against the wall. The compiled
 #             + CUDA graphs road (1,600 tok/s on the H200), lookahead and int8 were measured
 #             before; their compile would starve fp8-loss (DECODE_ARGS='--variants
-#             compiled-graphs fused-graphs' brings them back)                              (150 s)
+#             compiled-graphs fused-graphs' brings them back)                              (170 s)
 #   decode-persistent  decode.py's rows for the whole step in one persistent kernel, 16 and 8
 #             outputs a task (ember/kernels/persistent.py; fp32 parity first), gpt2-small bf16,
 #             graphed, against HF's generate, with the faster one's anatomy; the five-launch step's
@@ -186,7 +188,7 @@ for what in "$@"; do
             && cp runs/gpu-cq/analysis/profile/results.json $OUT/profile.json"
         ;;
     decode)
-        stage decode 150 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
+        stage decode 170 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 --quant none \
             --reps 1 --new-tokens 128 --variants ${DECODE_VARIANTS:-fused-graphs fused-graphs-no-pdl} --anatomy \
             ${DECODE_ARGS:-}"
         ;;

@@ -324,6 +324,24 @@ def attend_head(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, 
     tl.store(O + b * H * HD + h * HD + e, (acc / total).to(O.dtype.element_ty))
 
 
+# The attention's (held slots a tile, warps). Its loop over a row's held slots waits for one tile
+# at a time (the next one read a step ahead), and one program a head leaves the loads of 12 programs
+# in flight: at 64 slots a tile a 192-slot context is three DRAM round trips in turn (an H200: 8.2 µs
+# a call). A 256-slot tile is read whole before the wait. ptxas for sm_90: 128-207 registers, no
+# spills. The tuner times them for the cache's shape (fp32 caches: the first, as the products').
+ATTENTION_CONFIGS = [triton.Config({"BLOCK_S": s}, num_warps=w) for s, w in ((64, 4), (128, 8), (256, 8),
+                                                                            (256, 16))]
+if INTERPRET:
+    ATTENTION_CONFIGS = ATTENTION_CONFIGS[:1]
+
+
+def _attention_untuned_in_fp32(configs, named_args, **_):
+    return configs[:1] if named_args["KC"].dtype == torch.float32 else configs
+
+
+# skh, a key head's stride, is the cache's width times hd: the key, with what the kernel does
+@triton.autotune(ATTENTION_CONFIGS, key=["skh", "H", "HKV", "HD", "ROPE", "PREFETCH"],
+                 prune_configs_by={"early_config_prune": _attention_untuned_in_fp32})
 @triton.jit
 def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
                       H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
@@ -377,13 +395,12 @@ def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor
                       pdl: bool = False) -> Tensor:
     """qkv (B, (H + 2·Hkv)·hd); caches (B, Hkv, S, hd); RoPE's tables (max_seq_len, hd/2) or None
     -> o (B, H·hd); k (turned) and v written at slot pos. ``pdl`` as ``_linear_launch``'s."""
-    B, S, hd = qkv.size(0), k_cache.size(2), k_cache.size(3)
+    B, hd = qkv.size(0), k_cache.size(3)
     o = qkv.new_empty(B, n_head * hd)
     spad = 1 if pad.numel() > 1 else 0
     _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, cos, sin, o, spad,
                                    *k_cache.stride()[:3], 1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
-                                   ROPE=cos is not None, BLOCK_S=min(64, pow2(S)),
-                                   **_overlap(qkv, pdl))  # fmt: skip
+                                   ROPE=cos is not None, **_overlap(qkv, pdl))  # fmt: skip
     return o
 
 
