@@ -63,9 +63,12 @@ ACTS = {"none": 0, "gelu": 1, "swiglu": 2}  # swiglu: w holds the gate's rows, t
 # 186-255, and SwiGLU's no longer spill: more programs an SM, and room beside a running kernel
 # for the next one's programs (PDL); and 4 or 8 outputs a program, so that a 768-wide output
 # (the attention's and the MLP's down product) is 96-192 programs for 132 SMs, not 48 (4 x 1024:
-# 56-80 registers). The tuner picks by timing, per shape.
+# 56-80 registers); and 2,048 or 4,096 inputs a step, so that the down product's 3,072-wide row
+# (gpt2-small) is one or two steps, the first read before the wait (48-80 registers without
+# SwiGLU, 128-206 with it; no spills). The tuner picks by timing, per shape, among those whose
+# step is no wider than the row (rounded up to a power of two).
 _DOT = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (64, 256, 8), (16, 1024, 8)]
-_FMA = [(16, 256, 4), (16, 512, 4), (16, 1024, 8), (4, 1024, 4), (8, 1024, 4)]
+_FMA = [(16, 256, 4), (16, 512, 4), (16, 1024, 8), (4, 1024, 4), (8, 1024, 4), (8, 2048, 8), (4, 4096, 8)]
 CONFIGS = [
     triton.Config({"BLOCK_M": rows, "DOT": rows > 1, "BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
     for rows, shapes in ((16, _DOT), (1, _FMA))
@@ -76,8 +79,10 @@ CONFIGS = [
 def _tuned_only_in_low_precision(configs, named_args, **_):
     """fp32 weights get the first config, untuned: on a GPU they are decode.py's parity check,
     not a speed, and tuning would compile every config for every shape and road before the
-    timed rows begin."""
-    return configs[:1] if named_args["W"].dtype == torch.float32 else configs
+    timed rows begin. Otherwise every config whose step of inputs is no wider than the row."""
+    if named_args["W"].dtype == torch.float32:
+        return configs[:1]
+    return [c for c in configs if c.kwargs["BLOCK_K"] <= pow2(named_args["K"])] or configs[:1]
 
 
 if INTERPRET:  # one small config: the interpreter's programs run one after another
