@@ -53,7 +53,7 @@
 #             rows are `decode`'s, the same lease. Its own stage: a wait that never ends on a GPU
 #             (the CPU's interpreter runs one program, which cannot show one) costs it alone  (120 s)
 #   decode-floor  benchmarks/decode_floor.py: the fused step's 67 dependent launches a token and the
-#             persistent step's 60 grid-wide phases, timed with no bytes in them: the tokens/s
+#             persistent step's 61 grid-wide waits, timed with no bytes in them: the tokens/s
 #             that the chain alone allows, against the bytes' bound (25% of it: issue 29 pt 3)  (60 s)
 #   decode-tuned  decode.py's compiled + graphs row against the same with Engine's TUNED
 #             compile (weights frozen into the graph, q/k/v fused, max-autotune), and the
@@ -196,7 +196,7 @@ for what in "$@"; do
         stage decode-persistent 120 "$PY benchmarks/decode.py --device $DEV --model gpt2-small --dtype bf16 \
             --quant none --reps 1 --new-tokens 128 --variants fused-graphs-persistent fused-graphs-persistent-n8 --anatomy"
         ;;
-    decode-floor)  # issue 29 pt 3's bound: the step's chain of 67 launches / 60 phases with no bytes in it
+    decode-floor)  # issue 29 pt 3's bound: the step's chain of 67 launches / 61 waits with no bytes in it
         stage decode-floor 60 "$PY benchmarks/decode_floor.py --device $DEV"
         ;;
     decode-tuned)  # issue 29 pt 3's next lever: frozen weights (q/k/v fused), max-autotune, against compiled

@@ -13,8 +13,9 @@ nominal HBM bandwidth their bytes reach in that time (the bytes each op must mov
 docs/kernels.md); attention and the fused linear cross-entropy are compute-bound and report
 TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
 The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_program`` and
-``BACKWARD_STAGES``: the forward one row a program (not a tile of 4 at 768 wide; on the H200
-lease of 2026-11-27 the tile alone timed 0.070 against 0.071 ms), the backward's loop unpipelined;
+the backward's configs (``norm.BACKWARD`` = (4, 1, 1)): the forward one row a program (not a
+tile of 4 at 768 wide; on the H200 lease of 2026-11-27 the tile alone timed 0.070 against 0.071
+ms), the backward's loop unpipelined;
 their "ember untimed" rows run the backward's first config (``norm.BACKWARD_CONFIGS``: 4 programs
 an SM, 4 rows ahead), where "ember" takes the one ``ember.kernels.fastest`` timed fastest.
 RoPE's "ember as before" row runs it as that lease timed it (``rope.TILE`` 4,096 and k's loads

@@ -193,7 +193,8 @@ def test_rope_matches_reference(dtype, per_row, road, monkeypatch):
 def test_fastest_times_each_config_once_and_passes_over_one_that_cannot_launch(monkeypatch):
     """ember.kernels.fastest (the norm backward's tuner): on CUDA each config is timed once for a
     key, one that cannot launch is passed over however fast, and the winner is remembered; on a
-    CPU, with one config, or while a CUDA graph is captured, the first config runs untimed.
+    CPU, with one config, while a CUDA graph is captured, or in deterministic mode, the first
+    config runs untimed.
     (do_bench and the capture check are stood in for: this machine has no CUDA.)"""
     import triton.runtime.errors as errors
     import triton.testing
@@ -224,6 +225,9 @@ def test_fastest_times_each_config_once_and_passes_over_one_that_cannot_launch(m
     assert kernels.fastest(("k", 1), configs, run, cuda) == "b" and timed == ["a", "b"]  # remembered
     assert kernels.fastest(("k", 3), ["c"], run, cuda) == "c"  # one config: nothing to time
     assert kernels.fastest(("k", 2), configs, run, cuda) == "b" and timed == ["a", "b"] * 2
+    # the picks may sum in other orders: not where runs must repeat bit for bit
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert kernels.fastest(("k", 4), configs, run, cuda) == "a" and timed == ["a", "b"] * 2
 
 
 def test_gradcheck_fp64():

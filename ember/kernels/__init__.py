@@ -78,11 +78,19 @@ def fastest(key: tuple, configs: list, run: Callable, device: torch.device):
     remembered. A config that cannot launch (too much shared memory) is passed over. Nothing is
     timed, and the first config runs, with one config, on a CPU (the interpreter), or while a
     CUDA graph is captured (timing would break the capture; the key is timed at a later call).
+    Configs may sum in other orders (the norm backward's partial sums, a program's), and a pick
+    that timing makes may differ from one process to the next: where runs must repeat bit for
+    bit (``torch.use_deterministic_algorithms``) or ranks agree (more than one: tensor-parallel
+    norms run on every rank alike), the first runs too. So it does when the timing runs out of
+    memory (do_bench flushes L2 with a 256 MB buffer), and the key is tried again later.
     ``triton.autotune`` does the same for a kernel's own arguments; this also lets a config
     change what the host allocates around the launch (a backward's partial sums a program)."""
     if key in PICKS:
         return PICKS[key]
     if len(configs) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if torch.are_deterministic_algorithms_enabled() or ranks > 1:
         return configs[0]
     import triton.runtime.errors as errors
     from triton.testing import do_bench
@@ -94,6 +102,8 @@ def fastest(key: tuple, configs: list, run: Callable, device: torch.device):
             times.append(do_bench(lambda c=config: run(c), warmup=5, rep=20, return_mode="median"))
         except failures:
             times.append(float("inf"))
+        except torch.OutOfMemoryError:
+            return configs[0]
     PICKS[key] = configs[times.index(min(times))]
     return PICKS[key]
 
