@@ -77,7 +77,7 @@ CONFIGS = [
 
 
 def _tuned_only_in_low_precision(configs, named_args, **_):
-    """fp32 weights get the first config, untuned: on a GPU they are decode.py's parity check,
+    """fp32 weights get the first config alone: on a GPU they are decode.py's parity check,
     not a speed, and tuning would compile every config for every shape and road before the
     timed rows begin. Otherwise every config whose step of inputs is no wider than the row."""
     if named_args["W"].dtype == torch.float32:
@@ -201,8 +201,6 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
         w1, u1 = _weight_tiles(W, rn, in_n, rk, rk < K, N, K, ACT)
     _wait(WAIT, SYNC, stage, need)  # X and R are outputs before this one, and Y may be a buffer one reads
     x1 = tl.load(X + rm[:, None] * K + rk[None, :], mask=in_m & (rk[None, :] < K), other=0.0)  # 1st inputs
-    if not PREFETCH:
-        w1, u1 = _weight_tiles(W, rn, in_n, rk, rk < K, N, K, ACT)
     mean = tl.zeros((BLOCK_M,), tl.float32)
     rstd = mean
     if NORM != 0:  # the rows' statistics first, two passes over the (short, cache-hot) rows
@@ -223,6 +221,8 @@ def linear_tile(X, W, BIAS, G, BETA, R, Y, M, N, K, eps, pid_n, pid_m, SYNC, sta
         rstd = tl.rsqrt(var / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SwiGLU's second product: W's rows N..2N
+    if not PREFETCH:  # (loaded here, not held through the statistics)
+        w1, u1 = _weight_tiles(W, rn, in_n, rk, rk < K, N, K, ACT)
     x = _normed(x1, G, BETA, in_m, rk, rk < K, mean, rstd, NORM, HAS_BETA)  # the first step, out of the loop
     acc, up = _products(acc, up, x, w1, u1, FP32_DOT, ACT, DOT)
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -329,24 +329,23 @@ def attend_head(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, 
     tl.store(O + b * H * HD + h * HD + e, (acc / total).to(O.dtype.element_ty))
 
 
-# The attention's (held slots a tile, warps). Its loop over a row's held slots waits for one tile
-# at a time (the next one read a step ahead), and one program a head leaves the loads of 12 programs
-# in flight: at 64 slots a tile a 192-slot context is three DRAM round trips in turn (an H200: 8.2 µs
-# a call). A 256-slot tile is read whole before the wait. ptxas for sm_90: 128-207 registers, no
-# spills. The tuner times them for the cache's shape (fp32 caches: the first, as the products').
-ATTENTION_CONFIGS = [triton.Config({"BLOCK_S": s}, num_warps=w) for s, w in ((64, 4), (128, 8), (256, 8),
-                                                                            (256, 16))]
-if INTERPRET:
-    ATTENTION_CONFIGS = ATTENTION_CONFIGS[:1]
+# The attention's held slots a tile. Its loop over a row's held slots waits for one tile at a time
+# (the next read a step ahead), and one program a head leaves only 12 programs' loads in flight: at
+# 64 slots a tile a 192-slot context is three DRAM round trips in turn (an H200: 8.2 µs a call).
+# A tile of the cache's whole width, up to 16,384 values (256 slots of hd 64, 128 of hd 128), is
+# read before the wait; slots past pos are masked, not read. ptxas for sm_90: 207 registers at 256
+# x 64 and 8 warps, no spills (256 x 128 spills). Chosen from the shape, not timed: a tuner's first
+# call comes at an empty cache (pos 0), where every tile times the same. The interpreter keeps
+# tiles of at most 64, so the tests walk several. ATTENTION_SLOTS overrides the rule (benchmarks).
+ATTENTION_SLOTS: int | None = None
 
 
-def _attention_untuned_in_fp32(configs, named_args, **_):
-    return configs[:1] if named_args["KC"].dtype == torch.float32 else configs
+def attention_tile(width: int, hd: int) -> tuple[int, int]:
+    """(held slots a tile, warps) for a cache ``width`` slots wide of ``hd``-wide heads."""
+    slots = ATTENTION_SLOTS or max(16, min(pow2(width), 64 if INTERPRET else 16384 // hd))
+    return slots, 4 if slots * hd <= 4096 else 8
 
 
-# skh, a key head's stride, is the cache's width times hd: the key, with what the kernel does
-@triton.autotune(ATTENTION_CONFIGS, key=["skh", "H", "HKV", "HD", "ROPE", "PREFETCH"],
-                 prune_configs_by={"early_config_prune": _attention_untuned_in_fp32})
 @triton.jit
 def _attention_kernel(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale,
                       H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, ROPE: tl.constexpr,
@@ -400,12 +399,14 @@ def _attention_launch(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor
                       pdl: bool = False) -> Tensor:
     """qkv (B, (H + 2·Hkv)·hd); caches (B, Hkv, S, hd); RoPE's tables (max_seq_len, hd/2) or None
     -> o (B, H·hd); k (turned) and v written at slot pos. ``pdl`` as ``_linear_launch``'s."""
-    B, hd = qkv.size(0), k_cache.size(3)
+    B, S, hd = qkv.size(0), k_cache.size(2), k_cache.size(3)
+    slots, warps = attention_tile(S, hd)
     o = qkv.new_empty(B, n_head * hd)
     spad = 1 if pad.numel() > 1 else 0
     _attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, pad, cos, sin, o, spad,
                                    *k_cache.stride()[:3], 1 / math.sqrt(hd), H=n_head, HKV=n_kv_head, HD=hd,
-                                   ROPE=cos is not None, **_overlap(qkv, pdl))  # fmt: skip
+                                   ROPE=cos is not None, BLOCK_S=slots, num_warps=warps,
+                                   **_overlap(qkv, pdl))  # fmt: skip
     return o
 
 
