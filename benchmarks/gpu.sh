@@ -10,8 +10,8 @@
 #   DEADLINE=290 bash benchmarks/gpu.sh levers                                    # 2nd (timeout_s 300)
 #
 # (`decode` times the fused step with two changes since the fourth lease: a product reads its
-# rows once for the norm and the product, and the attention's tile of held slots is tuned (up to
-# 256, read whole before the wait); `decode-floor` times the step's chain of launches with no
+# rows once for the norm and the product, and the attention's tile of held slots is the cache's
+# width (up to 256 slots, read whole before the wait); `decode-floor` times the step's chain of launches with no
 # bytes in it, the bound on issue 29 pt 3 at gpt2-small's shape; `kernels-norms` is issue 28's row
 # ops against Liger: the norm backward now picks its config by timing on the GPU, RoPE transposes
 # inside its op; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the
