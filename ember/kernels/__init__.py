@@ -89,7 +89,8 @@ def fastest(key: tuple, configs: list, run: Callable, device: torch.device):
         return PICKS[key]
     if len(configs) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return configs[0]
-    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if torch.are_deterministic_algorithms_enabled() or ranks > 1:
         return configs[0]
     import triton.runtime.errors as errors
