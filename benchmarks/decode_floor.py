@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,6 +38,7 @@ import ember.kernels  # noqa: F401,E402 -- before triton: it sets the interprete
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from kernels import bench  # noqa: E402 -- benchmarks/kernels.py's: do_bench's median ms on CUDA
 
 from ember.kernels import sm_count  # noqa: E402
 from ember.kernels.decode import _wait  # noqa: E402
@@ -68,25 +68,6 @@ def _phases(SYNC, n, programs):
         tl.atomic_add(SYNC + stage, 1, sem="release")
 
 
-def timed(fn, device: torch.device, reps: int = 50) -> float:
-    """Seconds a call, the median of ``reps`` after a warm-up (CUDA events on a GPU)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 def launch_chain(device: torch.device, n: int, pdl: bool) -> float:
     """µs a launch of ``n`` dependent one-program-an-SM kernels, replayed from one CUDA graph."""
     programs = sm_count(device.index or 0) if device.type == "cuda" else 1
@@ -98,16 +79,16 @@ def launch_chain(device: torch.device, n: int, pdl: bool) -> float:
             _link[(programs,)](x, PDL=pdl, **extra)
 
     if device.type != "cuda":
-        return timed(chain, device, reps=2) / n * 1e6
+        return bench(chain, device.type) / n * 1e3
     chain()  # compile before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain()
     before = int(x.item())
-    seconds = timed(graph.replay, device)
+    ms = bench(graph.replay, device.type)
     assert int(x.item()) > before, "the chain did not run"
-    return seconds / n * 1e6
+    return ms / n * 1e3
 
 
 def phase_chain(device: torch.device, n: int) -> float:
@@ -119,9 +100,9 @@ def phase_chain(device: torch.device, n: int) -> float:
         sync.zero_()
         _phases[(programs,)](sync, n, programs)
 
-    seconds = timed(run, device, reps=50 if device.type == "cuda" else 2)
+    ms = bench(run, device.type)
     assert int(sync[-1].item()) == programs, "a phase was not passed by every program"
-    return seconds / n * 1e6
+    return ms / n * 1e3
 
 
 def main() -> None:

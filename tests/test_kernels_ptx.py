@@ -95,8 +95,8 @@ lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32"
       dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=4, BLOCK_H=16, BLOCK_HK=4,
            BLOCK_D=32, LOADS_FIRST=True))
 LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, PER_SM=1)  # a vocab row: the two-pass loops, pipelined
-lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32, ROWS=i32), LONG, 16, aligned=True)
-lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32, ROWS=i32), LONG, 16,
+lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32), LONG, 16, aligned=True)
+lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32), LONG, 16,
       aligned=True)
 STEP = dict(IDX="*i64", WTE=bf, WPE=bf, POS="*i64", PAD="*i64", TABLE="*i64", GF=bf, BF=bf, HEAD=bf, X=bf,
             QKV=bf, O=bf, HID=bf, LOGITS="*fp32", SYNC="*i32", B=i32, C=i32, F=i32, V=i32, L=i32, eps="fp32",

@@ -336,13 +336,10 @@ def attend_head(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, 
 # read before the wait; slots past pos are masked, not read. ptxas for sm_90: 207 registers at 256
 # x 64 and 8 warps, no spills (256 x 128 spills). Chosen from the shape, not timed: a tuner's first
 # call comes at an empty cache (pos 0), where every tile times the same. The interpreter keeps
-# tiles of at most 64, so the tests walk several. ATTENTION_SLOTS overrides the rule (benchmarks).
-ATTENTION_SLOTS: int | None = None
-
-
+# tiles of at most 64, so the tests walk several.
 def attention_tile(width: int, hd: int) -> tuple[int, int]:
     """(held slots a tile, warps) for a cache ``width`` slots wide of ``hd``-wide heads."""
-    slots = ATTENTION_SLOTS or max(16, min(pow2(width), 64 if INTERPRET else 16384 // hd))
+    slots = max(16, min(pow2(width), 64 if INTERPRET else 16384 // hd))
     return slots, 4 if slots * hd <= 4096 else 8
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import INTERPRET, kernel_op, pow2, sm_count, triton_ready
+from ember.kernels import INTERPRET, fastest, kernel_op, pow2, sm_count, triton_ready
 
 _MAX_BLOCK = 8192  # the longest row one program holds in registers; longer rows loop
 
@@ -33,19 +33,14 @@ _MAX_BLOCK = 8192  # the longest row one program holds in registers; longer rows
 # rows (the backward's y and dy) at a time, more than the 50 MB L2 that the second passes were
 # meant to read from. The others keep loads 2-3 blocks ahead (``tl.range``'s stages: cp.async
 # into 8-64 KB of shared memory, from ptxas for sm_90, no spills in bf16) and let 1-4 programs
-# an SM walk the rows, 132-528 rows at a time on an H100. The tuner times each on the shape at
-# hand and keeps the fastest.
+# an SM walk the rows, 132-528 rows at a time on an H100. ``ember.kernels.fastest`` times each on
+# the shape at hand and keeps the fastest, as it does the norm backward's configs.
 LONG_CONFIGS = [(8192, 16, 1, 0), (8192, 16, 3, 0), (8192, 16, 3, 1), (4096, 16, 3, 1), (4096, 16, 3, 2),
                 (4096, 8, 4, 2), (2048, 8, 3, 4)]
 if INTERPRET:  # one config, two programs (the CPU's "SMs") walking the rows: numpy runs each in turn
     LONG_CONFIGS = [(_MAX_BLOCK, 4, 1, 1)]
 LONG: tuple[int, int, int, int] | None = None  # a config to run untuned (benchmarks' road before, tests)
 BEFORE = LONG_CONFIGS[0]
-_TUNED: set[tuple] = set()  # (kernel, rows' bucket, N, dtype) the tuner has timed
-
-
-def _configs() -> list[triton.Config]:
-    return [triton.Config({"BLOCK": b, "STAGES": s, "PER_SM": p}, num_warps=w) for b, w, s, p in LONG_CONFIGS]
 
 
 @triton.jit
@@ -58,9 +53,8 @@ def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + off + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=cols < N)
 
 
-@triton.autotune(_configs(), key=["ROWS", "N"])
 @triton.jit
-def _softmax_fwd_long(X, Y, R, N, ROWS, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
                       PER_SM: tl.constexpr):
     """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ..."""
     cols = tl.arange(0, BLOCK)
@@ -95,9 +89,8 @@ def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(DX + off + cols, dx.to(DX.dtype.element_ty), mask=cols < N)
 
 
-@triton.autotune(_configs(), key=["ROWS", "N"])
 @triton.jit
-def _softmax_bwd_long(Y, DY, DX, R, N, ROWS, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+def _softmax_bwd_long(Y, DY, DX, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
                       PER_SM: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     blocks = tl.cdiv(N, BLOCK)
@@ -132,21 +125,16 @@ def _launch(one, long, *tensors: Tensor) -> Tensor:
     else:
         sms = sm_count(out.get_device()) if out.is_cuda else 2
 
-        def grid(meta):
-            return (min(R, sms * meta["PER_SM"]) if meta["PER_SM"] else R,)
+        def run(config: tuple[int, int, int, int]) -> None:
+            block, warps, stages, per_sm = config
+            grid = (min(R, sms * per_sm) if per_sm else R,)
+            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=stages, PER_SM=per_sm, num_warps=warps)
 
-        # the tuner's key: N and the rows to a power of two (up to 4,096), so that a new row count
-        # does not time every config again. A shape first met inside a CUDA graph's capture runs
-        # the road before untuned: the tuner's timing would break the capture.
-        key = (long, min(pow2(R), 4096), N, out.dtype)
-        capturing = out.is_cuda and torch.cuda.is_current_stream_capturing() and key not in _TUNED
-        if LONG is None and not capturing:
-            long[grid](*rows, out, R, N, key[1], ACC=acc)
-            _TUNED.add(key)
-        else:
-            block, warps, stages, per_sm = LONG or BEFORE
-            meta = dict(BLOCK=block, STAGES=stages, PER_SM=per_sm)
-            long.fn[grid(meta)](*rows, out, R, N, key[1], ACC=acc, num_warps=warps, **meta)
+        # timed once for N and the rows to a power of two (up to 4,096), so that a new row count
+        # does not time every config again; a shape first met inside a CUDA graph's capture runs
+        # the road before untimed (ember.kernels.fastest)
+        key = (long.__name__, min(pow2(R), 4096), N, out.dtype)
+        run(LONG or fastest(key, LONG_CONFIGS, run, out.device))
     return out if flat else out.view(tensors[0].shape)
 
 
