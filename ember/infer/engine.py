@@ -34,6 +34,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,83 @@ class StaticKVCache(KVCache):
         self.pos += T
         self.mask = visible(self.slots, self.pad, self.held)  # (B or 1, 1, T, max_len)
         return (self.slots - self.pad[:, None]).clamp(min=0)  # (B or 1, T)
+
+
+class InvariantKVCache(StaticKVCache):
+    """A ``StaticKVCache`` attended by the serving cache's paged kernel (ember.kernels.paged), each
+    row one sequence whose table lists its own slots in order, so a token's attention sums in the
+    order a served token's does: ``Engine(batch_invariant=True)``, the batch-1 reference that
+    ``serve.batch_invariant``'s completions equal bit for bit. A layer's keys lie as the pool's
+    do, (rows · max_len + 1, n_kv_head, head_dim): row b's position j at slot b · max_len + j, a
+    left pad's at the last slot, which nothing reads. ``max_len`` is rounded up to whole blocks."""
+
+    BLOCK = 16  # positions a table entry covers (any size would do: the order is the kernel's)
+
+    def __init__(self, max_len: int, pad: Sequence[int] | None = None, device: torch.device | None = None):
+        super().__init__(-(-max_len // self.BLOCK) * self.BLOCK, pad, device)
+        self.plans: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (rows, T) -> tables, tiles
+
+    def extend(self, T: int) -> Tensor:
+        self.slots = self.pos + torch.arange(T, device=self.device)  # (T,)
+        self.pos += T
+        self.positions = (self.slots - self.pad[:, None]).clamp(min=0)  # (B or 1, T); pads at 0
+        return self.positions
+
+    def select(self, rows: Tensor) -> None:
+        L = self.max_len
+        for buffers in (self.k, self.v):
+            for layer, pool in buffers.items():
+                kept = pool[:-1].view(-1, L, *pool.shape[1:]).index_select(0, rows).flatten(0, 1)
+                buffers[layer] = torch.cat([kept, pool[-1:]])
+        if self.pad.size(0) > 1:
+            self.pad = self.pad[rows]
+
+    def plan(self, B: int, T: int) -> tuple[Tensor, Tensor]:
+        """The tables (B, max_len / BLOCK) and the kernel's tiles of B rows of T new tokens, made
+        once per shape (the eager steps before a CUDA graph's capture make the decode step's)."""
+        if (B, T) not in self.plans:
+            from ember.kernels.paged import BLOCK_M, tiles_for
+
+            tables = torch.arange(B * self.max_len // self.BLOCK, dtype=torch.int32).view(B, -1)
+            tiles = tiles_for([T] * B, B * -(-T // BLOCK_M))
+            self.plans[B, T] = tables.to(self.device), tiles.to(self.device)
+        return self.plans[B, T]
+
+    def attend(self, layer: str, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        from ember.kernels.paged import paged_attention
+
+        (B, H, T, hd), L = q.shape, self.max_len
+        if layer not in self.k:
+            self.k[layer] = k.new_zeros(B * L + 1, k.size(1), hd)
+            self.v[layer] = v.new_zeros(B * L + 1, v.size(1), hd)
+        real = self.slots >= self.pad[:, None]  # (B or 1, T)
+        first = torch.arange(B, device=q.device)[:, None] * L  # each row's slot 0
+        at = torch.where(real, first + self.positions, B * L).flatten()
+        keys = self.k[layer].index_copy_(0, at, k.transpose(1, 2).reshape(B * T, -1, hd))
+        values = self.v[layer].index_copy_(0, at, v.transpose(1, 2).reshape(B * T, -1, hd))
+        tables, tiles = self.plan(B, T)
+        q_pos = self.positions.expand(B, T).reshape(-1)
+        q = q.transpose(1, 2).reshape(B * T, H, hd)
+        out = paged_attention(q, keys, values, tables, q_pos, tiles, self.BLOCK)
+        return out.view(B, T, H, hd).transpose(1, 2)  # (B, n_head, T, hd)
+
+
+def invariant_mode(device: torch.device, compile: bool = False, kernels: str = "torch") -> Callable:
+    """``ember.kernels.invariant.batch_invariant``, the mode a batch-invariant engine or scheduler
+    runs each forward under, once ``device`` is known to run it; else an EmberError."""
+    from ember.kernels import triton_ready
+
+    ok, why = triton_ready(device)
+    if not ok:
+        raise EmberError(f"batch-invariant decoding runs ember's Triton kernels: {why}")
+    if compile or kernels != "torch":
+        raise EmberError(
+            "batch-invariant decoding runs its own products and attention in eager steps (replayed from "
+            "CUDA graphs with --graphs): drop compile and kernels=triton"
+        )
+    from ember.kernels.invariant import batch_invariant
+
+    return batch_invariant
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -319,7 +397,8 @@ class _Stream:
         try:
             for _ in range(min(k, self.left)):
                 forward = self.engine.decode if self.cache.k or self.cache.states else model  # prefill: eager
-                logits = forward(self.next_input, cache=self.cache)[:, -1]  # (B, V)
+                with self.engine.mode():
+                    logits = forward(self.next_input, cache=self.cache)[:, -1]  # (B, V)
                 if self.inverse is not None:  # after the prefill of the distinct prompts: one row each
                     logits = logits[self.inverse]
                     self.cache.select(self.inverse)
@@ -438,7 +517,7 @@ class GraphedDecode:
 
     def capture(self, idx: Tensor, cache: StaticKVCache) -> _Graphed:
         B = idx.size(0)
-        static = StaticKVCache(cache.max_len, device=cache.device)
+        static = type(cache)(cache.max_len, device=cache.device)
         static.pad = torch.zeros(B, dtype=torch.long, device=cache.device)  # (B,): any stream's pads fit
         static.k = {layer: torch.zeros_like(t) for layer, t in cache.k.items()}
         static.v = {layer: torch.zeros_like(t) for layer, t in cache.v.items()}
@@ -477,7 +556,10 @@ class Engine:
     that compile (``TUNED``: weights frozen into the graph and every GEMM's kernel picked by
     timing, for a benchmark or a server whose weights never change). ``kernels="triton"`` decodes
     with ember's own fused step instead (``ember.infer.fused``: five launches a GPT-2 block, on
-    the static cache; with ``graphs`` replayed from a CUDA graph)."""
+    the static cache; with ``graphs`` replayed from a CUDA graph). ``batch_invariant``: every
+    product in ember.kernels.invariant's fixed order and attention by the serving cache's paged
+    kernel (``InvariantKVCache``), so its greedy tokens are those ``Scheduler(batch_invariant=True)``
+    serves, bit for bit, in any batch; needs Triton (a CPU runs it under the interpreter: tests)."""
 
     def __init__(
         self,
@@ -488,6 +570,7 @@ class Engine:
         graphs: bool = False,
         compile_options: dict | None = None,
         kernels: str = "torch",
+        batch_invariant: bool = False,
     ):
         if not getattr(model.cfg, "causal", True):
             raise EmberError(
@@ -499,7 +582,7 @@ class Engine:
                 "this model is a reward model (model.head=score): it scores replies and has no next-token "
                 "logits to generate with; use it as grpo.reward_model, or generate with its SFT run"
             )
-        if (compile or graphs) and "mamba" in layer_mixers(model.cfg):
+        if (compile or graphs or batch_invariant) and "mamba" in layer_mixers(model.cfg):
             raise EmberError(
                 "compile and CUDA graphs decode with a static KV cache, which has no place for a Mamba "
                 "layer's recurrent state; generate from this model without --compile/--graphs"
@@ -521,6 +604,9 @@ class Engine:
         if kernels == "triton" and compile:
             raise EmberError("kernels=triton decodes with ember's own step, never compiled: drop compile")
         self.cache_type = StaticKVCache if compile or graphs or kernels == "triton" else KVCache
+        self.mode = contextlib.nullcontext  # what each forward runs under
+        if batch_invariant:
+            self.cache_type, self.mode = InvariantKVCache, invariant_mode(self.device, compile, kernels)
         step = _compiled_step(model, compile_options) if compile else model
         if kernels == "triton":
             from ember.infer.fused import FusedDecode  # (imports Triton: only when asked for)

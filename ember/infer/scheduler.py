@@ -24,7 +24,10 @@ Design choices:
 - **What a request sees does not depend on the others**: its own blocks, its own generator
   (``seed`` + answer index), fp32 logits equal to its own forward (tests/test_scheduler.py:
   greedy answers equal the batch-1 engine's token for token, with and without preemptions and
-  prefix-cache hits). Text and stops follow the engine's rules (``engine.Row``).
+  prefix-cache hits). Text and stops follow the engine's rules (``engine.Row``). In any dtype,
+  and on a GPU, ``batch_invariant`` makes them equal bit for bit: every product in one fixed
+  order (ember.kernels.invariant) and the triton cache's attention, against
+  ``Engine(batch_invariant=True)``; without it a near-tie may flip (docs/serve.md).
 - **A model with Mamba layers** keeps each running sequence's recurrent state in a slot of the
   cache's state pools, taken at admission and given back with its blocks; ``max_seqs`` slots,
   since no more sequences run at once (the memory is not taken from ``kv_memory``). Prefix
@@ -34,6 +37,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 from collections import deque
@@ -43,7 +47,7 @@ from typing import Any
 import torch
 
 from ember.errors import EmberError
-from ember.infer.engine import Completion, Engine, Row, cuda_graph, sample_next
+from ember.infer.engine import Completion, Engine, Row, cuda_graph, invariant_mode, sample_next
 from ember.infer.paged import (
     PAGED_ATTENTION,
     BlockManager,
@@ -169,6 +173,7 @@ class Scheduler:
         prefix_caching: bool = True,
         paged_attention: str = "gather",
         decode_buckets: tuple[int, ...] | None = None,
+        batch_invariant: bool = False,
     ):
         if paged_attention not in PAGED_ATTENTION:
             choices = ", ".join(PAGED_ATTENTION)
@@ -180,6 +185,14 @@ class Scheduler:
                 f"serve.paged_attention={paged_attention} is for attention-only models: its padded steps "
                 "have no place for a Mamba layer's state; serve this model with serve.paged_attention=gather"
             )
+        self.mode = contextlib.nullcontext  # what each forward runs under
+        if batch_invariant:
+            if paged_attention != "triton":
+                raise EmberError(
+                    f"serve.batch_invariant needs serve.paged_attention=triton, not {paged_attention}: that "
+                    "kernel's sums run in one order whatever the batch; gather's and flex's do not"
+                )
+            self.mode = invariant_mode(engine.device)
         if max_batch_tokens < 1 or max_seqs < 1:
             raise EmberError(
                 f"serve.max_batch_tokens and serve.max_seqs must be >= 1; got {max_batch_tokens}, {max_seqs}"
@@ -297,7 +310,8 @@ class Scheduler:
         work = self._schedule()
         if not work:
             return []
-        logits = (self.graphs or self._forward)(work).float()  # (len(work), V)
+        with self.mode():
+            logits = (self.graphs or self._forward)(work).float()  # (len(work), V)
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
         answers = []  # (request, its logits) of every sequence that samples a token now

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ember.kernels import INTERPRET, kernel_op
-from ember.kernels.attention import mm
+from ember.kernels.invariant import dot
 
 BLOCK_M = 16  # query tokens a tile (tl.dot's least rows)
 
@@ -64,14 +64,16 @@ def _paged_kernel(Q, K, V, TABLES, QPOS, TILES, O, sqt, sqh, sks, skh, st, n_til
         at = (block * BS + j % BS)[:, None] * sks + kv + e[None, :]
         k = tl.load(K + at, mask=held[:, None], other=0.0)
         v = tl.load(V + at, mask=held[:, None], other=0.0)
-        scores = mm(q, tl.trans(k), Q.dtype.element_ty, PREC, UPCAST) * scale  # (BLOCK_M, BLOCK_N), fp32
+        scores = dot(q, tl.trans(k), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), Q.dtype.element_ty, PREC,
+                     UPCAST) * scale  # (BLOCK_M, BLOCK_N), fp32
         scores = tl.where(j[None, :] <= pos[:, None], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         top = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet: no NaN
         p = tl.exp(scores - top[:, None])
         shrink = tl.exp(m - top)
         total = total * shrink + tl.sum(p, axis=1)
-        acc = acc * shrink[:, None] + mm(p, v, Q.dtype.element_ty, PREC, UPCAST)
+        acc = acc * shrink[:, None] + dot(p, v, tl.zeros((BLOCK_M, HD), tl.float32), Q.dtype.element_ty, PREC,
+                                          UPCAST)
         m = m_new
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     at = tok[:, None] * (H * HD) + h * HD + e[None, :]
@@ -88,7 +90,7 @@ def _paged_launch(q: Tensor, k_pool: Tensor, v_pool: Tensor, tables: Tensor, q_p
                           k_pool.stride(0), k_pool.stride(1), tables.stride(0), n, 1 / math.sqrt(hd),
                           BS=block_size, H=H, GROUP=H // Hkv, HD=hd, BLOCK_M=BLOCK_M, BLOCK_N=32,
                           PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32: greedy parity
-                          UPCAST=INTERPRET and q.element_size() == 2)  # fmt: skip
+                          UPCAST=INTERPRET)  # fmt: skip
     return o
 
 
