@@ -7,7 +7,7 @@
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
 #   DEADLINE=540 bash benchmarks/gpu.sh decode decode-floor kernels-norms serve   # 1st call (timeout_s 575)
-#   DEADLINE=290 bash benchmarks/gpu.sh levers                                    # 2nd (timeout_s 300)
+#   DEADLINE=290 bash benchmarks/gpu.sh serve-invariant levers                    # 2nd (timeout_s 300)
 #
 # (`decode` times the fused step with two changes since the fourth lease: a product reads its
 # rows once for the norm and the product, and the attention's tile of held slots is the cache's
@@ -15,7 +15,9 @@
 # bytes in it, the bound on issue 29 pt 3 at gpt2-small's shape; `kernels-norms` is issue 28's row
 # ops against Liger: the norm backward now picks its config by timing on the GPU, RoPE transposes
 # inside its op; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the
-# third) with each path's anatomy; `levers` starts with llama-small's row, never run whole.
+# third) with each path's anatomy; `serve-invariant` serves with serve.batch_invariant, whose
+# answers must equal the batch-1 engine's bit for bit (pt 4's equality; never run on a GPU);
+# `levers` starts with llama-small's row, never run whole.
 # Then `decode-wide` and `fp8-wide`: points 3 and 2 at widths where bytes and products outweigh
 # launches and casts. `all` (issue 29's own rows, 497 s on the fourth lease) re-measures the rest.)
 # The leases so far: 2026-11-26, an H200: `all` (its serve stage then failed on its own
@@ -66,7 +68,7 @@
 #             and the caching allocator's peak                                      (240 s)
 #   parallel  benchmarks/parallel.py, gpt2-small on one GPU: tokens/s, MFU           (300 s)
 #   kernels-test  tests/test_kernels_{norm,ce,attention,int8}.py, test_paged_triton.py,
-#             test_fused_decode.py and test_persistent_decode.py on CUDA: each kernel against its
+#             test_fused_decode.py, test_persistent_decode.py and test_invariant.py on CUDA: each kernel against its
 #             reference on the GPU itself, the fused step's PDL road and the persistent step (one
 #             program an SM there) included (the CPU runs them under the interpreter)        (150 s)
 #   kernels   benchmarks/kernels.py: each of ember's kernels against eager, torch.compile
@@ -118,6 +120,10 @@
 #             device-bound). SERVE_PATHS="triton flex gather" adds FlexAttention (an H200,
 #             2026-11-27: 1.46x sequential at 64 clients, 737 µs of kernels a token); `all`
 #             serves triton alone, without the anatomy                                    (150 s)
+#   serve-invariant  serve.py --batch-invariant: the same workload served with serve.batch_invariant
+#             (ember.kernels.invariant's fixed-order products, the triton paged kernel), 16 and 64
+#             clients; every answer must equal the batch-1 engine's (batch-invariant too) bit for
+#             bit, and the rate is against the plain graphed engine's (issue 29 pt 4)         (120 s)
 #   serve-host  serve.py --host: the scheduler's own work a token at 64 clients, the model stubbed,
 #             on this machine's host (the 2-core CPU's figures: RESULTS.md)                (60 s)
 # The figures go to benchmarks/RESULTS.md with the device named.
@@ -220,7 +226,8 @@ for what in "$@"; do
     kernels-test)  # the kernels' own tests, on the GPU: the CPU runs them interpreted
         stage kernels-test 150 "$PY -m pytest -q -p no:cacheprovider tests/test_kernels_norm.py \
             tests/test_kernels_ce.py tests/test_kernels_attention.py tests/test_kernels_int8.py \
-            tests/test_paged_triton.py tests/test_fused_decode.py tests/test_persistent_decode.py -k 'not cpp'"
+            tests/test_paged_triton.py tests/test_fused_decode.py tests/test_persistent_decode.py \
+            tests/test_invariant.py -k 'not cpp'"
         ;;
     kernels)
         stage kernels 300 "$PY benchmarks/kernels.py --device $DEV --json $OUT/kernels.json && \
@@ -274,6 +281,11 @@ for what in "$@"; do
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 \
             --attention ${SERVE_PATHS:-triton gather} ${SERVE_ANATOMY---anatomy}"
         ;;
+    serve-invariant)  # pt 4's equality: products and attention in an order that does not depend on the batch
+        stage serve-invariant 120 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
+            serve.kv_memory=8e9 serve.decode_buckets=[1,2,4,8,16,32,64,128,256] --device $DEV \
+            --model ${SCFG:-gpt2-small} --clients 16 64 --requests 256 --attention triton --batch-invariant"
+        ;;
     serve-host)  # the scheduler's host work a token on the GPU machine's own host, model stubbed
         # (CUDA hidden: the host's own work on its cores, as on the CPU; the triton cache plans
         # under the interpreter there, and with the model stubbed no kernel runs)
@@ -288,7 +300,7 @@ for what in "$@"; do
         summary env train fp8-loss cli decode serve
         ;;
     *)
-        echo "unknown stage $what: env analyze decode decode-persistent decode-floor decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-host all" >&2
+        echo "unknown stage $what: env analyze decode decode-persistent decode-floor decode-tuned decode-wide lora plan parallel kernels-test kernels kernels-norms kernels-train train cli fp8-loss fp8-filters fp8-wide levers autotune serve serve-invariant serve-host all" >&2
         exit 2
         ;;
     esac

@@ -256,6 +256,25 @@ def seeded_model(name: str, device: torch.device, seed: int) -> GPT:
     return GPT.build(cfg, device=device, seed=seed).eval()
 
 
+def invariant_reference(model, tokenizer, device, requests, plain: list[list[int]]) -> list[list[int]]:
+    """The batch-1 engine's answers with ``batch_invariant`` (ember.kernels.invariant; graphed on
+    a GPU), which the invariant scheduler's must equal bit for bit; its rate, and how many of its
+    answers the plain engine's equal (the two sum in other orders: a near-tie may differ)."""
+    engine = Engine(model, tokenizer, device=device, graphs=device.type == "cuda", batch_invariant=True)
+    with torch.inference_mode():
+        for prompt, n_out in (min(requests, key=sum_len), max(requests, key=sum_len)):  # untimed: captures
+            engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
+        start, answers = time.perf_counter(), []
+        for prompt, n_out in requests:
+            [c] = engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
+            answers.append(c.token_ids)
+        rate = sum(len(t) for t in answers) / (time.perf_counter() - start)
+    same = sum(a == b for a, b in zip(answers, plain, strict=True))
+    print(f"batch-1 engine, batch-invariant: {rate:,.0f} output tok/s; {same}/{len(answers)} answers equal "
+          "the plain engine's; the served answers are held to these", flush=True)  # fmt: skip
+    return answers
+
+
 def device_main(args) -> None:
     """Issue 29's serving check in one process (module docstring)."""
     device = torch.device(args.device)
@@ -285,13 +304,15 @@ def device_main(args) -> None:
         sequential = sum(len(t) for t in reference) / (time.perf_counter() - start)
     print(f"batch-1 engine{' (CUDA graphs)' if batch1.graphs else ''}, one request after another: "
           f"{sequential:,.0f} output tok/s ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    if args.batch_invariant:  # the reference is the invariant engine's; the rate stays the faster plain one's
+        reference = invariant_reference(model, tokenizer, device, requests, reference)
     rows, ties = [], []  # ties: per differing completion, whether it left at a near-tie
     for attention in args.attention:
         buckets = tuple(serve.decode_buckets) if PAGED_ATTENTION[attention].graphed else None
         scheduler = Scheduler(engine, kv_memory=int(serve.kv_memory), block_size=serve.block_size,
                               max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                               prefix_caching=serve.prefix_caching, paged_attention=attention,
-                              decode_buckets=buckets)  # fmt: skip
+                              decode_buckets=buckets, batch_invariant=args.batch_invariant)  # fmt: skip
         level = {c: requests[: max(args.per_level, args.waves * c)] for c in args.clients}
         start = time.perf_counter()
         for clients in args.clients:  # warm-up: the very run, untimed (flex compiled, graphs captured)
@@ -339,6 +360,9 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, help="without --run (gpt2-small on cuda, tiny on cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=PAGED_ATTENTION)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="without --run: serve with serve.batch_invariant (--attention triton), "
+                             "answers held to the batch-1 engine's, batch-invariant too, bit for bit")
     parser.add_argument("--per-level", type=int, default=32, help="without --run: at least this many a level")
     parser.add_argument("--waves", type=int, default=4,
                         help="without --run: a level of C clients serves waves x C requests (--requests at "
@@ -359,6 +383,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.host:
         return host_main(args)
+    if args.batch_invariant and (args.run or args.attention != ["triton"]):
+        parser.error("--batch-invariant serves a seeded model (no --run) with --attention triton alone")
     if args.run is None:
         args.model = args.model or ("gpt2-small" if args.device.startswith("cuda") else "tiny")
         return device_main(args)
