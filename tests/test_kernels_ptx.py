@@ -112,11 +112,14 @@ f32 = "*fp32"  # the batch-invariant road serves fp32: the paged kernel and the 
 lower(paged._paged_kernel, {**PAGED, "Q": f32, "K": f32, "V": f32, "O": f32}, dict(BS=16, H=12, GROUP=3,
       HD=64, BLOCK_M=16, BLOCK_N=32, PREC="ieee", UPCAST=False))
 MM = dict(A=f32, B=f32, BIAS=f32, C=f32, M=i32, N=i32, K=i32, sam=i64, sak=i64, sbk=i64, sbn=i64, scm=i64)
-for dtype, prec, acc in ((f32, "ieee", tl.float32), (bf, "tf32", tl.float32)):
-    types = {**MM, **dict.fromkeys(("A", "B", "BIAS", "C"), dtype)}
-    mm = lower(invariant._matmul_kernel, types, dict(HAS_BIAS=True, BLOCK_M=invariant.BLOCK_M,
-               BLOCK_N=invariant.BLOCK_N, BLOCK_K=invariant.BLOCK_K, ACC=acc, PREC=prec, UPCAST=False))
-    assert ("mma" in mm.asm["ptx"]) == (dtype == bf), dtype  # fp32: fma chains, never tensor cores
+for dtype, prec in ((f32, "ieee"), (bf, "tf32")):
+    for rows, cols in (invariant.SMALL, invariant.LARGE):
+        types = {**MM, **dict.fromkeys(("A", "B", "BIAS", "C"), dtype)}
+        mm = lower(invariant._matmul_kernel, types, dict(HAS_BIAS=True, BLOCK_M=rows, BLOCK_N=cols,
+                   BLOCK_K=invariant.BLOCK_K, ACC=tl.float32, PREC=prec, UPCAST=False)).asm["ptx"]
+        # fp32: chains of FMAs, never tensor cores; bf16: mma.sync at both sizes, never wgmma (whose
+        # sums would run in another order than the other size's)
+        assert ("mma" in mm) == (dtype == bf) and "wgmma" not in mm, (dtype, rows)
 """
 
 
@@ -124,4 +127,4 @@ def test_changed_kernels_lower_to_sm90_cubins():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("lowered") == 24, out.stdout
+    assert out.stdout.count("lowered") == 26, out.stdout

@@ -218,19 +218,25 @@ class InvariantKVCache(StaticKVCache):
         return out.view(B, T, H, hd).transpose(1, 2)  # (B, n_head, T, hd)
 
 
-def invariant_mode(device: torch.device, compile: bool = False, kernels: str = "torch") -> Callable:
+def invariant_mode(model: nn.Module, device: torch.device, compile: bool = False, kernels: str = "torch"):
     """``ember.kernels.invariant.batch_invariant``, the mode a batch-invariant engine or scheduler
-    runs each forward under, once ``device`` is known to run it; else an EmberError."""
+    runs each forward under, once ``model`` and ``device`` are known to run it; else an EmberError."""
     from ember.kernels import triton_ready
+    from ember.model.quant import QuantLinear
 
-    ok, why = triton_ready(device)
-    if not ok:
-        raise EmberError(f"batch-invariant decoding runs ember's Triton kernels: {why}")
     if compile or kernels != "torch":
         raise EmberError(
             "batch-invariant decoding runs its own products and attention in eager steps (replayed from "
             "CUDA graphs with --graphs): drop compile and kernels=triton"
         )
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        raise EmberError(
+            "batch-invariant decoding needs float weights: a quantized linear picks its kernel by the "
+            "rows it is given (ember/model/quant.py); serve the unquantized run, or without batch invariance"
+        )
+    ok, why = triton_ready(device)
+    if not ok:
+        raise EmberError(f"batch-invariant decoding runs ember's Triton kernels: {why}")
     from ember.kernels.invariant import batch_invariant
 
     return batch_invariant
@@ -606,7 +612,8 @@ class Engine:
         self.cache_type = StaticKVCache if compile or graphs or kernels == "triton" else KVCache
         self.mode = contextlib.nullcontext  # what each forward runs under
         if batch_invariant:
-            self.cache_type, self.mode = InvariantKVCache, invariant_mode(self.device, compile, kernels)
+            self.mode = invariant_mode(model, self.device, compile, kernels)
+            self.cache_type = InvariantKVCache
         step = _compiled_step(model, compile_options) if compile else model
         if kernels == "triton":
             from ember.infer.fused import FusedDecode  # (imports Triton: only when asked for)

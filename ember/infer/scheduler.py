@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +89,11 @@ class StepGraphs:
     change nothing)."""
 
     def __init__(
-        self, model: torch.nn.Module, cache: PagedKVCache, buckets: tuple[int, ...], capture: bool
+        self, model: torch.nn.Module, cache: PagedKVCache, buckets: tuple[int, ...], capture: bool,
+        mode: Callable = contextlib.nullcontext,
     ):
         self.model, self.cache, self.buckets, self.capture = model, cache, sorted(buckets), capture
+        self.mode = mode  # what the model runs under (Scheduler's batch_invariant)
         self.static: dict[int, list[torch.Tensor]] = {}  # tokens fed -> rows, ids, picked, the cache's plan
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens fed -> graph, logits
 
@@ -120,7 +123,8 @@ class StepGraphs:
         cache.extend(L)  # copy-on-writes now: a replay would not see them
 
         def forward() -> torch.Tensor:
-            return self.model(static[0], cache=cache, keep=(rows, static[1]))  # (K, V)
+            with self.mode():  # (the model's ops alone: the plan's host work and a replay need none)
+                return self.model(static[0], cache=cache, keep=(rows, static[1]))  # (K, V)
 
         if not self.capture:
             return forward()[: len(work)]
@@ -192,7 +196,7 @@ class Scheduler:
                     f"serve.batch_invariant needs serve.paged_attention=triton, not {paged_attention}: that "
                     "kernel's sums run in one order whatever the batch; gather's and flex's do not"
                 )
-            self.mode = invariant_mode(engine.device)
+            self.mode = invariant_mode(engine.model, engine.device)
         if max_batch_tokens < 1 or max_seqs < 1:
             raise EmberError(
                 f"serve.max_batch_tokens and serve.max_seqs must be >= 1; got {max_batch_tokens}, {max_seqs}"
@@ -207,7 +211,7 @@ class Scheduler:
         self.graphs = None  # steps padded to fixed shapes (CUDA graphs on a GPU): flex or triton, bucketed
         if decode_buckets and self.cache.graphed:
             capture = torch.device(engine.device).type == "cuda"
-            self.graphs = StepGraphs(engine.model, self.cache, decode_buckets, capture)
+            self.graphs = StepGraphs(engine.model, self.cache, decode_buckets, capture, self.mode)
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
@@ -310,8 +314,7 @@ class Scheduler:
         work = self._schedule()
         if not work:
             return []
-        with self.mode():
-            logits = (self.graphs or self._forward)(work).float()  # (len(work), V)
+        logits = (self.graphs or self._forward)(work).float()  # (len(work), V)
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
         answers = []  # (request, its logits) of every sequence that samples a token now
@@ -340,7 +343,9 @@ class Scheduler:
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
         keep[0, last] = True  # each sequence's last fed token
         device = self.engine.device
-        return self.engine.model(torch.tensor([ids], device=device), cache=self.cache, keep=keep.to(device))
+        ids, keep = torch.tensor([ids], device=device), keep.to(device)
+        with self.mode():
+            return self.engine.model(ids, cache=self.cache, keep=keep)
 
     @staticmethod
     def _draw(answers: list[tuple[Request, torch.Tensor]]) -> list[int]:

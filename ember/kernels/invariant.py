@@ -11,16 +11,18 @@ its kernel, tiling and split of K by the product's shape, so the row of a 1-toke
 the same row inside a 64-row step sum in different orders and can differ in the last bits,
 enough to flip a greedy choice where two logits nearly tie (He et al. 2025, "Defeating
 nondeterminism in LLM inference"; vLLM's and SGLang's batch-invariant modes). Here one Triton
-kernel with one tiling computes every output from its own row of ``a`` and column of ``b``,
-K walked in BLOCK_K steps from 0 up, fp32 (or fp64) accumulation: each row's bits depend on
-that row alone. Its rows of pads (masked loads: zeros) change nothing either. Norms, GELU and
-embeddings are per row already; attention's sums are the paged kernel's
-(ember.kernels.paged), whose order does not depend on the batch. Hand-written because that is
+kernel computes every output from its own row of ``a`` and column of ``b``, K walked in
+BLOCK_K steps from 0 up, fp32 (or fp64) accumulation, never split: each row's bits depend on
+that row alone (its tile's size only says how many outputs a program makes). Its rows of pads
+(masked loads: zeros) change nothing either. Norms, GELU and embeddings are per row already;
+attention's sums are the paged kernel's (ember.kernels.paged), whose order does not depend on
+the batch. Hand-written because that is
 the point: a library GEMM makes no promise about its order.
 
 Cost: fp32 products on CUDA run on the FMA units (``ieee``, never TF32), as cuBLAS's fp32
-GEMM does. ``batch_invariant`` is a ``TorchDispatchMode``: every op in its block passes through
-Python (a few µs each), which a CUDA graph's replay does not pay.
+GEMM does, for 16 rows at least (tl.dot's least tile): a batch-1 step does 16 rows' FMAs.
+``batch_invariant`` is a ``TorchDispatchMode``: every op in its block passes through Python (a
+few µs each), which a CUDA graph's replay does not pay.
 """
 
 from __future__ import annotations
@@ -31,10 +33,16 @@ import triton.language as tl
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ember.errors import EmberError
 from ember.kernels import INTERPRET  # (sets TRITON_INTERPRET before a kernel is decorated)
 
-# one tiling for every shape: the rows of a tile share nothing but their loads of b
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
+BLOCK_K = 32  # the one step of the sums: any BLOCK_M and BLOCK_N sum an output in the same order
+# (BLOCK_M, BLOCK_N) by rows: small tiles fill the SMs at decode's few rows. Each output is one
+# chain of fp32 FMAs (fp32) or mma.sync m16n8k16s (bf16) over k from 0 up at either size, as their
+# sm_90 PTX shows; 64 rows would make a bf16 product wgmma's, whose chain is another, so neither
+# tile reaches 64 (tests/test_kernels_ptx.py checks the instructions)
+SMALL, LARGE, ROWS = (16, 32), (32, 64), 64
+BATCHED = (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)  # float products refused
 PRECISION = {torch.float32: "ieee", torch.float64: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
 
 
@@ -48,7 +56,7 @@ def dot(a, b, acc, IN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     b = b.to(IN)
     if UPCAST:
         return acc + tl.sum(a.to(acc.dtype)[:, :, None] * b.to(acc.dtype)[None, :, :], axis=1)
-    return tl.dot(a, b, acc, input_precision=PREC)
+    return tl.dot(a, b, acc, input_precision=PREC, out_dtype=acc.dtype)
 
 
 @triton.jit
@@ -79,6 +87,7 @@ def matmul(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
     c = a.new_empty(M, N)
     if M == 0 or N == 0:
         return c
+    BLOCK_M, BLOCK_N = SMALL if M <= ROWS else LARGE
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     fp64 = a.dtype == torch.float64
     _matmul_kernel[grid](a, b, bias if bias is not None else a, c, M, N, K, a.stride(0), a.stride(1),
@@ -117,9 +126,19 @@ class batch_invariant(TorchDispatchMode):  # noqa: N801 (used as a context manag
             beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
             if bias.dim() == 1 and bias.size(0) == b.size(1) and bias.stride(0) == 1 and beta == alpha == 1:
                 return matmul(a, b, bias)
+            if beta == 0:  # as aten's: the bias unread (a NaN in it stays out)
+                return alpha * matmul(a, b)
             return beta * bias + alpha * matmul(a, b)  # (elementwise: per row already)
         if func is torch.ops.aten.linear.default and _fits(*args):  # (inference mode keeps it whole)
             x, w, *bias = args
             y = matmul(x.reshape(-1, x.size(-1)), w.t(), *(b for b in bias if b is not None))
             return y.view(*x.shape[:-1], w.size(0))
+        if func is torch.ops.aten.matmul.default:  # ``@`` (whole under inference mode): into mm and views
+            with self:
+                return func.decompose(*args, **kwargs)
+        if func in BATCHED and _fits(*args[:3]):
+            raise EmberError(
+                f"batch_invariant: {func} has no fixed-order kernel in ember (ember/kernels/invariant.py "
+                "takes mm, addmm, linear and matmul into them); serve this model without batch invariance"
+            )
         return func(*args, **kwargs)
