@@ -143,7 +143,7 @@ def test_engine_greedy_equals_the_full_forward_for_ragged_batches(tok, layout):
 
 def test_engine_refuses_compile_and_graphs_for_mamba(tok):
     model = GPT.build(tiny(**HYBRID, vocab_size=320), seed=0)
-    for kwargs in ({"compile": True}, {"graphs": True}):
+    for kwargs in ({"compile": True}, {"graphs": True}, {"batch_invariant": True}):
         with pytest.raises(EmberError, match="Mamba"):
             Engine(model, tok, **kwargs)
 

@@ -590,8 +590,8 @@ class Engine:
             )
         if (compile or graphs or batch_invariant) and "mamba" in layer_mixers(model.cfg):
             raise EmberError(
-                "compile and CUDA graphs decode with a static KV cache, which has no place for a Mamba "
-                "layer's recurrent state; generate from this model without --compile/--graphs"
+                "compile, CUDA graphs and batch invariance decode with a static KV cache, which has no place "
+                "for a Mamba layer's recurrent state; generate from this model without them"
             )
         if device is not None:
             model = model.to(device)
