@@ -111,11 +111,12 @@ def _fits(*tensors: Tensor) -> bool:
 class batch_invariant(TorchDispatchMode):  # noqa: N801 (used as a context manager, like no_grad)
     """Within the block every ``aten.mm``, ``aten.addmm`` and ``aten.linear`` (what
     ``nn.Linear`` runs as: whole under inference mode, else as a view and an addmm) is
-    ``matmul``; other ops run as they would. Products the kernel does
-    not take (integer or mixed dtypes, sparse or subclassed tensors) also run as they would: not
-    batch-invariant. Under ``torch.compile`` the mode is not seen: ember refuses the two together.
-    Tensors made inside the block are ordinary; the mode holds no state, so it nests and can be
-    entered once per step (a CUDA graph captured inside it replays the kernel's launches)."""
+    ``matmul``, and ``aten.matmul`` (``@``) is decomposed into them; other ops run as they would.
+    Products the kernel does not take (integer or mixed dtypes, sparse or subclassed tensors) run
+    as they would too, not batch-invariant; float ``bmm`` and ``baddbmm`` are refused. Under
+    ``torch.compile`` the mode is not seen: ember refuses the two together. Tensors made inside
+    the block are ordinary; the mode holds no state, so it nests and can be entered once per step
+    (a CUDA graph captured inside it replays the kernel's launches)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -129,9 +130,9 @@ class batch_invariant(TorchDispatchMode):  # noqa: N801 (used as a context manag
             if beta == 0:  # as aten's: the bias unread (a NaN in it stays out)
                 return alpha * matmul(a, b)
             return beta * bias + alpha * matmul(a, b)  # (elementwise: per row already)
-        if func is torch.ops.aten.linear.default and _fits(*args):  # (inference mode keeps it whole)
+        if func is torch.ops.aten.linear.default and _fits(*(t for t in args if t is not None)):
             x, w, *bias = args
-            y = matmul(x.reshape(-1, x.size(-1)), w.t(), *(b for b in bias if b is not None))
+            y = matmul(x.reshape(-1, x.size(-1)), w.t(), *(b.contiguous() for b in bias if b is not None))
             return y.view(*x.shape[:-1], w.size(0))
         if func is torch.ops.aten.matmul.default:  # ``@`` (whole under inference mode): into mm and views
             with self:
