@@ -256,19 +256,27 @@ def seeded_model(name: str, device: torch.device, seed: int) -> GPT:
     return GPT.build(cfg, device=device, seed=seed).eval()
 
 
-def invariant_reference(model, tokenizer, device, requests, plain: list[list[int]]) -> list[list[int]]:
-    """The batch-1 engine's answers with ``batch_invariant`` (ember.kernels.invariant; graphed on
-    a GPU), which the invariant scheduler's must equal bit for bit; its rate, and how many of its
-    answers the plain engine's equal (the two sum in other orders: a near-tie may differ)."""
-    engine = Engine(model, tokenizer, device=device, graphs=device.type == "cuda", batch_invariant=True)
+def one_after_another(engine: Engine, requests) -> tuple[list[list[int]], float, float]:
+    """Each request's greedy answer from ``engine`` alone, one after another: the answers, output
+    tokens/s and seconds. Untimed first, the shortest and the longest request, so the graphs of
+    each cache length are captured and the kernels' first uses paid before the clock starts."""
     with torch.inference_mode():
-        for prompt, n_out in (min(requests, key=sum_len), max(requests, key=sum_len)):  # untimed: captures
+        for prompt, n_out in (min(requests, key=sum_len), max(requests, key=sum_len)):
             engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
         start, answers = time.perf_counter(), []
         for prompt, n_out in requests:
             [c] = engine.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
             answers.append(c.token_ids)
-        rate = sum(len(t) for t in answers) / (time.perf_counter() - start)
+        took = time.perf_counter() - start
+    return answers, sum(len(t) for t in answers) / took, took
+
+
+def invariant_reference(model, tokenizer, device, requests, plain: list[list[int]]) -> list[list[int]]:
+    """The batch-1 engine's answers with ``batch_invariant`` (ember.kernels.invariant; graphed on
+    a GPU), which the invariant scheduler's must equal bit for bit; its rate, and how many of its
+    answers the plain engine's equal (the two sum in other orders: a near-tie may differ)."""
+    engine = Engine(model, tokenizer, device=device, graphs=device.type == "cuda", batch_invariant=True)
+    answers, rate, _ = one_after_another(engine, requests)
     same = sum(a == b for a, b in zip(answers, plain, strict=True))
     print(f"batch-1 engine, batch-invariant: {rate:,.0f} output tok/s; {same}/{len(answers)} answers equal "
           "the plain engine's; the served answers are held to these", flush=True)  # fmt: skip
@@ -292,18 +300,9 @@ def device_main(args) -> None:
     # the batch-1 engine: the reference answers and the sequential rate; on a GPU its decode steps
     # replay from CUDA graphs (4x eager's tokens/s on an H200: the stricter baseline, and the faster)
     batch1 = Engine(model, tokenizer, device=device, graphs=device.type == "cuda")
-    with torch.inference_mode():
-        # untimed first: the shortest and the longest request, so the graphs of each cache length
-        # are captured and the kernels' first uses paid before the clock starts
-        for prompt, n_out in (min(requests, key=sum_len), max(requests, key=sum_len)):
-            batch1.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
-        start, reference = time.perf_counter(), []
-        for prompt, n_out in requests:
-            [c] = batch1.generate([prompt], Sampling(n_out, temperature=0, ignore_eos=True))
-            reference.append(c.token_ids)
-        sequential = sum(len(t) for t in reference) / (time.perf_counter() - start)
+    reference, sequential, took = one_after_another(batch1, requests)
     print(f"batch-1 engine{' (CUDA graphs)' if batch1.graphs else ''}, one request after another: "
-          f"{sequential:,.0f} output tok/s ({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+          f"{sequential:,.0f} output tok/s ({took:.0f} s)", flush=True)  # fmt: skip
     if args.batch_invariant:  # the reference is the invariant engine's; the rate stays the faster plain one's
         reference = invariant_reference(model, tokenizer, device, requests, reference)
     rows, ties = [], []  # ties: per differing completion, whether it left at a near-tie
