@@ -382,7 +382,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.host:
         return host_main(args)
-    if args.batch_invariant and (args.run or args.attention != ["triton"]):
+    if args.batch_invariant and (args.run or args.host or args.attention != ["triton"]):
         parser.error("--batch-invariant serves a seeded model (no --run) with --attention triton alone")
     if args.run is None:
         args.model = args.model or ("gpt2-small" if args.device.startswith("cuda") else "tiny")

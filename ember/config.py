@@ -401,6 +401,11 @@ class Config:
         message = (f"train.task={self.train.task} with model.causal={m.causal}, model.head={m.head}: train.task=mlm needs causal=false (it reads both sides "  # fmt: skip # noqa: E501
                    "of a mask); other tasks need causal=true (bidirectional attention sees the token it predicts) and no mlm head")  # fmt: skip # noqa: E501
         _require(mlm != m.causal and (mlm or m.head != "mlm"), "model.causal", message)
+        serve = self.serve
+        message = (f"serve.batch_invariant needs serve.paged_attention=triton, not {serve.paged_attention}: "
+                   "that kernel's sums run in one order whatever the batch; gather's and flex's do not")
+        ok = not serve.batch_invariant or serve.paged_attention == "triton"
+        _require(ok, "serve.batch_invariant", message)
 
 
 # --- The schema, walked: keys, types, help ---

@@ -109,8 +109,9 @@ PAGED = dict(Q=bf, K=bf, V=bf, TABLES="*i32", QPOS="*i64", TILES="*i64", O=bf, s
 lower(paged._paged_kernel, PAGED, dict(BS=16, H=12, GROUP=3, HD=64, BLOCK_M=16, BLOCK_N=32, PREC="tf32",
       UPCAST=False))
 f32 = "*fp32"  # the batch-invariant road serves fp32: the paged kernel and the product on FMA units, no TF32
-lower(paged._paged_kernel, {**PAGED, "Q": f32, "K": f32, "V": f32, "O": f32}, dict(BS=16, H=12, GROUP=3,
-      HD=64, BLOCK_M=16, BLOCK_N=32, PREC="ieee", UPCAST=False))
+exact = lower(paged._paged_kernel, {**PAGED, "Q": f32, "K": f32, "V": f32, "O": f32}, dict(BS=16, H=12,
+              GROUP=3, HD=64, BLOCK_M=16, BLOCK_N=32, PREC="ieee", UPCAST=False))
+assert "mma" not in exact.asm["ptx"]
 MM = dict(A=f32, B=f32, BIAS=f32, C=f32, M=i32, N=i32, K=i32, sam=i64, sak=i64, sbk=i64, sbn=i64, scm=i64)
 for dtype, prec in ((f32, "ieee"), (bf, "tf32")):
     for rows, cols in (invariant.SMALL, invariant.LARGE):

@@ -24,10 +24,11 @@ Design choices:
 - **What a request sees does not depend on the others**: its own blocks, its own generator
   (``seed`` + answer index), fp32 logits equal to its own forward (tests/test_scheduler.py:
   greedy answers equal the batch-1 engine's token for token, with and without preemptions and
-  prefix-cache hits). Text and stops follow the engine's rules (``engine.Row``). In any dtype,
-  and on a GPU, ``batch_invariant`` makes them equal bit for bit: every product in one fixed
-  order (ember.kernels.invariant) and the triton cache's attention, against
-  ``Engine(batch_invariant=True)``; without it a near-tie may flip (docs/serve.md).
+  prefix-cache hits). Text and stops follow the engine's rules (``engine.Row``). Without
+  ``batch_invariant`` a near-tie may flip; with it every product sums in one fixed order
+  (ember.kernels.invariant) and attention is the triton cache's, so the logits equal
+  ``Engine(batch_invariant=True)``'s bit for bit (tests/test_invariant.py: fp32 under the
+  interpreter here, on CUDA where a GPU runs it; docs/serve.md).
 - **A model with Mamba layers** keeps each running sequence's recurrent state in a slot of the
   cache's state pools, taken at admission and given back with its blocks; ``max_seqs`` slots,
   since no more sequences run at once (the memory is not taken from ``kv_memory``). Prefix

@@ -42,7 +42,10 @@ BLOCK_K = 32  # the one step of the sums: any BLOCK_M and BLOCK_N sum an output 
 # sm_90 PTX shows; 64 rows would make a bf16 product wgmma's, whose chain is another, so neither
 # tile reaches 64 (tests/test_kernels_ptx.py checks the instructions)
 SMALL, LARGE, ROWS = (16, 32), (32, 64), 64
-BATCHED = (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default)  # float products refused
+aten = torch.ops.aten
+WHOLE = (aten.matmul.default, aten.einsum.default, aten.tensordot.default)  # composites: into their parts
+REFUSED = (aten.bmm.default, aten.baddbmm.default, aten.mv.default, aten.addmv.default, aten.dot.default,
+           aten.vdot.default)  # float products with no fixed-order kernel here
 PRECISION = {torch.float32: "ieee", torch.float64: "ieee", torch.bfloat16: "tf32", torch.float16: "tf32"}
 
 
@@ -111,9 +114,10 @@ def _fits(*tensors: Tensor) -> bool:
 class batch_invariant(TorchDispatchMode):  # noqa: N801 (used as a context manager, like no_grad)
     """Within the block every ``aten.mm``, ``aten.addmm`` and ``aten.linear`` (what
     ``nn.Linear`` runs as: whole under inference mode, else as a view and an addmm) is
-    ``matmul``, and ``aten.matmul`` (``@``) is decomposed into them; other ops run as they would.
-    Products the kernel does not take (integer or mixed dtypes, sparse or subclassed tensors) run
-    as they would too, not batch-invariant; float ``bmm`` and ``baddbmm`` are refused. Under
+    ``matmul``, and ``@``, einsum and tensordot are decomposed into their parts; other ops run
+    as they would. Products the kernel does not take (integer or mixed dtypes, sparse or
+    subclassed tensors) run as they would too, not batch-invariant; float ``bmm``, ``baddbmm``,
+    ``mv``, ``addmv``, ``dot`` and ``vdot`` are refused. Under
     ``torch.compile`` the mode is not seen: ember refuses the two together. Tensors made inside
     the block are ordinary; the mode holds no state, so it nests and can be entered once per step
     (a CUDA graph captured inside it replays the kernel's launches)."""
@@ -134,10 +138,10 @@ class batch_invariant(TorchDispatchMode):  # noqa: N801 (used as a context manag
             x, w, *bias = args
             y = matmul(x.reshape(-1, x.size(-1)), w.t(), *(b.contiguous() for b in bias if b is not None))
             return y.view(*x.shape[:-1], w.size(0))
-        if func is torch.ops.aten.matmul.default:  # ``@`` (whole under inference mode): into mm and views
+        if func in WHOLE:  # ``@``, einsum (whole under inference mode): decomposed, their parts seen here
             with self:
                 return func.decompose(*args, **kwargs)
-        if func in BATCHED and _fits(*args[:3]):
+        if func in REFUSED and _fits(*(t for t in args if isinstance(t, torch.Tensor))):
             raise EmberError(
                 f"batch_invariant: {func} has no fixed-order kernel in ember (ember/kernels/invariant.py "
                 "takes mm, addmm, linear and matmul into them); serve this model without batch invariance"
