@@ -177,6 +177,7 @@ class InvariantKVCache(StaticKVCache):
         self.slots = self.pos + torch.arange(T, device=self.device)  # (T,)
         self.pos += T
         self.positions = (self.slots - self.pad[:, None]).clamp(min=0)  # (B or 1, T); pads at 0
+        self.step = None  # the forward's write slots and kernel inputs, made by its first layer
         return self.positions
 
     def select(self, rows: Tensor) -> None:
@@ -206,13 +207,14 @@ class InvariantKVCache(StaticKVCache):
         if layer not in self.k:
             self.k[layer] = k.new_zeros(B * L + 1, k.size(1), hd)
             self.v[layer] = v.new_zeros(B * L + 1, v.size(1), hd)
-        real = self.slots >= self.pad[:, None]  # (B or 1, T)
-        first = torch.arange(B, device=q.device)[:, None] * L  # each row's slot 0
-        at = torch.where(real, first + self.positions, B * L).flatten()
+        if self.step is None:  # once a forward, not a layer
+            real = self.slots >= self.pad[:, None]  # (B or 1, T)
+            first = torch.arange(B, device=q.device)[:, None] * L  # each row's slot 0
+            at = torch.where(real, first + self.positions, B * L).flatten()
+            self.step = (at, self.positions.expand(B, T).reshape(-1), *self.plan(B, T))
+        at, q_pos, tables, tiles = self.step
         keys = self.k[layer].index_copy_(0, at, k.transpose(1, 2).reshape(B * T, -1, hd))
         values = self.v[layer].index_copy_(0, at, v.transpose(1, 2).reshape(B * T, -1, hd))
-        tables, tiles = self.plan(B, T)
-        q_pos = self.positions.expand(B, T).reshape(-1)
         q = q.transpose(1, 2).reshape(B * T, H, hd)
         out = paged_attention(q, keys, values, tables, q_pos, tiles, self.BLOCK)
         return out.view(B, T, H, hd).transpose(1, 2)  # (B, n_head, T, hd)

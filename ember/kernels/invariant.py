@@ -16,8 +16,10 @@ BLOCK_K steps from 0 up, fp32 (or fp64) accumulation, never split: each row's bi
 that row alone (its tile's size only says how many outputs a program makes). Its rows of pads
 (masked loads: zeros) change nothing either. Norms, GELU and embeddings are per row already;
 attention's sums are the paged kernel's (ember.kernels.paged), whose order does not depend on
-the batch. Hand-written because that is
-the point: a library GEMM makes no promise about its order.
+the batch. Hand-written because that is the point: a library GEMM makes no promise about its
+order. Not a ``torch.library`` op as the other kernels here are: it runs at inference only, below
+autograd, called by the dispatch mode, so there is no formula or fake to register; its reference
+is PyTorch's own product (tests/test_invariant.py).
 
 Cost: fp32 products on CUDA run on the FMA units (``ieee``, never TF32), as cuBLAS's fp32
 GEMM does, for 16 rows at least (tl.dot's least tile): a batch-1 step does 16 rows' FMAs.
