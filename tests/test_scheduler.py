@@ -11,7 +11,7 @@ import torch
 
 from ember.data.tokenizer import Tokenizer
 from ember.errors import EmberError
-from ember.infer.engine import Engine
+from ember.infer.engine import Engine, Row
 from ember.infer.sampling import Sampling
 from ember.infer.scheduler import Scheduler
 from tests.test_engine import LLAMA, TEXT, tiny_model
@@ -124,3 +124,37 @@ def test_packed_row_longer_than_max_seq_len_is_fine(engine):
     [alone] = engine.generate([list(range(3, 250))], Sampling(5, temperature=0))
     assert all(o.completion().token_ids == alone.token_ids for o in outs)
     assert torch.get_default_dtype() == torch.float32
+
+
+
+def test_text_is_read_under_the_next_forward_and_stop_strings_at_once(engine, monkeypatch):
+    """A request without stop strings reads its text in the next step, after that step's forward
+    is launched and before its logits are read (``_draw``): on a GPU that host work overlaps the
+    device's. A request with stop strings reads it at once and ends at the stop. Texts, ids and
+    ends equal the batch-1 engine's."""
+    prompt, stop = list(range(3, 40)), "caf"  # the random model's answer at seed 5 reaches "caf"
+
+    def sampling(**stop) -> Sampling:
+        return Sampling(16, temperature=1.0, seed=5, **stop)
+
+    [free], [stopped] = engine.generate([prompt], sampling()), engine.generate([prompt], sampling(stop=stop))
+    assert stop in free.text and free.finish_reason == "length"
+    assert stopped.finish_reason == "stop" and 0 < len(stopped.token_ids) < 16
+    s, log = Scheduler(engine, num_blocks=100), []
+    forward, draw, release = s._forward, s._draw, Row.release
+    monkeypatch.setattr(s, "_forward", lambda work: log.append("F") or forward(work))
+    monkeypatch.setattr(s, "_draw", lambda answers: log.append("D") or draw(answers))
+    monkeypatch.setattr(Row, "release", lambda row, *a: log.append("s" if row is b.row else "t") or release(row, *a))  # fmt: skip # noqa: E501
+    [a], [b] = s.add(prompt, sampling()), s.add(prompt, sampling(stop=stop))
+    texts, steps = {a: "", b: ""}, []
+    while not s.idle:
+        log.clear()
+        for request, piece in s.step():
+            texts[request] += piece
+        steps.append("".join(log))
+    assert texts[a] == a.completion().text == free.text and a.completion().token_ids == free.token_ids
+    assert texts[b] == b.completion().text == stopped.text and b.completion().token_ids == stopped.token_ids
+    assert b.completion().finish_reason == "stop" and a.completion().finish_reason == "length"
+    # F: a forward, D: its logits read (the draw), t: the free one's text, s: the stop one's
+    assert steps[0] == "FDs" and steps[-1] == "t", steps  # the free one's last text: no forward left
+    assert steps[1:-1] == ["FtDs"] * (len(stopped.token_ids) - 1) + ["FtD"] * (16 - len(stopped.token_ids)), steps  # fmt: skip # noqa: E501

@@ -351,12 +351,25 @@ class Row:
         strings, nobody streaming): decode once, when the row ends, not at every token."""
         if self.finish_reason is not None:
             return ""
+        self.take(token, ends, stop, max_new)
+        if lazy and not stop and self.finish_reason is None:
+            return ""
+        return self.release(tokenizer, stop, max_new)
+
+    def take(self, token: int, ends: set[int], stop: Sequence[str], max_new: int) -> None:
+        """``push``'s share that needs no text: the id, and the ends that ids decide (an end id;
+        ``max_new`` ids when there are no stop strings: with them a stop string completed by
+        the last id outranks the length, so ``release`` decides)."""
         if token in ends:
             self.finish_reason, self.end_id = "eos", token
         else:
             self.ids.append(token)
-        if lazy and not stop and self.finish_reason is None and len(self.ids) < max_new:
-            return ""
+            if not stop and len(self.ids) == max_new:
+                self.finish_reason = "length"
+
+    def release(self, tokenizer: Tokenizer, stop: Sequence[str], max_new: int) -> str:
+        """``push``'s share that reads the text, after ``take``: the piece the ids so far release,
+        ending the row at a stop string (or, with stop strings, at ``max_new`` ids)."""
         full = self.decoded(tokenizer)
         if self.finish_reason is None:
             # a stop string first seen now ends in the unseen text: earlier steps searched the rest

@@ -216,6 +216,7 @@ class Scheduler:
         self.max_batch_tokens, self.max_seqs = max_batch_tokens, max_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
+        self.unread: list[Request] = []  # took an id in the last step; its text is read in the next (step)
         self._ids = itertools.count()
         self.preemptions = self.tokens_generated = 0
         self.slots_used = self.slots_held = 0  # summed over steps: cached tokens, and block slots they own
@@ -253,6 +254,8 @@ class Scheduler:
             heir, heir.forks = request.forks[0], request.forks[1:]
             request.forks = []
             self.waiting.appendleft(heir)
+        if request in self.unread:  # its last ids' text is not released: it ends where it was read
+            self.unread.remove(request)
         if request in self.waiting:
             self.waiting.remove(request)
         elif request in self.running:
@@ -268,7 +271,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.unread
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -311,11 +314,22 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> list[tuple[Request, str]]:
         """One forward over the scheduled tokens; [(request, text piece)] for every request
-        whose text grew (a finished request appears once more with "" if it released none)."""
+        whose text grew (a finished request appears once more with "" if it released none).
+
+        A request without stop strings has its text read one step late: its ids alone decide
+        its end (an end id, or max_tokens), so its sampled id is fed and its blocks are freed at
+        once, while the decoding of its text and its event wait for the next step, where they
+        run after that step's forward is launched and before its logits are read back. On a GPU
+        that host work then overlaps the device's (vLLM's async output processing); on a CPU the
+        forward has already run by then, so it changes nothing but the event's step. A request
+        with stop strings reads its text at once, since the text may end it."""
         work = self._schedule()
-        if not work:
-            return []
-        logits = (self.graphs or self._forward)(work).float()  # (len(work), V)
+        logits = (self.graphs or self._forward)(work) if work else None  # (len(work), V)
+        events = self._read(self.unread)  # the last step's text, while the device runs this one
+        self.unread = []
+        if logits is None:
+            return events
+        logits = logits.float()
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
         answers = []  # (request, its logits) of every sequence that samples a token now
@@ -329,9 +343,10 @@ class Scheduler:
                 self.running.append(fork)
             answers += [(answer, row_logits) for answer in [request, *request.forks]]
             request.forks = []
-        events = []
         for (request, row_logits), token in zip(answers, self._draw(answers), strict=True):
-            events += self._take(request, row_logits, token)
+            self._take(request, row_logits, token)
+        events += self._read([request for request, _ in answers if request.sampling.stop])
+        self.unread = [request for request, _ in answers if not request.sampling.stop]
         for request in self.running:  # KV memory written by tokens, against the blocks the sequences hold
             self.slots_used += request.seq.computed
             self.slots_held += len(request.seq.table) * self.blocks.block_size
@@ -365,21 +380,35 @@ class Scheduler:
                 tokens[i] = token
         return tokens
 
-    def _take(self, request: Request, logits: torch.Tensor, token: int) -> list[tuple[Request, str]]:
-        """Append ``token``, drawn from ``request``'s logits (V,); its text event, if any."""
+    def _take(self, request: Request, logits: torch.Tensor, token: int) -> None:
+        """Append ``token``, drawn from ``request``'s logits (V,); free its blocks if its ids end it."""
         s, row = request.sampling, request.row
         if request.logprobs_top is not None:  # the model's distribution, before temperature and filters
             logp = logits.log_softmax(-1)
             request.logprobs.append((token, logp[token].item(), top_logprobs(logp, request.logprobs_top)))
-        ends = self.engine.ends(s.ignore_eos)
-        piece = row.push(token, self.engine.tokenizer, ends, s.stop, s.max_new_tokens)
+        row.take(token, self.engine.ends(s.ignore_eos), s.stop, s.max_new_tokens)
         self.tokens_generated += 1
         request.seq.tokens.append(token)
         if row.finish_reason is not None:
-            self.running.remove(request)
-            self.blocks.release(request.seq)
-            request.state = "finished"
-        return [(request, piece)] if piece or request.done else []
+            self._retire(request)
+
+    def _read(self, requests: list[Request]) -> list[tuple[Request, str]]:
+        """Each request's text after its last ``_take``: its event, if any; a stop string ends it."""
+        events = []
+        for request in requests:
+            s = request.sampling
+            piece = request.row.release(self.engine.tokenizer, s.stop, s.max_new_tokens)
+            if request.row.finish_reason is not None:
+                if request in self.running:  # ended by its text, not by its ids
+                    self._retire(request)
+                request.state = "finished"
+            if piece or request.done:
+                events.append((request, piece))
+        return events
+
+    def _retire(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.release(request.seq)
 
     def run(self) -> None:
         """Step until every queued request has finished."""

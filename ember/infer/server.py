@@ -160,7 +160,7 @@ class EngineLoop:
                 events = self.scheduler.step()
             except Exception as e:  # a bug must not hang every client: fail what ran, go on
                 self.errors += 1
-                for request in [*self.scheduler.running, *self.scheduler.waiting]:
+                for request in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.unread]:
                     self.scheduler.cancel(request)
                     request.job.report(ApiError(500, f"the engine failed: {e!r}", "server_error"))
                 continue
