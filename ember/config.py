@@ -374,7 +374,7 @@ class ServeConfig(_Section, key="serve"):
     threads: int = opt(0, "engine's torch threads on a CPU; 0 = every core but one (for the HTTP loop)", ge=0)
     paged_attention: str = opt("gather", "gather: copy a row's blocks, then SDPA; flex: FlexAttention reads the pool in place; triton: ember's paged-attention kernel reads it through the block tables", choices=("gather", "flex", "triton"))  # fmt: skip # noqa: E501
     batch_invariant: bool = opt(False, "a request's tokens the same bits in any batch: products in one fixed order (ember.kernels.invariant); needs paged_attention=triton; slower")  # fmt: skip # noqa: E501
-    decode_buckets: list[int] = opt([1, 2, 4, 8, 16, 32, 64], "decode-only steps padded to these batch sizes, others to a power of two of tokens; CUDA graphs on a GPU (flex and triton; [] = off)")  # fmt: skip # noqa: E501
+    decode_buckets: list[int] = opt([1, 2, 4, 8, 16, 32, 64], "decode-only steps padded to these batch sizes, others to a multiple of a quarter of a power of two of tokens; CUDA graphs on a GPU (flex and triton; [] = off)")  # fmt: skip # noqa: E501
 
 
 @dataclass

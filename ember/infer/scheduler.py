@@ -56,7 +56,6 @@ from ember.infer.paged import (
     PagedKVCache,
     PagedSequence,
     blocks_for,
-    bucket,
 )
 from ember.infer.sampling import Sampling
 from ember.model.gpt import layer_mixers
@@ -68,6 +67,16 @@ def top_logprobs(logp: torch.Tensor, k: int) -> dict[int, float]:
     return dict(zip(indices.tolist(), values.tolist(), strict=True))
 
 
+def padded_tokens(n: int) -> int:
+    """The tokens a step of ``n`` that is not decode-only is padded to (one CUDA graph a shape):
+    a multiple of a quarter of the power of two below ``n``, at least of 16, so past 64 tokens at
+    most a quarter of the step is pads, in four shapes a doubling. The power of two above ``n``
+    (FlexAttention's buckets) fed 1.43x the tokens of the 64-client level's steps with prompt
+    chunks (benchmarks/serve.py's workload), and in fp32 a step's products cost in proportion."""
+    quarter = max(16, 1 << max(0, (n - 1).bit_length() - 3))
+    return -(-n // quarter) * quarter
+
+
 def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor]:
     """The ids a step of ``work`` feeds, joined, and each sequence's last one's index among them (S,)."""
     ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
@@ -76,18 +85,17 @@ def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor
 
 class StepGraphs:
     """Steps padded to a few shapes and, on CUDA, replayed from one CUDA graph per shape (gpt-fast,
-    vLLM): a step of a small model is mostly kernel launches, which a graph replays at once.
-    A decode-only step of S sequences is padded to the next of ``buckets`` (batch sizes); any
-    other step (prompt chunks among the decodes) to its FlexAttention bucket of tokens (a power of
-    two, at least 16), and each sequence's logits are picked from its last token by index, not by
-    a mask, so the step has no shape that depends on the data. Needs the flex or the triton cache:
-    their shapes depend on the bucket alone, where the gather's follow the longest sequence. A graph records
-    kernels on a GPU stream and replays them on the same buffers, so everything it reads lives in
-    buffers kept per shape (ids, the picked positions, and the cache's plan, copied in before
-    each replay); a CPU has no such streams, so there the same padded step runs eagerly, which is
-    what tests/test_paged_flex.py checks. Capture happens on a shape's first use, after two
-    warm-up forwards of that very batch (they rewrite the same keys into the same slots, so they
-    change nothing)."""
+    vLLM): a step of a small model is mostly kernel launches, which a graph replays at once. A
+    decode-only step of S sequences is padded to the next of ``buckets`` (batch sizes); any other
+    step (prompt chunks among the decodes) to ``padded_tokens`` of its tokens, and each sequence's
+    logits are picked from its last token by index, not by a mask, so the step has no shape that
+    depends on the data. Needs the flex or the triton cache: their shapes depend on the bucket
+    alone, where the gather's follow the longest sequence. A graph records kernels on a GPU stream
+    and replays them on the same buffers, so everything it reads lives in buffers kept per shape
+    (ids, the picked positions, and the cache's plan, copied in before each replay); a CPU has no
+    such streams, so there the same padded step runs eagerly, which is what tests/test_paged_flex.py
+    checks. Capture happens on a shape's first use, after two warm-up forwards of that very batch
+    (they rewrite the same keys into the same slots, so they change nothing)."""
 
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, buckets: tuple[int, ...], capture: bool,
@@ -99,10 +107,10 @@ class StepGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens fed -> graph, logits
 
     def shape(self, work: list[tuple[Request, int]]) -> int:
-        """The tokens ``work`` is padded to: a decode bucket, or the flex bucket of its tokens."""
+        """The tokens ``work`` is padded to: a decode bucket, or ``padded_tokens`` of its tokens."""
         if all(n == 1 for _, n in work) and len(work) <= self.buckets[-1]:
             return next(b for b in self.buckets if b >= len(work))
-        return bucket(sum(n for _, n in work))
+        return padded_tokens(sum(n for _, n in work))
 
     def __call__(self, work: list[tuple[Request, int]]) -> torch.Tensor:
         """Logits (len(work), V) of each sequence's last fed token, from one step padded to ``shape``."""
