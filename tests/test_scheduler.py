@@ -158,3 +158,32 @@ def test_text_is_read_under_the_next_forward_and_stop_strings_at_once(engine, mo
     # F: a forward, D: its logits read (the draw), t: the free one's text, s: the stop one's
     assert steps[0] == "FDs" and steps[-1] == "t", steps  # the free one's last text: no forward left
     assert steps[1:-1] == ["FtDs"] * (len(stopped.token_ids) - 1) + ["FtD"] * (16 - len(stopped.token_ids)), steps  # fmt: skip # noqa: E501
+
+
+@pytest.mark.parametrize("on_read", [False, True], ids=["returned", "on_read"])
+def test_text_read_before_a_failing_draw_is_not_lost_and_cancel_reads_it(engine, on_read):
+    """A request that ended by its ids has its text read in the next step, before that step's
+    draw: if the draw fails (a GPU's error surfaces when the logits are read), its final event
+    still comes (to ``on_read`` at once, or from the next step). An event covers the ids its
+    text was read from (``Request.read``), not the newest one. A request cancelled before its
+    text is read keeps a completion whose text is its ids' text."""
+    s, got = Scheduler(engine, num_blocks=100), []
+    if on_read:
+        s.on_read = got.extend
+    [long] = s.add(list(range(3, 40)), Sampling(50, temperature=0, ignore_eos=True), logprobs=1)
+    [short] = s.add(list(range(5, 30)), Sampling(1, temperature=0, ignore_eos=True))
+    got += s.step()  # both prompts; the short one takes its one id and ends, its text unread
+    assert short.row.finish_reason == "length" and not short.done and short in s.unread
+    assert long.read == (0, 0) and len(long.row.ids) == 1  # the long one's first id is not read yet
+    draw = s._draw
+    s._draw = lambda answers: (_ for _ in ()).throw(RuntimeError("device-side assert at .tolist()"))
+    with pytest.raises(RuntimeError, match="device-side"):
+        s.step()
+    s._draw = draw
+    for request in [long, *s.unread]:  # what the server's loop does after a failed step
+        s.cancel(request)
+    got += s.step()
+    assert short.done and [(r, p) for r, p in got if r is short] == [(short, short.row.text)]
+    assert short.row.text == engine.tokenizer.decode(short.row.ids) and short.read == (1, 0)
+    assert long.completion().finish_reason == "cancelled" and long.read == (1, 1)
+    assert long.row.text == engine.tokenizer.decode(long.row.ids) and s.idle

@@ -162,6 +162,7 @@ class Request:
     logprobs_top: int | None = None  # record each sampled token's log-probability and this many alternatives
     logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
     job: Any = None  # the server's handle
+    read: tuple[int, int] = (0, 0)  # ids and logprobs whose text is read: what its events cover
 
     @property
     def done(self) -> bool:
@@ -225,6 +226,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first
         self.unread: list[Request] = []  # took an id in the last step; its text is read in the next (step)
+        self.events: list[tuple[Request, str]] = []  # read, not yet returned (a step that fails loses none)
+        self.on_read: Callable[[list[tuple[Request, str]]], None] | None = None  # gets them at once instead
         self._ids = itertools.count()
         self.preemptions = self.tokens_generated = 0
         self.slots_used = self.slots_held = 0  # summed over steps: cached tokens, and block slots they own
@@ -262,8 +265,9 @@ class Scheduler:
             heir, heir.forks = request.forks[0], request.forks[1:]
             request.forks = []
             self.waiting.appendleft(heir)
-        if request in self.unread:  # its last ids' text is not released: it ends where it was read
+        if request in self.unread:  # its text is read, with no event: the completion holds all its ids
             self.unread.remove(request)
+            request.row.release(self.engine.tokenizer, request.sampling.stop, request.sampling.max_new_tokens)
         if request in self.waiting:
             self.waiting.remove(request)
         elif request in self.running:
@@ -279,7 +283,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.unread
+        return not self.waiting and not self.running and not self.unread and not self.events
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -329,15 +333,25 @@ class Scheduler:
         once, while the decoding of its text and its event wait for the next step, where they
         run after that step's forward is launched and before its logits are read back. On a GPU
         that host work then overlaps the device's (vLLM's async output processing); on a CPU the
-        forward has already run by then, so it changes nothing but the event's step. A request
-        with stop strings reads its text at once, since the text may end it."""
+        forward has already run by then. A request with stop strings reads its text at once,
+        since the text may end it. Those events come one step late, unless ``on_read`` takes
+        them as soon as they are read (the server's loop does)."""
         work = self._schedule()
         logits = (self.graphs or self._forward)(work) if work else None  # (len(work), V)
-        events = self._read(self.unread)  # the last step's text, while the device runs this one
+        read = self._read(self.unread)  # the last step's text, while the device runs this one
         self.unread = []
-        if logits is None:
-            return events
-        logits = logits.float()
+        if self.on_read and read:
+            self.on_read(read)
+        else:
+            self.events += read
+        if logits is not None:
+            self._sample(work, logits.float())
+        events, self.events = self.events, []
+        return events
+
+    def _sample(self, work: list[tuple[Request, int]], logits: torch.Tensor) -> None:
+        """The step's ids from its logits (len(work), V): each sequence that finished its prompt
+        draws one; the text of those with stop strings is read at once."""
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
         answers = []  # (request, its logits) of every sequence that samples a token now
@@ -353,12 +367,11 @@ class Scheduler:
             request.forks = []
         for (request, row_logits), token in zip(answers, self._draw(answers), strict=True):
             self._take(request, row_logits, token)
-        events += self._read([request for request, _ in answers if request.sampling.stop])
+        self.events += self._read([request for request, _ in answers if request.sampling.stop])
         self.unread = [request for request, _ in answers if not request.sampling.stop]
         for request in self.running:  # KV memory written by tokens, against the blocks the sequences hold
             self.slots_used += request.seq.computed
             self.slots_held += len(request.seq.table) * self.blocks.block_size
-        return events
 
     def _forward(self, work: list[tuple[Request, int]]) -> torch.Tensor:
         """Logits (len(work), V) of each sequence's last fed token, from one packed forward."""
@@ -406,6 +419,7 @@ class Scheduler:
         for request in requests:
             s = request.sampling
             piece = request.row.release(self.engine.tokenizer, s.stop, s.max_new_tokens)
+            request.read = (len(request.row.ids), len(request.logprobs))
             if request.row.finish_reason is not None:
                 if request in self.running:  # ended by its text, not by its ids
                     self._retire(request)

@@ -102,6 +102,7 @@ class EngineLoop:
         self.commands: queue.Queue = queue.Queue()
         self.recent: deque[tuple[float, int]] = deque()  # (time, tokens generated) of recent steps
         self.errors = 0
+        scheduler.on_read = self._report  # the last step's text, reported before this step's logits are read
         self.thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
         self.stopping = False
         self.thread.start()
@@ -160,7 +161,8 @@ class EngineLoop:
                 events = self.scheduler.step()
             except Exception as e:  # a bug must not hang every client: fail what ran, go on
                 self.errors += 1
-                for request in [*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.unread]:
+                s = self.scheduler
+                for request in dict.fromkeys([*s.running, *s.waiting, *s.unread]):  # (unread ones may run)
                     self.scheduler.cancel(request)
                     request.job.report(ApiError(500, f"the engine failed: {e!r}", "server_error"))
                 continue
@@ -168,16 +170,21 @@ class EngineLoop:
             self.recent.append((now, self.scheduler.tokens_generated - before))
             while self.recent and self.recent[0][0] < now - 10:
                 self.recent.popleft()
-            reports: dict[asyncio.AbstractEventLoop, list] = {}
-            for request, piece in events:
-                job, ids, lps = request.job, request.row.ids, request.logprobs
-                i = job.requests.index(request)
-                (n_ids, n_lps), job.sent[i] = job.sent[i], [len(ids), len(lps)]
-                finish = request.row.finish_reason if request.done else None
-                item = (i, piece, ids[n_ids:], lps[n_lps:] if job.logprobs is not None else None, finish)
-                reports.setdefault(job.loop, []).append((job.events, item))
-            for loop, items in reports.items():  # one wake-up of the event loop per step, not per request
-                loop.call_soon_threadsafe(_deliver, items)
+            self._report(events)
+
+    def _report(self, events: list) -> None:
+        """Hand each event to its job's event loop: the text piece, the ids and logprobs it covers
+        (``Request.read``: a request's newest id may not be read yet), and the finish."""
+        reports: dict[asyncio.AbstractEventLoop, list] = {}
+        for request, piece in events:
+            job, ids, lps = request.job, request.row.ids, request.logprobs
+            i = job.requests.index(request)
+            (n_ids, n_lps), job.sent[i] = job.sent[i], list(request.read)
+            finish = request.row.finish_reason if request.done else None
+            item = (i, piece, ids[n_ids : request.read[0]], lps[n_lps : request.read[1]] if job.logprobs is not None else None, finish)  # fmt: skip # noqa: E501
+            reports.setdefault(job.loop, []).append((job.events, item))
+        for loop, items in reports.items():  # one wake-up of the event loop per step, not per request
+            loop.call_soon_threadsafe(_deliver, items)
 
     def tokens_per_s(self) -> float:
         if not self.recent:
