@@ -187,3 +187,8 @@ def test_text_read_before_a_failing_draw_is_not_lost_and_cancel_reads_it(engine,
     assert short.row.text == engine.tokenizer.decode(short.row.ids) and short.read == (1, 0)
     assert long.completion().finish_reason == "cancelled" and long.read == (1, 1)
     assert long.row.text == engine.tokenizer.decode(long.row.ids) and s.idle
+    again = Scheduler(engine, num_blocks=100)
+    [alone] = again.add(list(range(5, 30)), Sampling(1, temperature=0, ignore_eos=True))
+    again.step()
+    again.cancel(alone)  # ended by its id, its text unread: the completion holds it all the same
+    assert alone.completion().finish_reason == "length" and alone.completion().text == short.row.text != ""

@@ -477,10 +477,14 @@ GRAPH_SLOTS = 128  # graphed caches round up to a multiple of this: one graph se
 GRAPH_WARMUP = 3  # eager steps before a capture (PyTorch's CUDA graphs notes: allocator, cuBLAS, autotuning)
 
 
-def cuda_graph(fn: Callable[[], Tensor], warmup: int, device=None) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+def cuda_graph(
+    fn: Callable[[], Tensor], warmup: int, device=None, pool=None
+) -> tuple[torch.cuda.CUDAGraph, Tensor]:
     """``fn`` run ``warmup`` times on a side stream (it compiles, autotunes and fills the caching
     allocator there), then captured in a CUDA graph: the graph and the output tensor its replays
-    write. Every tensor ``fn`` reads must stay at its address for the replays."""
+    write. Every tensor ``fn`` reads must stay at its address for the replays. ``pool``: a memory
+    pool shared with other graphs, for graphs never replayed at once whose outputs are kept
+    alive (so no later capture takes their memory) and copied out after each replay."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -488,7 +492,7 @@ def cuda_graph(fn: Callable[[], Tensor], warmup: int, device=None) -> tuple[torc
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
 

@@ -105,6 +105,9 @@ class StepGraphs:
         self.mode = mode  # what the model runs under (Scheduler's batch_invariant)
         self.static: dict[int, list[torch.Tensor]] = {}  # tokens fed -> rows, ids, picked, the cache's plan
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # tokens fed -> graph, logits
+        # one memory pool for every shape's graph (vLLM's): a private pool each would hold its own
+        # activations, and the shapes are many (24 up to 2,048 tokens); each replay's logits are copied out
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def shape(self, work: list[tuple[Request, int]]) -> int:
         """The tokens ``work`` is padded to: a decode bucket, or ``padded_tokens`` of its tokens."""
@@ -139,7 +142,7 @@ class StepGraphs:
             return forward()[: len(work)]
         if L not in self.graphs:
             try:
-                self.graphs[L] = cuda_graph(forward, 2, device)
+                self.graphs[L] = cuda_graph(forward, 2, device, self.pool)
             except RuntimeError as e:  # untested on this GPU stack: serve on, padded and eager, and say so
                 warnings.warn(f"CUDA graph capture failed, steps run eagerly: {e}", stacklevel=2)
                 self.capture = False
