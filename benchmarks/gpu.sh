@@ -15,8 +15,10 @@
 # bytes in it, the bound on issue 29 pt 3 at gpt2-small's shape; `kernels-norms` is issue 28's row
 # ops against Liger: the norm backward now picks its config by timing on the GPU, RoPE transposes
 # inside its op; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the
-# third) with each path's anatomy; `serve-invariant` serves with serve.batch_invariant, whose
-# answers must equal the batch-1 engine's bit for bit (pt 4's equality; never run on a GPU);
+# third) with each path's anatomy, since then with the text read under the next step's forward,
+# the triton plan in numpy and steps padded to quarters of a doubling (1.37x -> 1.09x the tokens
+# fed at 64 clients); `serve-invariant` serves with serve.batch_invariant, whose answers must
+# equal the batch-1 engine's bit for bit (pt 4's equality; never run on a GPU), fp32 then bf16;
 # `levers` starts with llama-small's row, never run whole.
 # Then `decode-wide` and `fp8-wide`: points 3 and 2 at widths where bytes and products outweigh
 # launches and casts. `all` (issue 29's own rows, 497 s on the fourth lease) re-measures the rest.)
