@@ -58,10 +58,12 @@ def greedy_alone(engine) -> list:
     return [engine.generate([prompt], Sampling(new, temperature=0))[0] for _, prompt, new in workload(0)]
 
 
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("num_blocks", [2000, 40], ids=["roomy", "preempting"])
-def test_greedy_answers_equal_the_batch1_engine(engine, greedy_alone, num_blocks):
+def test_greedy_answers_equal_the_batch1_engine(engine, greedy_alone, num_blocks, async_steps):
     requests = workload(0)
-    scheduler = Scheduler(engine, num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_seqs=32)
+    scheduler = Scheduler(engine, num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_seqs=32,
+                          async_steps=async_steps)  # fmt: skip
     got = serve(scheduler, requests, lambda i, new: Sampling(new, temperature=0))
     for answer, alone in zip(got, greedy_alone, strict=True):
         assert answer.token_ids == alone.token_ids and answer.finish_reason == alone.finish_reason
@@ -73,19 +75,21 @@ def test_greedy_answers_equal_the_batch1_engine(engine, greedy_alone, num_blocks
 def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     requests = workload(1, n=24)
 
-    def sampling(i, new):
-        return Sampling(new, temperature=0.9, top_k=50, seed=1000 + i)
+    def sampling(i, new):  # half greedy: two groups of settings drawn apart in each step
+        return Sampling(new, temperature=0.9 if i % 2 else 0.0, top_k=50, seed=1000 + i)
 
-    together = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128), requests, sampling)
+    together = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128, async_steps=True), requests,
+                     sampling)  # fmt: skip
     for i, (_, prompt, new) in enumerate(requests):
         alone = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128), [(0, prompt, new)],
                       lambda _, new, i=i: sampling(i, new))  # fmt: skip
         assert together[i].token_ids == alone[0].token_ids
 
 
-def test_n_answers_fork_seeds_and_prefix_cache_hits_give_the_same_tokens(engine):
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
+def test_n_answers_fork_seeds_and_prefix_cache_hits_give_the_same_tokens(engine, async_steps):
     prompt = list(range(3, 70))
-    s = Scheduler(engine, num_blocks=200)
+    s = Scheduler(engine, num_blocks=200, async_steps=async_steps)
     first = s.add(prompt, Sampling(20, temperature=0))
     s.run()
     again = s.add(prompt, Sampling(20, temperature=0))  # its first 4 blocks come from the cache
@@ -142,7 +146,7 @@ def test_text_is_read_under_the_next_forward_and_stop_strings_at_once(engine, mo
     assert stopped.finish_reason == "stop" and 0 < len(stopped.token_ids) < 16
     s, log = Scheduler(engine, num_blocks=100), []
     forward, draw, release = s._forward, s._draw, Row.release
-    monkeypatch.setattr(s, "_forward", lambda work: log.append("F") or forward(work))
+    monkeypatch.setattr(s, "_forward", lambda work, drawn=None: log.append("F") or forward(work, drawn))
     monkeypatch.setattr(s, "_draw", lambda answers: log.append("D") or draw(answers))
     monkeypatch.setattr(Row, "release", lambda row, *a: log.append("s" if row is b.row else "t") or release(row, *a))  # fmt: skip # noqa: E501
     [a], [b] = s.add(prompt, sampling()), s.add(prompt, sampling(stop=stop))
@@ -192,3 +196,39 @@ def test_text_read_before_a_failing_draw_is_not_lost_and_cancel_reads_it(engine,
     again.step()
     again.cancel(alone)  # ended by its id, its text unread: the completion holds it all the same
     assert alone.completion().finish_reason == "length" and alone.completion().text == short.row.text != ""
+
+
+def test_async_steps_launch_before_reading_back_and_end_as_the_engine_does(engine, monkeypatch):
+    """``async_steps``: each step's forward is launched before the last step's ids are read back
+    (on a GPU the host's planning then runs under the device's work). A request that ends by its
+    ids' count is not fed past its end; one that a stop string ends is fed one id past it, whose
+    work is dropped. Texts, ids and ends equal the batch-1 engine's."""
+    prompt, stop = list(range(3, 40)), "caf"
+
+    def sampling(**stop) -> Sampling:
+        return Sampling(16, temperature=1.0, seed=5, **stop)
+
+    [free], [stopped] = engine.generate([prompt], sampling()), engine.generate([prompt], sampling(stop=stop))
+    s, log, fed = Scheduler(engine, num_blocks=100, async_steps=True), [], {}
+    forward, take = s._forward, s._take_drawn
+
+    def recorded(work, drawn=None):
+        log.append("F")
+        for r, _ in work:
+            fed[r] = fed.get(r, 0) + 1
+        return forward(work, drawn)
+
+    monkeypatch.setattr(s, "_forward", recorded)
+    monkeypatch.setattr(s, "_take_drawn", lambda: log.append("R") or take())
+    [a], [b] = s.add(prompt, sampling()), s.add(prompt, sampling(stop=stop))
+    steps = []
+    while not s.idle:
+        log.clear()
+        s.step()
+        steps.append("".join(log))
+    assert a.completion().token_ids == free.token_ids and a.completion().text == free.text
+    assert b.completion().token_ids == stopped.token_ids and b.completion().text == stopped.text
+    assert b.completion().finish_reason == "stop" and a.completion().finish_reason == "length"
+    assert fed[a] == 16 and fed[b] == len(stopped.token_ids) + 1  # the prompt, then each id fed
+    assert steps[0] == "F" and all(step == "FR" for step in steps[1:16]), steps  # launched, then read back
+    assert steps[16:] == ["R", ""], steps  # the 16th id read back; then its text alone

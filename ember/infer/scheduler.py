@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ember.errors import EmberError
 from ember.infer.engine import Completion, Engine, Row, cuda_graph, invariant_mode, sample_next
@@ -77,10 +78,21 @@ def padded_tokens(n: int) -> int:
     return -(-n // quarter) * quarter
 
 
-def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor]:
-    """The ids a step of ``work`` feeds, joined, and each sequence's last one's index among them (S,)."""
+def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+    """The ids a step of ``work`` feeds, joined; each sequence's last one's index among them (S,);
+    and where an id drawn by the last step is still on the device (``Scheduler(async_steps=True)``),
+    its index among them and in that step's draw, (2, P), or None."""
     ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
-    return ids, torch.tensor([n for _, n in work]).cumsum(0) - 1
+    last = torch.tensor([n for _, n in work]).cumsum(0) - 1
+    drawn = [(int(last[i]), r.pending) for i, (r, _) in enumerate(work) if r.pending is not None]
+    return ids, last, torch.tensor(drawn).t() if drawn else None
+
+
+def feed_drawn(ids: torch.Tensor, feeds: torch.Tensor | None, drawn: torch.Tensor | None) -> None:
+    """Write the ids the last step drew on the device into the row ``ids`` (1, T), in place."""
+    if feeds is not None:
+        feeds = feeds.to(ids.device)
+        ids[0, feeds[0]] = drawn[feeds[1]]
 
 
 class StepGraphs:
@@ -115,12 +127,13 @@ class StepGraphs:
             return next(b for b in self.buckets if b >= len(work))
         return padded_tokens(sum(n for _, n in work))
 
-    def __call__(self, work: list[tuple[Request, int]]) -> torch.Tensor:
-        """Logits (len(work), V) of each sequence's last fed token, from one step padded to ``shape``."""
+    def __call__(self, work: list[tuple[Request, int]], drawn: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (len(work), V) of each sequence's last fed token, from one step padded to ``shape``;
+        ``drawn``: the last step's ids on the device, for the sequences whose id is not read yet."""
         L, cache = self.shape(work), self.cache
         K = min(L, cache.rows)  # rows of logits: a sequence has one, and fewer than cache.rows run
         cache.plan([(r.seq, n) for r, n in work], pad_to=L)
-        fed, last = fed_tokens(work)
+        fed, last, feeds = fed_tokens(work)
         ids, picked = torch.zeros(1, L, dtype=torch.long), torch.zeros(K, dtype=torch.long)
         ids[0, : len(fed)] = torch.tensor(fed)
         picked[: len(work)] = last
@@ -131,6 +144,7 @@ class StepGraphs:
         rows, *static = self.static[L]
         for buffer, t in zip(static, planned, strict=True):
             buffer.copy_(t)
+        feed_drawn(static[0], feeds, drawn)
         cache.read_from(static[2:])
         cache.extend(L)  # copy-on-writes now: a replay would not see them
 
@@ -166,6 +180,7 @@ class Request:
     logprobs: list[tuple[int, float, dict[int, float]]] = field(default_factory=list)
     job: Any = None  # the server's handle
     read: tuple[int, int] = (0, 0)  # ids and logprobs whose text is read: what its events cover
+    pending: int | None = None  # its row in the draw not yet read back (its last token a placeholder)
 
     @property
     def done(self) -> bool:
@@ -191,6 +206,7 @@ class Scheduler:
         paged_attention: str = "gather",
         decode_buckets: tuple[int, ...] | None = None,
         batch_invariant: bool = False,
+        async_steps: bool = False,
     ):
         if paged_attention not in PAGED_ATTENTION:
             choices = ", ".join(PAGED_ATTENTION)
@@ -231,6 +247,11 @@ class Scheduler:
         self.unread: list[Request] = []  # took an id in the last step; its text is read in the next (step)
         self.events: list[tuple[Request, str]] = []  # read, not yet returned (a step that fails loses none)
         self.on_read: Callable[[list[tuple[Request, str]]], None] | None = None  # gets them at once instead
+        if async_steps and self.recurrent:
+            raise EmberError("serve.async_steps is for attention-only models: a Mamba layer's state would "
+                             "take a step past a sequence's end; serve this model with serve.async_steps=false")  # fmt: skip # noqa: E501
+        self.async_steps = async_steps
+        self.inflight: tuple[list[tuple[Request, torch.Tensor]], torch.Tensor] | None = None  # (answers, ids)
         self._ids = itertools.count()
         self.preemptions = self.tokens_generated = 0
         self.slots_used = self.slots_held = 0  # summed over steps: cached tokens, and block slots they own
@@ -268,6 +289,7 @@ class Scheduler:
             heir, heir.forks = request.forks[0], request.forks[1:]
             request.forks = []
             self.waiting.appendleft(heir)
+        request.pending = None  # an id drawn for it and not read back is dropped
         if request in self.unread:  # its text is read, with no event: the completion holds all its ids
             self.unread.remove(request)
             request.row.release(self.engine.tokenizer, request.sampling.stop, request.sampling.max_new_tokens)
@@ -286,7 +308,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running and not self.unread and not self.events
+        return not (self.waiting or self.running or self.unread or self.events or self.inflight)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -299,8 +321,8 @@ class Scheduler:
         """This step's work, [(request, tokens to feed)], blocks reserved (module docstring)."""
         budget, work, preempted = self.max_batch_tokens, [], False
         for request in list(self.running):
-            if request.state != "running" or budget == 0:
-                continue  # preempted in this loop, or no budget left (it waits a step)
+            if request.state != "running" or budget == 0 or self._last(request):
+                continue  # preempted in this loop, no budget left (it waits a step), or ending
             seq = request.seq
             n = min(len(seq.tokens) - seq.computed, budget)
             while request.state == "running" and self.blocks.blocks_needed(seq, n) > self.blocks.num_free:
@@ -340,25 +362,40 @@ class Scheduler:
         since the text may end it. Those events come one step late, unless ``on_read`` takes
         them as soon as they are read (the server's loop does)."""
         work = self._schedule()
-        logits = (self.graphs or self._forward)(work) if work else None  # (len(work), V)
+        drawn = self.inflight[1] if self.inflight else None
+        logits = (self.graphs or self._forward)(work, drawn) if work else None  # (len(work), V)
         read = self._read(self.unread)  # the last step's text, while the device runs this one
         self.unread = []
         if self.on_read and read:
             self.on_read(read)
         else:
             self.events += read
+        if self.inflight:  # async_steps: the last step's ids, read back while this step runs
+            self._take_drawn()
         if logits is not None:
-            self._sample(work, logits.float())
+            answers = self._answers(work, logits.float())
+            if answers:
+                self.inflight = answers, self._draw(answers)
+                for i, (request, _) in enumerate(answers):  # a placeholder: its id is on the device till read
+                    request.pending = i
+                    request.seq.tokens.append(-1)
+                if not self.async_steps:
+                    self._take_drawn()
+            for request in self.running:  # KV memory written by tokens, against the blocks the sequences hold
+                self.slots_used += request.seq.computed
+                self.slots_held += len(request.seq.table) * self.blocks.block_size
         events, self.events = self.events, []
         return events
 
-    def _sample(self, work: list[tuple[Request, int]], logits: torch.Tensor) -> None:
-        """The step's ids from its logits (len(work), V): each sequence that finished its prompt
-        draws one; the text of those with stop strings is read at once."""
+    def _answers(self, work: list[tuple[Request, int]], logits: torch.Tensor) -> list[tuple[Request, Tensor]]:
+        """Commit the step's work; (request, its logits row (V,)) of every sequence that draws an id
+        now (its prompt read, its n answers forked off it), but those that ended since."""
         if self.engine.n_valid < logits.size(-1):
             logits[:, self.engine.n_valid :] = float("-inf")
-        answers = []  # (request, its logits) of every sequence that samples a token now
+        answers = []
         for (request, n), row_logits in zip(work, logits, strict=True):
+            if request.row.finish_reason is not None:
+                continue  # ended by the id read back after this step began (async_steps), or cancelled
             seq = request.seq
             self.blocks.commit(seq, n)
             if seq.computed < len(seq.tokens):
@@ -368,41 +405,58 @@ class Scheduler:
                 self.running.append(fork)
             answers += [(answer, row_logits) for answer in [request, *request.forks]]
             request.forks = []
-        for (request, row_logits), token in zip(answers, self._draw(answers), strict=True):
-            self._take(request, row_logits, token)
-        self.events += self._read([request for request, _ in answers if request.sampling.stop])
-        self.unread = [request for request, _ in answers if not request.sampling.stop]
-        for request in self.running:  # KV memory written by tokens, against the blocks the sequences hold
-            self.slots_used += request.seq.computed
-            self.slots_held += len(request.seq.table) * self.blocks.block_size
+        return answers
 
-    def _forward(self, work: list[tuple[Request, int]]) -> torch.Tensor:
+    def _take_drawn(self) -> None:
+        """Read back the ids drawn last (one sync with the device) and take them; the text of
+        those with stop strings is read at once, the others' in the next step."""
+        (answers, drawn), self.inflight = self.inflight, None
+        taken = []
+        for (request, row_logits), token in zip(answers, drawn.tolist(), strict=True):
+            if request.pending is None:
+                continue  # cancelled while its id was on the device
+            self._take(request, row_logits, token)
+            taken.append(request)
+        self.events += self._read([request for request in taken if request.sampling.stop])
+        self.unread = [request for request in taken if not request.sampling.stop]
+
+    def _forward(self, work: list[tuple[Request, int]], drawn: Tensor | None = None) -> Tensor:
         """Logits (len(work), V) of each sequence's last fed token, from one packed forward."""
         self.cache.plan([(r.seq, n) for r, n in work])
-        ids, last = fed_tokens(work)
+        ids, last, feeds = fed_tokens(work)
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
         keep[0, last] = True  # each sequence's last fed token
         device = self.engine.device
         ids, keep = torch.tensor([ids], device=device), keep.to(device)
+        feed_drawn(ids, feeds, drawn)
         with self.mode():
             return self.engine.model(ids, cache=self.cache, keep=keep)
 
+    def _last(self, request: Request) -> bool:
+        """Whether the id drawn for ``request`` and not read back yet ends it, whatever it is
+        (its max_tokens'th): then it is not fed again."""
+        return request.pending is not None and len(request.row.ids) + 1 >= request.sampling.max_new_tokens
+
     @staticmethod
-    def _draw(answers: list[tuple[Request, torch.Tensor]]) -> list[int]:
-        """Each sequence's next token: one ``sample_next`` per group of equal sampling settings,
-        each row with its own generator, so that a token does not depend on who else runs."""
+    def _draw(answers: list[tuple[Request, Tensor]]) -> Tensor:
+        """Each sequence's next id, on the device (len(answers),): one ``sample_next`` per group of
+        equal sampling settings, each row with its own generator, so that an id does not depend
+        on who else runs."""
         groups: dict[tuple, list[int]] = {}
         for i, (request, _) in enumerate(answers):
             s = request.sampling
             groups.setdefault((s.temperature, s.top_k or None, s.top_p), []).append(i)
-        tokens = [0] * len(answers)
+        drawn = None
         for (temperature, top_k, top_p), members in groups.items():
             logits = torch.stack([answers[i][1] for i in members])
             generators = [answers[i][0].row.generator for i in members]
-            drawn = sample_next(logits, temperature, top_k, top_p, generators).tolist()
-            for i, token in zip(members, drawn, strict=True):
-                tokens[i] = token
-        return tokens
+            ids = sample_next(logits, temperature, top_k, top_p, generators)
+            if len(members) == len(answers):
+                return ids
+            if drawn is None:
+                drawn = ids.new_empty(len(answers))
+            drawn[torch.tensor(members, device=ids.device)] = ids
+        return drawn
 
     def _take(self, request: Request, logits: torch.Tensor, token: int) -> None:
         """Append ``token``, drawn from ``request``'s logits (V,); free its blocks if its ids end it."""
@@ -412,7 +466,7 @@ class Scheduler:
             request.logprobs.append((token, logp[token].item(), top_logprobs(logp, request.logprobs_top)))
         row.take(token, self.engine.ends(s.ignore_eos), s.stop, s.max_new_tokens)
         self.tokens_generated += 1
-        request.seq.tokens.append(token)
+        request.seq.tokens[-1], request.pending = token, None  # in the placeholder's stead
         if row.finish_reason is not None:
             self._retire(request)
 
@@ -432,7 +486,10 @@ class Scheduler:
         return events
 
     def _retire(self, request: Request) -> None:
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        else:  # preempted while its last id was on the device (async_steps)
+            self.waiting.remove(request)
         self.blocks.release(request.seq)
 
     def run(self) -> None:

@@ -331,7 +331,7 @@ def create_app(engine: Engine, name: str, serve: ServeConfig, api_key: str | Non
                           max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                           prefix_caching=serve.prefix_caching, paged_attention=serve.paged_attention,
                           decode_buckets=tuple(serve.decode_buckets) or None,
-                          batch_invariant=serve.batch_invariant)  # fmt: skip
+                          batch_invariant=serve.batch_invariant, async_steps=serve.async_steps)  # fmt: skip
     loop_holder: dict[str, EngineLoop] = {}
 
     @contextlib.asynccontextmanager
