@@ -117,11 +117,12 @@
 #   autotune  gpu_train.py's ember against train.compile_mode=max-autotune-no-cudagraphs, whose
 #             compilation times each GEMM's candidate kernels (issue 29 pt 1's next lever) (300 s)
 #   serve     benchmarks/serve.py --device cuda: gpt2-small shape served to 1/16/64/256
-#             closed-loop clients, ember's Triton paged kernel, then the gather road, CUDA-graph
-#             buckets; each path's 64-client anatomy (the device's busy share: host- or
+#             closed-loop clients, ember's Triton paged kernel with CUDA-graph buckets, without
+#             and with serve.async_steps (each step launched before the last one's ids are read
+#             back); each road's 64-client anatomy (the device's busy share: host- or
 #             device-bound). SERVE_PATHS="triton flex gather" adds FlexAttention (an H200,
-#             2026-11-27: 1.46x sequential at 64 clients, 737 µs of kernels a token); `all`
-#             serves triton alone, without the anatomy                                    (150 s)
+#             2026-11-27: 1.46x sequential at 64 clients, 737 µs of kernels a token) and the
+#             gather road; `all` serves triton alone, without async steps or the anatomy   (150 s)
 #   serve-invariant  serve.py --batch-invariant: the same workload served with serve.batch_invariant
 #             (ember.kernels.invariant's fixed-order products, the triton paged kernel), 16 and 64
 #             clients in fp32, then 64 in bf16; every answer must equal the batch-1 engine's
@@ -287,7 +288,7 @@ for what in "$@"; do
         stage serve 150 "$PY benchmarks/serve.py serve.max_seqs=256 serve.max_batch_tokens=2048 \
             serve.kv_memory=8e9 serve.decode_buckets=$SERVE_BUCKETS ${SERVE_ARGS:-} --device $DEV \
             --model ${SCFG:-gpt2-small} --clients 1 16 64 256 --requests 256 \
-            --attention ${SERVE_PATHS:-triton gather} ${SERVE_ANATOMY---anatomy}"
+            --attention ${SERVE_PATHS:-triton} --async-steps ${SERVE_ASYNC:-both} ${SERVE_ANATOMY---anatomy}"
         ;;
     serve-invariant)  # pt 4's equality: products and attention in an order that does not depend on the batch
         # fp32 at 16 and 64 clients, then bf16 at 64: with the sums' order fixed, equality no longer needs
@@ -307,7 +308,7 @@ for what in "$@"; do
         # the points' own rows only (the anatomies and floors measured before, the old roads, FlexAttention
         # and the gather road: their own stages), the unmeasured first
         [ "$DEADLINE" -gt 0 ] || DEADLINE=540
-        TRAIN_ARGS= DECODE_VARIANTS=fused-graphs SERVE_PATHS=${SERVE_PATHS:-triton} SERVE_ANATOMY= \
+        TRAIN_ARGS= DECODE_VARIANTS=fused-graphs SERVE_PATHS=${SERVE_PATHS:-triton} SERVE_ASYNC=${SERVE_ASYNC:-off} SERVE_ANATOMY= \
             DEADLINE=$DEADLINE bash "$SELF" env train fp8-loss cli decode serve || failed=1
         summary env train fp8-loss cli decode serve
         ;;

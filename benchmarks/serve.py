@@ -306,12 +306,15 @@ def device_main(args) -> None:
     if args.batch_invariant:  # the reference is the invariant engine's; the rate stays the faster plain one's
         reference = invariant_reference(model, tokenizer, device, requests, reference)
     rows, ties = [], []  # ties: per differing completion, whether it left at a near-tie
-    for attention in args.attention:
+    steps = {"off": [False], "on": [True], "both": [False, True]}[args.async_steps]
+    for attention, async_steps in [(a, x) for a in args.attention for x in steps]:
+        road = attention + ("+async" if async_steps else "")
         buckets = tuple(serve.decode_buckets) if PAGED_ATTENTION[attention].graphed else None
         scheduler = Scheduler(engine, kv_memory=int(serve.kv_memory), block_size=serve.block_size,
                               max_batch_tokens=serve.max_batch_tokens, max_seqs=serve.max_seqs,
                               prefix_caching=serve.prefix_caching, paged_attention=attention,
-                              decode_buckets=buckets, batch_invariant=args.batch_invariant)  # fmt: skip
+                              decode_buckets=buckets, batch_invariant=args.batch_invariant,
+                              async_steps=async_steps)  # fmt: skip
         level = {c: requests[: max(args.per_level, args.waves * c)] for c in args.clients}
         start = time.perf_counter()
         for clients in args.clients:  # warm-up: the very run, untimed (flex compiled, graphs captured)
@@ -327,22 +330,22 @@ def device_main(args) -> None:
                 where, margin = divergence(model, requests[i][0], reference[i], got["done"][i][0])
                 ties.append(abs(margin) < TIE)
                 verdict = "a near-tie" if ties[-1] else f"not a near-tie: >= {TIE:g}"
-                print(f"{attention}, {clients} clients: request {i} leaves the batch-1 answer at token "
+                print(f"{road}, {clients} clients: request {i} leaves the batch-1 answer at token "
                       f"{where} of {len(reference[i])}; there the full forward prefers its token by "
                       f"{margin:.2e} logits ({verdict})")  # fmt: skip
             rate = got["tokens"] / got["wall"]
-            rows.append([attention, str(clients), f"{len(got['done'])}", f"{rate:,.0f}",
+            rows.append([road, str(clients), f"{len(got['done'])}", f"{rate:,.0f}",
                          f"{statistics.median(ttft):.1f} / {pct(ttft, 0.99):.1f}",
                          f"{statistics.median(itl):.1f} / {pct(itl, 0.99):.1f}" if itl else "",
                          f"{got['kv']:.1%}", f"{got['peak']:.0%}", f"{rate / sequential:.2f}x",
                          f"{same}/{len(got['done'])}"])  # fmt: skip
-            print(f"{attention}, {clients} clients: {rate:,.0f} output tok/s, {rate / sequential:.2f}x "
+            print(f"{road}, {clients} clients: {rate:,.0f} output tok/s, {rate / sequential:.2f}x "
                   f"sequential, {same}/{len(got['done'])} equal ({time.perf_counter() - start:.0f} s "
                   "since the warm-up began)", flush=True)  # fmt: skip
         if args.anatomy:  # one more run of a level under the profiler: host- or device-bound?
-            anatomy(scheduler, attention, level, args.clients, device)
+            anatomy(scheduler, road, level, args.clients, device)
         graphs = scheduler.graphs and (sorted(scheduler.graphs.graphs) or "none (no CUDA, or failed)")
-        print(f"{attention}: {scheduler.preemptions} preemptions, {scheduler.blocks.num_blocks} blocks of "
+        print(f"{road}: {scheduler.preemptions} preemptions, {scheduler.blocks.num_blocks} blocks of "
               f"{serve.block_size}; decode buckets {buckets}, CUDA graphs: {graphs or 'off'}")  # fmt: skip
     print_table(["attention", "clients", "requests", "output tok/s", "TTFT ms p50 / p99", "ITL ms p50 / p99",
                  "KV used", "KV peak", "x sequential", "= batch-1"], rows)  # fmt: skip
@@ -359,6 +362,9 @@ def main() -> None:
     parser.add_argument("--model", choices=MODELS, help="without --run (gpt2-small on cuda, tiny on cpu)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--attention", nargs="+", default=["gather", "flex"], choices=PAGED_ATTENTION)
+    parser.add_argument("--async-steps", choices=("off", "on", "both"), default="off",
+                        help="without --run: serve with serve.async_steps (each step launched before the "
+                             "last one's ids are read back), without it, or both, one row each")  # fmt: skip
     parser.add_argument("--batch-invariant", action="store_true",
                         help="without --run: serve with serve.batch_invariant (--attention triton), "
                              "answers held to the batch-1 engine's, batch-invariant too, bit for bit")

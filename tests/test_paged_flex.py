@@ -178,8 +178,8 @@ def test_padded_steps_equal_unpadded_ones(engine):  # noqa: F811
                   paged_attention="flex", decode_buckets=(1, 2, 4))  # fmt: skip
     s.cache.flex, padded, kinds = flex_attention, s.graphs, []
 
-    def both(work):
-        logits, plain = padded(work), s._forward(work)
+    def both(work, drawn=None):
+        logits, plain = padded(work, drawn), s._forward(work, drawn)
         kinds.append((padded.shape(work), all(n == 1 for _, n in work)))
         assert logits.shape == plain.shape and (logits - plain).abs().max() < 1e-5
         return logits
@@ -206,21 +206,23 @@ def test_mixed_steps_are_padded_by_at_most_a_quarter_past_64_tokens():
 
 def test_scheduler_flex_and_buckets_equal_gather_with_preemptions(engine):  # noqa: F811
     """The scheduler over the flex cache, with every step padded to a bucket (CUDA graphs'
-    shapes; captured only on CUDA), in a pool small enough to preempt: every greedy answer equals
-    the gather cache's, token for token, and every block is free at the end."""
+    shapes; captured only on CUDA), in a pool small enough to preempt, and the same with
+    ``async_steps``: every greedy answer equals the gather cache's, token for token, and every
+    block is free at the end."""
     rng = random.Random(1)  # 8 requests of up to 30 + 16 tokens, a pool of 7 blocks of 8: preemptions
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randint(1, 30))] for _ in range(8)]
     requests = [(rng.randint(0, 2), prompt, rng.randint(1, 16)) for prompt in prompts]
     answers, preemptions = {}, {}
-    for kind, buckets in [("gather", None), ("flex", (1, 2, 4, 8))]:
+    for name, kind, buckets in [("gather", "gather", None), ("flex", "flex", (1, 2, 4, 8)),
+                                ("async", "flex", (1, 2, 4, 8))]:  # fmt: skip
         s = Scheduler(engine, num_blocks=7, block_size=8, max_batch_tokens=64, max_seqs=8,
-                      paged_attention=kind, decode_buckets=buckets)  # fmt: skip
+                      paged_attention=kind, decode_buckets=buckets, async_steps=name == "async")  # fmt: skip
         if kind == "flex":
             s.cache.flex = flex_attention
             assert s.graphs is not None and not s.graphs.capture  # a CPU: the padded step runs eagerly
         got = serve(s, requests, lambda i, new: Sampling(new, temperature=0))
-        answers[kind], preemptions[kind] = [c.token_ids for c in got], s.preemptions
-    assert answers["flex"] == answers["gather"]
-    assert preemptions["flex"] > 0
+        answers[name], preemptions[name] = [c.token_ids for c in got], s.preemptions
+    assert answers["flex"] == answers["gather"] == answers["async"]  # async: ids fed from the device
+    assert preemptions["flex"] > 0 and preemptions["async"] > 0
     with pytest.raises(EmberError, match="serve.paged_attention=dense"):
         Scheduler(engine, num_blocks=40, paged_attention="dense")

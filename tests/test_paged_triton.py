@@ -78,8 +78,8 @@ def test_padded_steps_equal_unpadded_ones_and_the_scheduler_equals_gather(engine
     assert s.graphs is not None and not s.graphs.capture  # a CPU: the padded step runs eagerly
     padded, kinds = s.graphs, []
 
-    def both(work):
-        logits, plain = padded(work), s._forward(work)
+    def both(work, drawn=None):
+        logits, plain = padded(work, drawn), s._forward(work, drawn)
         kinds.append(all(n == 1 for _, n in work))
         assert logits.shape == plain.shape and (logits - plain).abs().max() < 1e-5
         return logits
