@@ -247,16 +247,16 @@ class PagedKVCache:
         tables = torch.tensor([seq.table + [0] * (width - len(seq.table)) for seq, _ in work])
         slot_of = (tables[:, :, None] * bs + torch.arange(bs)).view(len(work), width * bs)  # [i, pos]
         pos = torch.tensor(positions)
-        self.slots = slot_of[torch.tensor(rows), pos].to(device)  # (N,) where the new keys go
-        self.positions = pos.to(device)[None]  # (1, N)
-        self.spans = [(o, n, slot_of[i, :end].to(device)) for o, n, i, end in self.spans]  # slots it reads
+        self.slots = to_device(slot_of[torch.tensor(rows), pos], device)  # (N,) where the new keys go
+        self.positions = to_device(pos, device)[None]  # (1, N)
+        self.spans = [(o, n, to_device(slot_of[i, :end], device)) for o, n, i, end in self.spans]  # its slots
         self.decode = None
         if decoding:  # one SDPA over their gathered keys, padded to the longest and masked
             at, which, lengths = (torch.tensor(c) for c in zip(*decoding, strict=True))
             longest = int(lengths.max())
             padded = slot_of[which, :longest]  # past a sequence's length: slots it does not own, masked
             held = (torch.arange(longest) < lengths[:, None])[:, None, None, :]
-            self.decode = (at.to(device), padded.reshape(-1).to(device), held.to(device), longest)
+            self.decode = (*(to_device(t, device) for t in (at, padded.reshape(-1), held)), longest)
         if self.blocks.num_states:
             self.plan_states(work)
 
@@ -337,6 +337,15 @@ class PagedKVCache:
         return out
 
 
+def to_device(t: Tensor, device) -> Tensor:
+    """``t`` (on the CPU) on ``device``: to a GPU from pinned memory, without waiting. A plain
+    ``.to("cuda")`` of pageable memory synchronizes the stream, so a step's plan would wait for the
+    step before it to finish, and ``Scheduler(async_steps=True)`` plans while that one runs."""
+    if device is None or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # the caching host allocator keeps it till copied
+
+
 def fed(work: Sequence[tuple[PagedSequence, int]], pad_to: int | None, rows: int, block_size: int):
     """The padded caches' share of a plan: each fed token's sequence (its index in ``work``) and
     position, (N,) int64 arrays each, and T, the tokens fed with the pads (``pad_to``, or N);
@@ -363,7 +372,7 @@ def padded(slots: np.ndarray, q_pos: np.ndarray, T: int, scratch: int, device) -
     out = np.zeros((2, T), np.int64)
     out[0], out[1, : len(q_pos)] = scratch, q_pos
     out[0, : len(slots)] = slots
-    out = torch.from_numpy(out).to(device)
+    out = to_device(torch.from_numpy(out), device)
     return out[0], out[1][None]
 
 
@@ -442,9 +451,9 @@ class FlexPagedKVCache(PagedKVCache):
             self.inv = torch.full((R, self.pages), -1, dtype=torch.int32, device=self.device)
         if self.written is not None:
             self.inv[self.written] = -1
-        self.written = (owner.to(self.device), table.to(self.device))
+        self.written = (to_device(owner, self.device), to_device(table, self.device))
         logical = (torch.arange(len(table)) - first[owner]).int()
-        self.inv.index_put_(self.written, logical.to(self.device))
+        self.inv.index_put_(self.written, to_device(logical, self.device))
         slots = table[first[q_seq] + q_pos // bs] * bs + q_pos % bs  # (N,) where the new keys go
         self.slots, self.positions = padded(slots.numpy(), q_pos.numpy(), T, self.scratch, self.device)
         q_seq = torch.cat([q_seq, torch.full((Q - N,), S)])  # pads belong to row S, which owns nothing
@@ -459,8 +468,8 @@ class FlexPagedKVCache(PagedKVCache):
         needed = (in_tile @ owns) > 0  # (n_q, n_kv)
         num = needed.sum(-1, dtype=torch.int32)[None, None]  # (1, 1, n_q)
         indices = needed.int().argsort(dim=-1, descending=True, stable=True).int()[None, None]  # theirs first
-        self.mask = (q_seq.to(self.device), q_pos.to(self.device), self.inv)
-        self.tiles = (num.to(self.device), indices.to(self.device), Q)
+        self.mask = (to_device(q_seq, self.device), to_device(q_pos, self.device), self.inv)
+        self.tiles = (to_device(num, self.device), to_device(indices, self.device), Q)
 
     def replayed(self) -> list[Tensor]:
         """The plan's tensors that a step reads, for ``StepGraphs`` to copy into a shape's buffers
@@ -563,8 +572,8 @@ class TritonPagedKVCache(PagedKVCache):
         self.slots, self.positions = padded(slots, q_pos, T, self.scratch, self.device)
         # as many tile columns as any step of T tokens from at most max_seqs sequences can need
         size = min(T, T // self.kernel.BLOCK_M + self.rows - 1)
-        self.tiles = self.kernel.tiles_for([n for _, n in work], size).to(self.device)
-        self.tables = torch.from_numpy(tables).to(self.device)
+        self.tiles = to_device(self.kernel.tiles_for([n for _, n in work], size), self.device)
+        self.tables = to_device(torch.from_numpy(tables), self.device)
 
     def replayed(self) -> list[Tensor]:
         """The plan's tensors that a step reads (``FlexPagedKVCache.replayed``)."""

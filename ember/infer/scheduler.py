@@ -57,6 +57,7 @@ from ember.infer.paged import (
     PagedKVCache,
     PagedSequence,
     blocks_for,
+    to_device,
 )
 from ember.infer.sampling import Sampling
 from ember.model.gpt import layer_mixers
@@ -91,7 +92,7 @@ def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor
 def feed_drawn(ids: torch.Tensor, feeds: torch.Tensor | None, drawn: torch.Tensor | None) -> None:
     """Write the ids the last step drew on the device into the row ``ids`` (1, T), in place."""
     if feeds is not None:
-        feeds = feeds.to(ids.device)
+        feeds = to_device(feeds, ids.device)
         ids[0, feeds[0]] = drawn[feeds[1]]
 
 
@@ -138,7 +139,7 @@ class StepGraphs:
         ids[0, : len(fed)] = torch.tensor(fed)
         picked[: len(work)] = last
         device = cache.slots.device
-        planned = [ids.to(device), picked.to(device), *cache.replayed()]
+        planned = [to_device(ids, device), to_device(picked, device), *cache.replayed()]
         if L not in self.static:  # the shape's buffers, made once
             self.static[L] = [torch.zeros(K, dtype=torch.long, device=device), *(t.clone() for t in planned)]
         rows, *static = self.static[L]
@@ -427,7 +428,7 @@ class Scheduler:
         keep = torch.zeros(1, len(ids), dtype=torch.bool)
         keep[0, last] = True  # each sequence's last fed token
         device = self.engine.device
-        ids, keep = torch.tensor([ids], device=device), keep.to(device)
+        ids, keep = to_device(torch.tensor([ids]), device), to_device(keep, device)
         feed_drawn(ids, feeds, drawn)
         with self.mode():
             return self.engine.model(ids, cache=self.cache, keep=keep)
@@ -455,7 +456,7 @@ class Scheduler:
                 return ids
             if drawn is None:
                 drawn = ids.new_empty(len(answers))
-            drawn[torch.tensor(members, device=ids.device)] = ids
+            drawn[to_device(torch.tensor(members), ids.device)] = ids
         return drawn
 
     def _take(self, request: Request, logits: torch.Tensor, token: int) -> None:
