@@ -71,10 +71,11 @@ def test_triton_equals_gather_on_ragged_rows_sharing_prefix_blocks():
 def test_padded_steps_equal_unpadded_ones_and_the_scheduler_equals_gather(engine):  # noqa: F811
     """Every step of the graph road over the triton cache (decode-only steps padded to a batch
     bucket, mixed steps to a token bucket, logits picked by index) against the same step
-    unpadded, within 1e-5; then the scheduler in a pool small enough to preempt: every greedy
+    unpadded, within 1e-5, with async steps (each step's ids fed from the last draw on the
+    device); then the scheduler in a pool small enough to preempt: every greedy
     answer equal to the gather cache's, every block free at the end."""
     s = Scheduler(engine, num_blocks=60, block_size=8, max_batch_tokens=40, max_seqs=8,
-                  paged_attention="triton", decode_buckets=(1, 2, 4))  # fmt: skip
+                  paged_attention="triton", decode_buckets=(1, 2, 4), async_steps=True)  # fmt: skip
     assert s.graphs is not None and not s.graphs.capture  # a CPU: the padded step runs eagerly
     padded, kinds = s.graphs, []
 
