@@ -16,8 +16,9 @@
 # ops against Liger: the norm backward now picks its config by timing on the GPU, RoPE transposes
 # inside its op; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the
 # third) with each path's anatomy, since then with the text read under the next step's forward,
-# the triton plan in numpy and steps padded to quarters of a doubling (1.37x -> 1.09x the tokens
-# fed at 64 clients); `serve-invariant` serves with serve.batch_invariant, whose answers must
+# the triton plan in numpy, plans copied in without syncing the stream and steps padded to
+# quarters of a doubling (1.37x -> 1.09x the tokens fed at 64 clients), and beside it with
+# serve.async_steps (each step launched before the last one's ids are read back); `serve-invariant` serves with serve.batch_invariant, whose answers must
 # equal the batch-1 engine's bit for bit (pt 4's equality; never run on a GPU), fp32 then bf16;
 # `levers` starts with llama-small's row, never run whole.
 # Then `decode-wide` and `fp8-wide`: points 3 and 2 at widths where bytes and products outweigh
