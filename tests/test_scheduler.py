@@ -232,3 +232,19 @@ def test_async_steps_launch_before_reading_back_and_end_as_the_engine_does(engin
     assert fed[a] == 16 and fed[b] == len(stopped.token_ids) + 1  # the prompt, then each id fed
     assert steps[0] == "F" and all(step == "FR" for step in steps[1:16]), steps  # launched, then read back
     assert steps[16:] == ["R", ""], steps  # the 16th id read back; then its text alone
+
+
+def test_a_request_preempted_while_its_last_id_is_pending_still_ends(engine):
+    """``async_steps``: a request with stop strings whose pending id is its last, preempted before
+    that id is read back, ends by length when it is (its text decides, being stop-bound) and
+    leaves the queue it waits in; the pool comes back whole."""
+    for async_steps in (False, True):
+        s = Scheduler(engine, num_blocks=6, block_size=2, max_seqs=4, async_steps=async_steps)
+        [a] = s.add(list(range(10, 13)), Sampling(8, temperature=0, ignore_eos=True))
+        [b] = s.add(list(range(20, 23)), Sampling(4, temperature=0, ignore_eos=True, stop=["\x00never"]))
+        for _ in range(40):
+            if s.idle:
+                break
+            s.step()
+        assert s.idle and a.row.finish_reason == b.row.finish_reason == "length" and b.done
+        assert s.blocks.num_free == s.blocks.num_blocks and s.preemptions == int(async_steps)

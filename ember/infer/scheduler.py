@@ -479,17 +479,17 @@ class Scheduler:
             piece = request.row.release(self.engine.tokenizer, s.stop, s.max_new_tokens)
             request.read = (len(request.row.ids), len(request.logprobs))
             if request.row.finish_reason is not None:
-                if request in self.running:  # ended by its text, not by its ids
-                    self._retire(request)
+                self._retire(request)  # (ended by its text, or retired already: by its ids)
                 request.state = "finished"
             if piece or request.done:
                 events.append((request, piece))
         return events
 
     def _retire(self, request: Request) -> None:
+        """An ended request leaves the queues, its blocks free (a second call changes nothing)."""
         if request in self.running:
             self.running.remove(request)
-        else:  # preempted while its last id was on the device (async_steps)
+        elif request in self.waiting:  # preempted while its last id was on the device (async_steps)
             self.waiting.remove(request)
         self.blocks.release(request.seq)
 
