@@ -72,14 +72,15 @@ def test_greedy_answers_equal_the_batch1_engine(engine, greedy_alone, num_blocks
     assert scheduler.blocks.hits > 0  # the shared prefixes were found
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
+def test_seeded_sampling_does_not_depend_on_the_batch(engine, async_steps):
     requests = workload(1, n=24)
 
     def sampling(i, new):  # half greedy: two groups of settings drawn apart in each step
         return Sampling(new, temperature=0.9 if i % 2 else 0.0, top_k=50, seed=1000 + i)
 
-    together = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128, async_steps=True), requests,
-                     sampling)  # fmt: skip
+    together = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128, async_steps=async_steps),
+                     requests, sampling)  # fmt: skip
     for i, (_, prompt, new) in enumerate(requests):
         alone = serve(Scheduler(engine, num_blocks=2000, max_batch_tokens=128), [(0, prompt, new)],
                       lambda _, new, i=i: sampling(i, new))  # fmt: skip

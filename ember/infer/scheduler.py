@@ -252,7 +252,7 @@ class Scheduler:
             raise EmberError("serve.async_steps is for attention-only models: a Mamba layer's state would "
                              "take a step past a sequence's end; serve this model with serve.async_steps=false")  # fmt: skip # noqa: E501
         self.async_steps = async_steps
-        self.inflight: tuple[list[tuple[Request, torch.Tensor]], torch.Tensor] | None = None  # (answers, ids)
+        self.inflight: tuple | None = None  # the last draw not read back: answers, ids, host copy, event
         self._ids = itertools.count()
         self.preemptions = self.tokens_generated = 0
         self.slots_used = self.slots_held = 0  # summed over steps: cached tokens, and block slots they own
@@ -363,7 +363,7 @@ class Scheduler:
         since the text may end it. Those events come one step late, unless ``on_read`` takes
         them as soon as they are read (the server's loop does)."""
         work = self._schedule()
-        drawn = self.inflight[1] if self.inflight else None
+        drawn = self.inflight[1] if self.inflight else None  # (on the device)
         logits = (self.graphs or self._forward)(work, drawn) if work else None  # (len(work), V)
         read = self._read(self.unread)  # the last step's text, while the device runs this one
         self.unread = []
@@ -376,7 +376,7 @@ class Scheduler:
         if logits is not None:
             answers = self._answers(work, logits.float())
             if answers:
-                self.inflight = answers, self._draw(answers)
+                self.inflight = answers, *self._copied(self._draw(answers))
                 for i, (request, _) in enumerate(answers):  # a placeholder: its id is on the device till read
                     request.pending = i
                     request.seq.tokens.append(-1)
@@ -411,9 +411,11 @@ class Scheduler:
     def _take_drawn(self) -> None:
         """Read back the ids drawn last (one sync with the device) and take them; the text of
         those with stop strings is read at once, the others' in the next step."""
-        (answers, drawn), self.inflight = self.inflight, None
+        (answers, _, host, copied), self.inflight = self.inflight, None
+        if copied is not None:
+            copied.synchronize()  # the copy alone: a .tolist() would wait for the step launched since
         taken = []
-        for (request, row_logits), token in zip(answers, drawn.tolist(), strict=True):
+        for (request, row_logits), token in zip(answers, host.tolist(), strict=True):
             if request.pending is None:
                 continue  # cancelled while its id was on the device
             self._take(request, row_logits, token)
@@ -425,13 +427,25 @@ class Scheduler:
         """Logits (len(work), V) of each sequence's last fed token, from one packed forward."""
         self.cache.plan([(r.seq, n) for r, n in work])
         ids, last, feeds = fed_tokens(work)
-        keep = torch.zeros(1, len(ids), dtype=torch.bool)
-        keep[0, last] = True  # each sequence's last fed token
         device = self.engine.device
-        ids, keep = to_device(torch.tensor([ids]), device), to_device(keep, device)
+        ids, last = to_device(torch.tensor([ids]), device), to_device(last, device)
         feed_drawn(ids, feeds, drawn)
+        keep = (torch.zeros_like(last), last)  # each sequence's last fed token (indices: a bool mask syncs)
         with self.mode():
             return self.engine.model(ids, cache=self.cache, keep=keep)
+
+    @staticmethod
+    def _copied(drawn: Tensor) -> tuple[Tensor, Tensor, torch.cuda.Event | None]:
+        """``drawn``, a copy of it on the way to pinned host memory, and the event that marks the
+        copy done (None off CUDA, where ``drawn`` is the host's already): reading it back then
+        waits for the draw, not for the next step's forward queued behind it (vLLM's)."""
+        if drawn.device.type != "cuda":
+            return drawn, drawn, None
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+        host.copy_(drawn, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return drawn, host, copied
 
     def _last(self, request: Request) -> bool:
         """Whether the id drawn for ``request`` and not read back yet ends it, whatever it is
