@@ -361,7 +361,11 @@ class Scheduler:
         that host work then overlaps the device's (vLLM's async output processing); on a CPU the
         forward has already run by then. A request with stop strings reads its text at once,
         since the text may end it. Those events come one step late, unless ``on_read`` takes
-        them as soon as they are read (the server's loop does)."""
+        them as soon as they are read (the server's loop does).
+
+        With ``async_steps`` the ids themselves are read back one step late: this step is
+        scheduled, planned and launched while the last one runs, its row taking the last draw's
+        ids on the device (docs/serve.md, "Async steps")."""
         work = self._schedule()
         drawn = self.inflight[1] if self.inflight else None  # (on the device)
         logits = (self.graphs or self._forward)(work, drawn) if work else None  # (len(work), V)
