@@ -212,6 +212,8 @@ def test_scheduler_n_answers_and_cancel_free_their_state_slots(tok):
     assert [r.completion().token_ids for r in answers] == [c.token_ids for c in seeded]
     with pytest.raises(EmberError, match="paged_attention=gather"):
         Scheduler(engine, num_blocks=8, paged_attention="flex")
+    with pytest.raises(EmberError, match="serve.async_steps=false"):  # a state would run past an end
+        Scheduler(engine, num_blocks=8, async_steps=True)
 
 
 def test_server_answers_completions_from_a_hybrid(tok):
