@@ -348,10 +348,10 @@ def to_device(t: Tensor, device) -> Tensor:
 
 def fed(work: Sequence[tuple[PagedSequence, int]], pad_to: int | None, rows: int, block_size: int):
     """The padded caches' share of a plan: each fed token's sequence (its index in ``work``) and
-    position, (N,) int64 arrays each, and T, the tokens fed with the pads (``pad_to``, or N);
-    checks that the blocks are reserved and that fewer than ``rows`` sequences run. numpy, not
-    torch: a step plans on the host, where torch's ~5 µs an op on small tensors added up to
-    most of the triton plan's 370 µs at 64 sequences (2-core CPU)."""
+    position, (N,) int64 arrays each; T, the tokens fed with the pads (``pad_to``, or N); and each
+    sequence's blocks held, (S,). Checks that the blocks are reserved and that fewer than
+    ``rows`` sequences run. numpy, not torch: a step plans on the host, where torch's ~5 µs an
+    op on small tensors added up to most of the triton plan's 370 µs at 64 sequences (2-core CPU)."""
     S = len(work)
     assert S < rows, f"{S} sequences in one step; the cache was made for max_seqs={rows - 1} at most"
     ns = np.fromiter((n for _, n in work), np.int64, S)
@@ -363,15 +363,15 @@ def fed(work: Sequence[tuple[PagedSequence, int]], pad_to: int | None, rows: int
     assert T >= N, f"{N} tokens do not fit a row padded to {pad_to}"
     q_seq = np.repeat(np.arange(S), ns)
     starts = done - (ns.cumsum() - ns)  # a sequence's first position, less its first token's index
-    return q_seq, starts[q_seq] + np.arange(N), T
+    return q_seq, starts[q_seq] + np.arange(N), T, held
 
 
 def padded(slots: np.ndarray, q_pos: np.ndarray, T: int, scratch: int, device) -> tuple[Tensor, Tensor]:
     """The slots (T,) the fed tokens' keys go to and their positions (1, T) on ``device``, the
     pads' at the scratch slot and position 0."""
-    out = np.zeros((2, T), np.int64)
-    out[0], out[1, : len(q_pos)] = scratch, q_pos
-    out[0, : len(slots)] = slots
+    out = np.zeros((2, T), np.int64)  # slots, positions: one copy to the device
+    out[0] = scratch
+    out[0, : len(slots)], out[1, : len(q_pos)] = slots, q_pos
     out = to_device(torch.from_numpy(out), device)
     return out[0], out[1][None]
 
@@ -437,11 +437,10 @@ class FlexPagedKVCache(PagedKVCache):
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
         bs, S = self.blocks.block_size, len(work)
-        q_seq, q_pos, T = fed(work, pad_to, self.rows, bs)
-        q_seq, q_pos = torch.from_numpy(q_seq), torch.from_numpy(q_pos)
+        q_seq, q_pos, T, lens = fed(work, pad_to, self.rows, bs)
+        q_seq, q_pos, lens = torch.from_numpy(q_seq), torch.from_numpy(q_pos), torch.from_numpy(lens)
         N, Q, R = len(q_seq), bucket(T), self.rows  # fixed but for Q: a few compiled kernels serve every step
         table = torch.tensor([b for seq, _ in work for b in seq.table], dtype=torch.long)  # tables, joined
-        lens = torch.tensor([len(seq.table) for seq, _ in work])
         first = lens.cumsum(0) - lens  # where each sequence's table starts in ``table``
         owner = torch.repeat_interleave(torch.arange(S), lens)
         # [seq, physical block] -> logical block; rows >= S own none. One table kept for the pool,
@@ -562,8 +561,7 @@ class TritonPagedKVCache(PagedKVCache):
 
     def plan(self, work: Sequence[tuple[PagedSequence, int]], pad_to: int | None = None) -> None:
         bs = self.blocks.block_size
-        q_seq, q_pos, T = fed(work, pad_to, self.rows, bs)
-        held = np.fromiter((len(seq.table) for seq, _ in work), np.int64, len(work))
+        q_seq, q_pos, T, held = fed(work, pad_to, self.rows, bs)
         assert held.max() <= self.width, f"{held.max()} blocks; a table holds {self.width}"
         tables = np.zeros((self.rows, self.width), dtype=np.int32)
         blocks = itertools.chain.from_iterable(seq.table for seq, _ in work)

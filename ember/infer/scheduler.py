@@ -84,9 +84,9 @@ def fed_tokens(work: list[tuple[Request, int]]) -> tuple[list[int], torch.Tensor
     and where an id drawn by the last step is still on the device (``Scheduler(async_steps=True)``),
     its index among them and in that step's draw, (2, P), or None."""
     ids = [t for r, n in work for t in r.seq.tokens[r.seq.computed : r.seq.computed + n]]
-    last = torch.tensor([n for _, n in work]).cumsum(0) - 1
-    drawn = [(int(last[i]), r.pending) for i, (r, _) in enumerate(work) if r.pending is not None]
-    return ids, last, torch.tensor(drawn).t() if drawn else None
+    last = [end - 1 for end in itertools.accumulate(n for _, n in work)]
+    drawn = [(at, r.pending) for at, (r, _) in zip(last, work, strict=True) if r.pending is not None]
+    return ids, torch.tensor(last), torch.tensor(drawn).t() if drawn else None
 
 
 def feed_drawn(ids: torch.Tensor, feeds: torch.Tensor | None, drawn: torch.Tensor | None) -> None:
