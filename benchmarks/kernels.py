@@ -13,13 +13,14 @@ nominal HBM bandwidth their bytes reach in that time (the bytes each op must mov
 docs/kernels.md); attention and the fused linear cross-entropy are compute-bound and report
 TFLOP/s. "vs eager" is eager's time over this row's (> 1: faster), launched or from graphs.
 The norms' "ember 1 row" rows run them as before ``ember.kernels.norm.rows_per_program`` and
-the backward's configs (``norm.BACKWARD`` = (4, 1, 1)): the forward one row a program (not a
-tile of 4 at 768 wide; on the H200 lease of 2026-11-27 the tile alone timed 0.070 against 0.071
-ms), the backward's loop unpipelined;
-their "ember untimed" rows run the backward's first config (``norm.BACKWARD_CONFIGS``: 4 programs
-an SM, 4 rows ahead), where "ember" takes the one ``ember.kernels.fastest`` timed fastest.
-RoPE's "ember as before" row runs it as that lease timed it (``rope.TILE`` 4,096 and k's loads
-after q's stores, ``rope.LOADS_FIRST`` off); softmax's runs its long rows as that lease did
+the backward's configs (``norm.FORWARD`` = (1, 4), ``norm.BACKWARD`` = (4, 1, 1)): the forward
+one row a program (not a tile of 4 at 768 wide; on the H200 lease of 2026-11-27 the tile alone
+timed 0.070 against 0.071 ms), the backward's loop unpipelined; their "ember untimed" rows run
+the forward's and the backward's first configs (``norm.forward_configs``: 4 rows of 768 and 4
+warps a program; ``norm.BACKWARD_CONFIGS``: 4 programs an SM, 4 rows ahead), where "ember" takes
+the ones ``ember.kernels.fastest`` timed fastest.
+RoPE's "ember as before" row runs it as that lease timed it (``rope.CONFIG``: tiles of 4,096, 4
+warps; k's loads after q's stores, ``rope.LOADS_FIRST`` off); softmax's runs its long rows as that lease did
 (``softmax.BEFORE``: a program a row, each block's loads after the last), where "ember" takes
 the tuner's pick of ``softmax.LONG_CONFIGS``, printed after the table.
 Fused linear cross-entropy also reports the allocator's peak over the call. On a CPU the
@@ -111,11 +112,12 @@ def fwd_bwd(op, inputs, grad=None):
     return run
 
 
-ONE_ROW = {"ROWS_PER_PROGRAM": 1, "BACKWARD": (4, 1, 1)}  # ember.kernels.norm's settings before
-# the backward untimed: norm.BACKWARD_CONFIGS' first, 4 programs an SM loading 4 rows ahead (the
-# H200 lease of 2026-11-27 22:17: RMSNorm 63% of the bound), where "ember" takes the tuner's pick
-FIRST = {"BACKWARD": (4, 5, 1)}
-ROPE_BEFORE = {"TILE": 4096, "LOADS_FIRST": False}  # ember.kernels.rope's
+ONE_ROW = {"FORWARD": (1, 4), "BACKWARD": (4, 1, 1)}  # ember.kernels.norm's settings before
+# untimed: norm.forward_configs' first (4 rows of 768, 4 warps) and norm.BACKWARD_CONFIGS' first, 4
+# programs an SM loading 4 rows ahead (the H200 lease of 2026-11-27 22:17: RMSNorm 63% of the
+# bound), where "ember" takes the tuner's picks
+FIRST = {"BACKWARD": (4, 5, 1)}  # and "FORWARD": norm.forward_configs(...)[0], at the row's width
+ROPE_BEFORE = {"CONFIG": (4096, 4), "LOADS_FIRST": False}  # ember.kernels.rope's
 
 
 def overriding(module, op, inputs, **values):
@@ -125,7 +127,8 @@ def overriding(module, op, inputs, **values):
     2026-11-27 they held over the forward alone, so these rows' backwards ran the new road). The
     norms' "ember 1 row": one row a program forward, the backward's loop unpipelined; RoPE's
     "ember as before": tiles of 4,096 elements, k's loads after q's stores, as the H200 lease
-    timed it; softmax's: ``softmax.BEFORE``, untuned."""
+    timed it, and "ember untimed": the first of ``rope.CONFIGS``; softmax's: ``softmax.BEFORE``,
+    untuned."""
     run = fwd_bwd(op, inputs)
 
     def call():
@@ -171,6 +174,7 @@ def cases(shape: dict, dtype, device: str):
     rms = lambda x, w: F.rms_norm(x, (C,), w, 1e-5)  # noqa: E731
     lnm = lambda x, w, b: F.layer_norm(x, (C,), w, b, 1e-5)  # noqa: E731
     lnm_ember = lambda x, w, b: norm.layer_norm(x, w, b, 1e-5)  # noqa: E731
+    first = norm.forward_configs(1 << (C - 1).bit_length())[0]  # the forward's config untimed
     yield (
         "rms_norm",
         f"{N}x{C}",
@@ -184,7 +188,8 @@ def cases(shape: dict, dtype, device: str):
             ),  # noqa: E501
             "ember": fwd_bwd(lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w)),
             "ember 1 row": overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w), **ONE_ROW),
-            "ember untimed": overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w), **FIRST),
+            "ember untimed": overriding(norm, lambda x, w: norm.rms_norm(x, w, 1e-5), (x, w), **FIRST,
+                                        FORWARD=first),
         },
         5 * N * C * e,
         0,
@@ -198,7 +203,7 @@ def cases(shape: dict, dtype, device: str):
             **({"liger": fwd_bwd(lg.liger_layer_norm, (x, w, b, 1e-5))} if lg else {}),
             "ember": fwd_bwd(lnm_ember, (x, w, b)),
             "ember 1 row": overriding(norm, lnm_ember, (x, w, b), **ONE_ROW),
-            "ember untimed": overriding(norm, lnm_ember, (x, w, b), **FIRST),
+            "ember untimed": overriding(norm, lnm_ember, (x, w, b), **FIRST, FORWARD=first),
         },
         5 * N * C * e,
         0,
@@ -236,6 +241,7 @@ def cases(shape: dict, dtype, device: str):
             ),
             "ember": fwd_bwd(rope_ember, (q, k)),
             "ember as before": overriding(rope, rope_ember, (q, k), **ROPE_BEFORE),
+            "ember untimed": overriding(rope, rope_ember, (q, k), CONFIG=rope.CONFIGS[0]),
         },
         4 * (q.numel() + k.numel()) * e,
         0,
@@ -477,8 +483,9 @@ def main() -> None:
     print_table(header, rows)
     from ember.kernels import PICKS
 
-    # what the tuner kept: the norm backward's (programs an SM, stages, warps' multiple), softmax's
-    # long rows' (columns a block, warps, stages, programs an SM)
+    # what the tuner kept: the norm forward's (rows a program, warps), the backward's (programs an
+    # SM, stages, warps' multiple), softmax's long rows' (columns a block, warps, stages, programs an
+    # SM, L2 hints), RoPE's (positions a program, warps)
     for key, config in PICKS.items():
         print(f"{key[0]} {key[1:]}: the tuner kept {config}")
     if args.json:

@@ -78,6 +78,27 @@ def test_norm_matches_reference(name, shape, dtype):
     assert_near(outputs_and_grads(kernel, inputs), outputs_and_grads(ref, inputs))
 
 
+def test_norm_configs_match_reference(monkeypatch):
+    """Every config the forward's and the backward's tuners may pick gives the reference's outputs
+    and gradients (warps and stages, which the interpreter ignores; rows a program 1-8 forward, a
+    last program of 1-5 of the 37 rows)."""
+    from ember.kernels import norm
+
+    configs = norm.forward_configs(32)
+    assert configs[0] == (norm.rows_per_program(32), 4) and len(configs) == 1 + len(norm.FORWARD_CONFIGS)
+    assert norm.forward_configs(4096) == [(1, 8)]  # wide rows: the first alone
+    kernel, ref, _, _ = NORMS["add_layer"]
+    x, r = leaves(torch.float32, (37, 20), (37, 20))
+    w, b = leaves(torch.float32, (20,), (20,))
+    want = outputs_and_grads(ref, [x, r, w, b, 1e-5])
+    for config in configs:
+        monkeypatch.setattr(norm, "FORWARD", config)
+        assert_near(outputs_and_grads(kernel, [x, r, w, b, 1e-5]), want)
+    for config in norm.BACKWARD_CONFIGS:  # 8-32 programs (2 "SMs" here), each summing its rows' dw, db
+        monkeypatch.setattr(norm, "BACKWARD", config)
+        assert_near(outputs_and_grads(kernel, [x, r, w, b, 1e-5]), want)
+
+
 def test_norm_without_weight_and_default_eps():
     (x,) = leaves(torch.float32, (4, 33))
     assert_near(outputs_and_grads(rms_norm, [x, None]), outputs_and_grads(rms_norm_ref, [x, None]))
@@ -139,12 +160,12 @@ def test_softmax_matches_reference(shape, dtype):
     assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))
 
 
-@pytest.mark.parametrize("long", [(16, 1, 1, 1), (16, 1, 3, 0), (32, 1, 2, 2)])
+@pytest.mark.parametrize("long", [(16, 1, 1, 1, False), (16, 1, 3, 0, True), (32, 1, 2, 2, True)])
 def test_softmax_long_rows_loop(monkeypatch, long):
     """Rows longer than a block go by the two-pass loop: a block of 16 makes 37 columns three
     blocks, the last ragged (32: two); a row with -inf (masked) entries keeps finite outputs.
     Programs walk the rows: 2 "SMs" x 1 program for 3 rows (one program takes rows 0 and 2), one
-    program a row, and 2 x 2 programs for 3 rows (one idle)."""
+    program a row, and 2 x 2 programs for 3 rows (one idle); with and without L2 hints."""
     monkeypatch.setattr(softmax_module, "_MAX_BLOCK", 16)
     monkeypatch.setattr(softmax_module, "LONG", long)
     (x,) = leaves(torch.float32, (3, 37))
@@ -164,7 +185,8 @@ def rope_inputs(dtype, per_row: bool):
     return [q, k, cos.to(DEVICE, dtype), sin.to(DEVICE, dtype)]
 
 
-ROADS = {"tile": (2048, True), "one-position": (32, True), "before": (4096, False)}  # rope.TILE, LOADS_FIRST
+# rope.CONFIG, rope.LOADS_FIRST
+ROADS = {"tile": ((2048, 4), True), "one-position": ((32, 1), True), "before": ((4096, 4), False)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -175,7 +197,7 @@ def test_rope_matches_reference(dtype, per_row, road, monkeypatch):
     first), and the H200 lease's (k's loads after q's stores: kernels.py's "ember as before")."""
     from ember.kernels import rope
 
-    monkeypatch.setattr(rope, "TILE", road[0])
+    monkeypatch.setattr(rope, "CONFIG", road[0])
     monkeypatch.setattr(rope, "LOADS_FIRST", road[1])
     inputs = rope_inputs(dtype, per_row)
     assert not inputs[0].is_contiguous()

@@ -84,6 +84,11 @@ BWD = dict(DY=bf, DH=bf, H=bf, W=bf, Mean="*fp32", Rstd="*fp32", DX=bf, DW="*fp3
            rows_per_program=i32)  # the backward's loop pipelined (tl.range's stages: cp.async loads)
 lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, ACC=tl.float32,
       STAGES=norm.BACKWARD_CONFIGS[0][1], BLOCK=1024))
+lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=False, HAS_W=True, HAS_B=True, ACC=tl.float32, STAGES=3,
+      BLOCK=1024), 1)  # the tuner's one-warp config
+lower(norm._norm_fwd, dict(X=bf, R=bf, W=bf, B=bf, Y=bf, H=bf, Mean="*fp32", Rstd="*fp32", M=i32, N=i32,
+      eps="fp32"), dict(RMS=True, HAS_R=False, HAS_W=True, HAS_B=False, ACC=tl.float32, ROWS=1,
+      BLOCK=1024), 1)
 H100 = 232448  # bytes of shared memory a block (opt-in): 32,768-wide bf16 rows with a residual fit
 wide = lower(norm._norm_bwd, BWD, dict(RMS=False, HAS_DH=True, HAS_W=True, HAS_B=True, ACC=tl.float32,
              STAGES=norm.backward_stages(32768, 2, 3, H100), BLOCK=32768), 16, aligned=True)
@@ -94,10 +99,18 @@ lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32"
       sqb=i64, sqh=i64, sqt=i64, skb=i64, skh=i64, skt=i64, scb=i32, sct=i32),
       dict(INVERSE=False, ACC=tl.float32, HALF=32, BLOCK_T=4, BLOCK_H=16, BLOCK_HK=4,
            BLOCK_D=32, LOADS_FIRST=True))
+lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32", T=i32, H=i32, HK=i32,
+      sqb=i64, sqh=i64, sqt=i64, skb=i64, skh=i64, skt=i64, scb=i32, sct=i32),
+      dict(INVERSE=True, ACC=tl.float32, HALF=32, BLOCK_T=1, BLOCK_H=16, BLOCK_HK=16, BLOCK_D=32,
+           LOADS_FIRST=True), 1)  # the tuner's smallest tile: one position, one warp
 LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, PER_SM=1)  # a vocab row: the two-pass loops, pipelined
-lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32), LONG, 16, aligned=True)
-lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32), LONG, 16,
-      aligned=True)
+for hints in (softmax.NO_HINTS, softmax.HINTS):
+    fwd = lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32), {**LONG, **hints}, 16,
+                aligned=True)
+    bwd = lower(softmax._softmax_bwd_long, dict(Y=bf, DY=bf, DX=bf, R=i32, N=i32), {**LONG, **hints}, 16,
+                aligned=True)
+    for ptx in (fwd.asm["ptx"], bwd.asm["ptx"]):  # the hints reach the copies and the stores, or nothing
+        assert ("evict_last" in ptx and "evict_first" in ptx) == (hints is softmax.HINTS), hints
 STEP = dict(IDX="*i64", WTE=bf, WPE=bf, POS="*i64", PAD="*i64", TABLE="*i64", GF=bf, BF=bf, HEAD=bf, X=bf,
             QKV=bf, O=bf, HID=bf, LOGITS="*fp32", SYNC="*i32", B=i32, C=i32, F=i32, V=i32, L=i32, eps="fp32",
             eps_f="fp32", spad=i32, skb=i64, skh=i64, sks=i64, scale="fp32")  # gpt2-small's step, one row
@@ -128,4 +141,4 @@ def test_changed_kernels_lower_to_sm90_cubins():
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("lowered") == 26, out.stdout
+    assert out.stdout.count("lowered") == 31, out.stdout

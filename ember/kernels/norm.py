@@ -116,7 +116,14 @@ def _sum_partials(PW, PB, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr
         tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cols < N)
 
 
-ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_per_program()
+# The forward's configs, (rows a program, warps), where a thread holds at most 64 values. The H200 timed the
+# first, 4 rows of 768 and 4 warps (rows_per_program()), as it timed one row a program. The others
+# give each warp fewer or more values of a row (1-2 warps a program: a row's sums stay in one
+# warp's shuffles, with no round through shared memory; 8 rows of 8 warps: more of a row's loads
+# in flight a program). ``ember.kernels.fastest`` times them on the shape at hand and keeps the
+# fastest, as it does the backward's.
+FORWARD_CONFIGS = [(1, 1), (2, 1), (2, 2), (4, 2), (8, 4), (8, 8)]
+FORWARD: tuple[int, int] | None = None  # a config to run untimed (benchmarks' roads, tests)
 # The backward's configs: (programs an SM, stages, warps as a multiple of the row's). Its programs
 # each walk their share of the rows, and one row at a time left each load's latency exposed (an
 # H200: RMSNorm's forward and backward at 38% of the HBM bound). The loop is pipelined: with 5
@@ -124,10 +131,14 @@ ROWS_PER_PROGRAM: int | None = None  # the forward's rows a program; None: rows_
 # ignores it). An H200, 16,384 x 768 bf16 forward + backward, 4 programs an SM: 3 stages 56% of the
 # bound (RMSNorm) and 48% (LayerNorm), 5 stages 63% and 49%. More programs an SM keep more rows in
 # flight (48-64 registers and 16 KB of shared memory a program at 768 wide leave room for 8).
+# The last two give a program 1 or 2 warps (a quarter or half of the row's 4 at 768 wide): a
+# row's two sums then stay in one warp's shuffles, or two, with no round through shared memory,
+# and 8 programs an SM each keep their own rows in flight (ptxas, sm_90, 768 wide: 254 and 122
+# registers, no spills; 8 such programs fill an SM's 64K registers).
 # ``ember.kernels.fastest`` times them on the shape at hand once and keeps the fastest; the first
 # is the road that H200 timed. backward_stages() caps the stages by shared memory.
-BACKWARD_CONFIGS = [(4, 5, 1), (8, 5, 1), (8, 3, 1), (4, 3, 1), (2, 5, 2)]
-BACKWARD: tuple[int, int, int] | None = None  # a config to run untimed (benchmarks' roads, tests)
+BACKWARD_CONFIGS = [(4, 5, 1), (8, 5, 1), (8, 3, 1), (4, 3, 1), (2, 5, 2), (8, 3, 0.25), (8, 5, 0.5)]
+BACKWARD: tuple[int, int, float] | None = None  # a config to run untimed (benchmarks' roads, tests)
 
 
 def backward_stages(block: int, elem: int, loads: int, smem: int, stages: int | None = None) -> int:
@@ -154,9 +165,17 @@ def rows_per_program(block: int) -> int:
     wide. Each thread then has four rows' loads in flight, and one shared-memory round sums the
     statistics of all four, where one row a program pays that round, and a program's start, for
     every row (inductor's norm kernels take several rows a program too). On an H200 it timed as
-    one row did (0.070 against 0.071 ms, forward and backward): ``ROWS_PER_PROGRAM`` overrides
-    it, and benchmarks/kernels.py times one row beside it."""
-    return ROWS_PER_PROGRAM or max(1, min(16, 4096 // block))
+    one row did (0.070 against 0.071 ms, forward and backward): the first of
+    ``forward_configs``, which benchmarks/kernels.py times beside one row (``FORWARD``)."""
+    return max(1, min(16, 4096 // block))
+
+
+def forward_configs(block: int) -> list[tuple[int, int]]:
+    """The forward's (rows a program, warps) for rows of ``block`` values: the first runs
+    untimed (``fastest``); those of ``FORWARD_CONFIGS`` that give a thread at most 64 values
+    join it (at 768 wide all, at 2,048 three, past 2,048 none)."""
+    first = (rows_per_program(block), min(16, max(4, block // 512)))
+    return [first] + [(r, w) for r, w in FORWARD_CONFIGS if r * block <= 64 * 32 * w and (r, w) != first]
 
 
 def _launch_args(x: Tensor) -> dict:
@@ -188,10 +207,18 @@ def _norm_launch(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
     y, h, mean, rstd = out = _outputs(x, residual, rms)
     x, r, w, b = (t.contiguous() if t is not None else None for t in (x, residual, weight, bias))
     args, M = _launch_args(x), rstd.numel()
-    rows = rows_per_program(args["BLOCK"])
-    _norm_fwd[(-(-M // rows),)](x, r, w, b, y, h if r is not None else None, None if rms else mean, rstd, M,
-                                x.size(-1), eps, RMS=rms, HAS_R=r is not None, HAS_W=w is not None,
-                                HAS_B=b is not None, ROWS=rows, **args)
+    args.pop("num_warps")
+
+    def run(config: tuple[int, int]) -> None:
+        rows, warps = config
+        _norm_fwd[(-(-M // rows),)](x, r, w, b, y, h if r is not None else None, None if rms else mean, rstd,
+                                    M, x.size(-1), eps, RMS=rms, HAS_R=r is not None, HAS_W=w is not None,
+                                    HAS_B=b is not None, ROWS=rows, num_warps=warps, **args)  # fmt: skip
+
+    if M:
+        key = ("norm_forward", min(pow2(M), 65536), x.size(-1), x.dtype, rms, r is not None, w is not None,
+               b is not None)  # fmt: skip
+        run(FORWARD or fastest(key, forward_configs(args["BLOCK"]), run, x.device))
     return out
 
 
@@ -209,7 +236,7 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
     dx, args = h.new_empty(h.shape), _launch_args(h)
     warps, smem = args.pop("num_warps"), _smem(h.get_device()) if h.is_cuda else 227 * 1024
 
-    def run(config: tuple[int, int, int]) -> tuple[int, Tensor, Tensor]:
+    def run(config: tuple[int, int, float]) -> tuple[int, Tensor, Tensor]:
         per_sm, stages, more_warps = config
         programs = min(M, per_sm * sms)  # each sums its rows' dw, db: (programs, N) partials, summed below
         dw, db = (h.new_empty(programs if has else 0, N, dtype=_acc(h)) for has in (w is not None, has_bias))
@@ -217,7 +244,7 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
         _norm_bwd[(programs,)](dy, dh, h, w, None if rms else mean, rstd, dx, dw if w is not None else None,
                                db if has_bias else None, M, N, -(-M // programs), RMS=rms,
                                HAS_DH=dh is not None, HAS_W=w is not None, HAS_B=has_bias, STAGES=stages,
-                               num_warps=min(16, warps * more_warps), **args)  # fmt: skip
+                               num_warps=min(16, max(1, int(warps * more_warps))), **args)  # fmt: skip
         return programs, dw, db
 
     key = ("norm_backward", min(pow2(M), 65536), N, h.dtype, rms, dh is not None, w is not None, has_bias)

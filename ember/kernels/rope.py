@@ -27,15 +27,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ember.kernels import kernel_op, pow2, triton_ready
+from ember.kernels import fastest, kernel_op, pow2, triton_ready
 
 # A program's tile: BLOCK_T positions x BLOCK_H heads x hd/2 of each half, about TILE elements;
 # k's heads have their own block (BLOCK_HK), so GQA's few key heads do not leave lanes masked.
 # LOADS_FIRST: q's and k's loads are all issued before any store (a store to QO may alias K as
 # far as the compiler knows, so otherwise k's loads wait behind q's stores). The H200 lease timed
 # tiles of 4,096 with q then k (30% of the HBM bound, with a copy in each backward since gone);
-# kernels.py's "ember as before" row times that road beside this one.
-TILE, LOADS_FIRST = 2048, True
+# kernels.py's "ember as before" row times that road beside this one. The fourth lease timed the
+# first of CONFIGS, (TILE, warps), at 76% of the bound and 0.96x Liger's, whose programs each take
+# one position (at gpt2-small's heads, a tile of 512). The others are smaller and larger tiles, and
+# fewer warps a tile; ``ember.kernels.fastest`` times them on the shape and layout at hand (the
+# backward's gradients come contiguous, the forward's q and k as views of the projections) and
+# keeps the fastest, as it does the norms' configs.
+CONFIGS = [(2048, 4), (512, 1), (512, 2), (1024, 2), (1024, 4), (4096, 8)]
+CONFIG: tuple[int, int] | None = None  # a config to run untimed (benchmarks' roads, tests)
+LOADS_FIRST = True
 
 
 @triton.jit
@@ -91,12 +98,19 @@ def _rope_launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool) 
     half = hd // 2
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     block_h, block_d = pow2(H), pow2(half)
-    block_t = max(1, min(pow2(T), TILE // (block_h * block_d)))
-    _rope_kernel[(B, -(-T // block_t))](
-        q, k, qo, ko, cos, sin, T, H, HK, *_bht(q), *_bht(k), scb, cos.stride(-2),
-        INVERSE=inverse, ACC=acc, HALF=half, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HK=pow2(HK),
-        BLOCK_D=block_d, LOADS_FIRST=LOADS_FIRST, num_warps=4,
-    )  # fmt: skip
+
+    def run(config: tuple[int, int]) -> None:
+        tile, warps = config
+        block_t = max(1, min(pow2(T), tile // (block_h * block_d)))
+        _rope_kernel[(B, -(-T // block_t))](
+            q, k, qo, ko, cos, sin, T, H, HK, *_bht(q), *_bht(k), scb, cos.stride(-2),
+            INVERSE=inverse, ACC=acc, HALF=half, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HK=pow2(HK),
+            BLOCK_D=block_d, LOADS_FIRST=LOADS_FIRST, num_warps=warps,
+        )  # fmt: skip
+
+    if B and T:
+        key = ("rope", B, min(pow2(T), 65536), H, HK, hd, q.dtype, q.stride(2), k.stride(2))
+        run(CONFIG or fastest(key, CONFIGS, run, q.device))
     return qo, ko
 
 

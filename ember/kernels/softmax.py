@@ -27,19 +27,27 @@ from ember.kernels import INTERPRET, fastest, kernel_op, pow2, sm_count, triton_
 _MAX_BLOCK = 8192  # the longest row one program holds in registers; longer rows loop
 
 # A longer row (a vocab row, 50,304 wide) by (columns a block, warps, stages, programs an SM; 0: a
-# program a row). The H200 timed the first, the road before, at 47% of the HBM bound forward and
-# backward (bf16, 4,096 rows): each block's loads waited for the last block's sums, and a
-# program a row kept 2-3 programs an SM going (64 and 40 registers for sm_90), up to 79 MB of
+# program a row; L2 hints). The H200 timed the first, the road before, at 47% of the HBM bound
+# forward and backward (bf16, 4,096 rows): each block's loads waited for the last block's sums, and
+# a program a row kept 2-3 programs an SM going (64 and 40 registers for sm_90), up to 79 MB of
 # rows (the backward's y and dy) at a time, more than the 50 MB L2 that the second passes were
 # meant to read from. The others keep loads 2-3 blocks ahead (``tl.range``'s stages: cp.async
 # into 8-64 KB of shared memory, from ptxas for sm_90, no spills in bf16) and let 1-4 programs
-# an SM walk the rows, 132-528 rows at a time on an H100. ``ember.kernels.fastest`` times each on
-# the shape at hand and keeps the fastest, as it does the norm backward's configs.
-LONG_CONFIGS = [(8192, 16, 1, 0), (8192, 16, 3, 0), (8192, 16, 3, 1), (4096, 16, 3, 1), (4096, 16, 3, 2),
-                (4096, 8, 4, 2), (2048, 8, 3, 4)]
+# an SM walk the rows, 132-528 rows at a time on an H100. The fourth lease's pick, (2048, 8, 3, 4),
+# reached 57%: its bound counts each tensor once, and with every second pass read from DRAM the
+# bytes are 8 tensors' for the 5 counted, so its second passes mostly missed L2. With hints the
+# first pass's loads ask L2 to keep the row (evict_last) and the second's loads and stores to go
+# first (evict_first): the row's second read, not the output nor the row already read twice,
+# holds L2 (``HINTS``). ``ember.kernels.fastest`` times each on the shape at hand and keeps the
+# fastest, as it does the norm backward's configs.
+LONG_CONFIGS = [(8192, 16, 1, 0, False), (8192, 16, 3, 0, False), (8192, 16, 3, 1, False),
+                (4096, 16, 3, 1, False), (4096, 16, 3, 2, False), (4096, 8, 4, 2, False),
+                (2048, 8, 3, 4, False), (8192, 16, 3, 1, True), (4096, 16, 3, 2, True), (4096, 8, 4, 2, True),
+                (2048, 8, 3, 4, True)]
+HINTS, NO_HINTS = {"KEEP": "evict_last", "DROP": "evict_first"}, {"KEEP": "", "DROP": ""}
 if INTERPRET:  # one config, two programs (the CPU's "SMs") walking the rows: numpy runs each in turn
-    LONG_CONFIGS = [(_MAX_BLOCK, 4, 1, 1)]
-LONG: tuple[int, int, int, int] | None = None  # a config to run untuned (benchmarks' road before, tests)
+    LONG_CONFIGS = [(_MAX_BLOCK, 4, 1, 1, True)]
+LONG: tuple[int, int, int, int, bool] | None = None  # a config to run untuned (the road before, tests)
 BEFORE = LONG_CONFIGS[0]
 
 
@@ -55,8 +63,10 @@ def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                      PER_SM: tl.constexpr):
-    """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ..."""
+                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):
+    """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ...
+    KEEP, DROP: the L2 eviction policies of the first pass's loads and of the second pass's
+    loads and stores ("" for the default)."""
     cols = tl.arange(0, BLOCK)
     blocks = tl.cdiv(N, BLOCK)
     for row in range(tl.program_id(0).to(tl.int64), R, tl.num_programs(0)):  # (int64: R x N may pass 2**31)
@@ -65,7 +75,8 @@ def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES
         m = tl.full((BLOCK,), float("-inf"), ACC)
         s = tl.zeros((BLOCK,), ACC)
         for start in tl.range(0, N, BLOCK, num_stages=STAGES):
-            x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf")).to(ACC)
+            x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf"),
+                        eviction_policy=KEEP).to(ACC)
             m_new = tl.maximum(m, x)
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - safe) + tl.exp(x - safe)
@@ -74,9 +85,10 @@ def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES
         inv = 1.0 / tl.sum(s * tl.exp(m - row_max), axis=0)
         for i in tl.range(0, blocks, num_stages=STAGES):  # backwards: the last blocks read, likeliest in L2
             start = (blocks - 1 - i) * BLOCK
-            x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf")).to(ACC)
+            x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf"),
+                        eviction_policy=DROP).to(ACC)
             tl.store(Y + off + start + cols, (tl.exp(x - row_max) * inv).to(Y.dtype.element_ty),
-                     mask=start + cols < N)
+                     mask=start + cols < N, eviction_policy=DROP)
 
 
 @triton.jit
@@ -91,21 +103,23 @@ def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _softmax_bwd_long(Y, DY, DX, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                      PER_SM: tl.constexpr):
+                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     blocks = tl.cdiv(N, BLOCK)
     for row in range(tl.program_id(0).to(tl.int64), R, tl.num_programs(0)):  # (int64: R x N may pass 2**31)
         off = row * N
         acc = tl.zeros((BLOCK,), ACC)
         for start in tl.range(0, N, BLOCK, num_stages=STAGES):
-            y = tl.load(Y + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
-            acc += y * tl.load(DY + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
+            at, inside = off + start + cols, start + cols < N
+            y = tl.load(Y + at, mask=inside, other=0.0, eviction_policy=KEEP).to(ACC)
+            acc += y * tl.load(DY + at, mask=inside, other=0.0, eviction_policy=KEEP).to(ACC)
         dot = tl.sum(acc, axis=0)
         for i in tl.range(0, blocks, num_stages=STAGES):  # backwards, as the forward's second pass
             start = (blocks - 1 - i) * BLOCK
-            y = tl.load(Y + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
-            dy = tl.load(DY + off + start + cols, mask=start + cols < N, other=0.0).to(ACC)
-            tl.store(DX + off + start + cols, (y * (dy - dot)).to(DX.dtype.element_ty), mask=start + cols < N)
+            at, inside = off + start + cols, start + cols < N
+            y = tl.load(Y + at, mask=inside, other=0.0, eviction_policy=DROP).to(ACC)
+            dy = tl.load(DY + at, mask=inside, other=0.0, eviction_policy=DROP).to(ACC)
+            tl.store(DX + at, (y * (dy - dot)).to(DX.dtype.element_ty), mask=inside, eviction_policy=DROP)
 
 
 def _launch(one, long, *tensors: Tensor) -> Tensor:
@@ -125,10 +139,11 @@ def _launch(one, long, *tensors: Tensor) -> Tensor:
     else:
         sms = sm_count(out.get_device()) if out.is_cuda else 2
 
-        def run(config: tuple[int, int, int, int]) -> None:
-            block, warps, stages, per_sm = config
+        def run(config: tuple[int, int, int, int, bool]) -> None:
+            block, warps, stages, per_sm, hints = config
             grid = (min(R, sms * per_sm) if per_sm else R,)
-            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=stages, PER_SM=per_sm, num_warps=warps)
+            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=stages, PER_SM=per_sm, num_warps=warps,
+                       **(HINTS if hints else NO_HINTS))  # fmt: skip
 
         # timed once for N and the rows to a power of two (up to 4,096), so that a new row count
         # does not time every config again; a shape first met inside a CUDA graph's capture runs
