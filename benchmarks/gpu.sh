@@ -6,20 +6,23 @@
 # 30 s), and a warm machine goes back 30 s after a call: two calls back to back, then give_back.
 # What is still unmeasured comes first (carry .gpu: Liger-Kernel and torchao):
 #
-#   DEADLINE=540 bash benchmarks/gpu.sh decode decode-floor kernels-norms serve   # 1st call (timeout_s 575)
-#   DEADLINE=290 bash benchmarks/gpu.sh serve-invariant levers                    # 2nd (timeout_s 300)
+#   DEADLINE=540 bash benchmarks/gpu.sh serve kernels-norms decode                # 1st call (timeout_s 575)
+#   DEADLINE=290 bash benchmarks/gpu.sh serve-invariant decode-floor levers       # 2nd (timeout_s 300)
 #
-# (`decode` times the fused step with two changes since the fourth lease: a product reads its
-# rows once for the norm and the product, and the attention's tile of held slots is the cache's
-# width (up to 256 slots, read whole before the wait); `decode-floor` times the step's chain of launches with no
-# bytes in it, the bound on issue 29 pt 3 at gpt2-small's shape; `kernels-norms` is issue 28's row
-# ops against Liger: the norm backward now picks its config by timing on the GPU, RoPE transposes
-# inside its op; `serve` re-measures pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the
-# third) with each path's anatomy, since then with the text read under the next step's forward,
-# the triton plan in numpy, plans copied in without syncing the stream and steps padded to
-# quarters of a doubling (1.37x -> 1.09x the tokens fed at 64 clients), and beside it with
-# serve.async_steps (each step launched before the last one's ids are read back); `serve-invariant` serves with serve.batch_invariant, whose answers must
-# equal the batch-1 engine's bit for bit (pt 4's equality; never run on a GPU), fp32 then bf16;
+# (`serve` re-measures issue 29 pt 4's 64 clients (9.32x on the fourth lease, 11.33x on the third)
+# with each path's anatomy: since then the text is read under the next step's forward, the triton
+# plan is built in numpy, plans are copied in without syncing the stream and steps are padded to
+# quarters of a doubling (1.37x -> 1.09x the tokens fed at 64 clients); beside it, with
+# serve.async_steps (each step launched before the last one's ids are read back).
+# `kernels-norms` is issue 28's row ops against Liger, each now tuned on the GPU among more
+# configs: softmax's long rows with L2 hints, the norm forward's rows and warps, the backward's
+# 1- and 2-warp programs, RoPE's tiles and warps.
+# `decode` times the fused step with two changes since the fourth lease: a product reads its rows
+# once for the norm and the product, and the attention's tile of held slots is the cache's width
+# (up to 256 slots, read whole before the wait).
+# `serve-invariant` serves with serve.batch_invariant, whose answers must equal the batch-1
+# engine's bit for bit (pt 4's equality; never run on a GPU), fp32 then bf16. `decode-floor` times
+# the step's chain of launches with no bytes in it, the bound on pt 3 at gpt2-small's shape.
 # `levers` starts with llama-small's row, never run whole.
 # Then `decode-wide` and `fp8-wide`: points 3 and 2 at widths where bytes and products outweigh
 # launches and casts. `all` (issue 29's own rows, 497 s on the fourth lease) re-measures the rest.)
@@ -85,7 +88,7 @@
 #   kernels-norms  kernels.py --ops rms_norm layer_norm softmax rope_qk (launched and from graphs,
 #             against Liger; the norms' tuned backward beside its first config untimed) and
 #             paged_attention (serving's decode attention against the gather road, eager and
-#             compiled), then --host                                                 (170 s)
+#             compiled), then --host                                                 (200 s)
 #   kernels-train  `ember train gpt2-small` with train.kernels=torch, then =triton, on the
 #             same batch: tokens/s and peak memory (benchmarks/parallel.py; a CPU dry run:
 #             DEV=cpu KCFG=tiny KTOK=2048 KMB=4)                                      (300 s)
@@ -244,7 +247,7 @@ for what in "$@"; do
             $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-norms)  # issue 28 pt 5's rows against Liger that were host-bound: launched, from graphs, host
-        stage kernels-norms 170 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
+        stage kernels-norms 200 "$PY benchmarks/kernels.py --device $DEV --ops rms_norm layer_norm softmax \
             rope_qk paged_attention && $PY benchmarks/kernels.py --device $DEV --host"
         ;;
     kernels-train)
