@@ -53,6 +53,11 @@ def _norm_fwd(X, R, W, B, Y, H, Mean, Rstd, M, N, eps, RMS: tl.constexpr, HAS_R:
 
 
 @triton.jit
+def _add_pairs(a, b, c, d):
+    return a + c, b + d
+
+
+@triton.jit
 def _norm_bwd(DY, DH, H, W, Mean, Rstd, DX, DW, DB, M, N, rows_per_program, RMS: tl.constexpr,
               HAS_DH: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
               STAGES: tl.constexpr, BLOCK: tl.constexpr):
@@ -80,9 +85,11 @@ def _norm_bwd(DY, DH, H, W, Mean, Rstd, DX, DW, DB, M, N, rows_per_program, RMS:
             dw += dy * xhat
         if HAS_B:
             db += dy
-        dx = wdy - xhat * (tl.sum(xhat * wdy, axis=0) / N)  # d/dx of xhat = (x - mean) * rstd
-        if not RMS:
-            dx = dx - tl.sum(wdy, axis=0) / N
+        if RMS:
+            dx = wdy - xhat * (tl.sum(xhat * wdy, axis=0) / N)  # d/dx of xhat = x * rstd
+        else:  # xhat = (x - mean) * rstd; the two sums in one reduction, one round through shared memory
+            dot, total = tl.reduce((xhat * wdy, wdy), 0, _add_pairs)
+            dx = wdy - xhat * (dot / N) - total / N
         dx = dx * tl.load(Rstd + row)
         if HAS_DH:  # the residual stream's own gradient flows on through h = x + residual
             dx += tl.load(DH + off + cols, mask=mask, other=0.0).to(ACC)
