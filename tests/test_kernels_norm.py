@@ -6,6 +6,8 @@ Tolerances: fp32 within 1e-5 relative (atol 1e-6 of the reference's largest valu
 2e-2, one bf16 step: the interpreter casts fp32 to bf16 by truncation, a GPU rounds to nearest.
 """
 
+import ast
+
 import pytest
 import torch
 from torch import nn
@@ -220,6 +222,7 @@ def test_fastest_times_each_config_once_and_passes_over_one_that_cannot_launch(m
     (do_bench and the capture check are stood in for: this machine has no CUDA.)"""
     import triton.runtime.errors as errors
     import triton.testing
+    from triton.compiler.errors import CompilationError
 
     import ember.kernels as kernels
 
@@ -228,6 +231,8 @@ def test_fastest_times_each_config_once_and_passes_over_one_that_cannot_launch(m
     def run(config):
         if config == "c":
             raise errors.OutOfResources(300_000, 232_448, "shared memory")
+        if config == "d":
+            raise CompilationError(None, ast.parse("x").body[0], "a config this Triton rejects")
         timed.append(config)
 
     def bench(fn, **_):
@@ -247,9 +252,14 @@ def test_fastest_times_each_config_once_and_passes_over_one_that_cannot_launch(m
     assert kernels.fastest(("k", 1), configs, run, cuda) == "b" and timed == ["a", "b"]  # remembered
     assert kernels.fastest(("k", 3), ["c"], run, cuda) == "c"  # one config: nothing to time
     assert kernels.fastest(("k", 2), configs, run, cuda) == "b" and timed == ["a", "b"] * 2
+    # one that does not compile is passed over, with a warning, unless it is the first (the road held)
+    with pytest.warns(UserWarning, match="does not compile here"):
+        assert kernels.fastest(("k", 5), ["a", "d", "b"], run, cuda) == "b" and timed == ["a", "b"] * 3
+    with pytest.raises(CompilationError):
+        kernels.fastest(("k", 6), ["d", "a"], run, cuda)
     # the picks may sum in other orders: not where runs must repeat bit for bit
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert kernels.fastest(("k", 4), configs, run, cuda) == "a" and timed == ["a", "b"] * 2
+    assert kernels.fastest(("k", 4), configs, run, cuda) == "a" and timed == ["a", "b"] * 3
 
 
 def test_gradcheck_fp64():

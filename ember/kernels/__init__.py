@@ -22,6 +22,7 @@ import functools
 import importlib.util
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -75,7 +76,9 @@ PICKS: dict[tuple, object] = {}  # key -> the config ``fastest`` timed fastest f
 def fastest(key: tuple, configs: list, run: Callable, device: torch.device):
     """The one of ``configs`` under which ``run(config)``, a launch, takes least time on CUDA:
     each timed once for ``key`` (do_bench's median, on the call's own tensors) and the winner
-    remembered. A config that cannot launch (too much shared memory) is passed over. Nothing is
+    remembered. A config that cannot launch (too much shared memory) is passed over, as is one
+    past the first that this Triton cannot compile (with a warning: the first is the road the
+    tests and a GPU have held, and runs wherever timing does not). Nothing is
     timed, and the first config runs, with one config, on a CPU (the interpreter), or while a
     CUDA graph is captured (timing would break the capture; the key is timed at a later call).
     Configs may sum in other orders (the norm backward's partial sums, a program's), and a pick
@@ -93,15 +96,22 @@ def fastest(key: tuple, configs: list, run: Callable, device: torch.device):
     ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if torch.are_deterministic_algorithms_enabled() or ranks > 1:
         return configs[0]
+    import triton.compiler.errors as compiling
     import triton.runtime.errors as errors
     from triton.testing import do_bench
 
     failures = tuple(getattr(errors, n) for n in ("OutOfResources", "PTXASError") if hasattr(errors, n))
     times = []
-    for config in configs:
+    for i, config in enumerate(configs):
         try:
             times.append(do_bench(lambda c=config: run(c), warmup=5, rep=20, return_mode="median"))
         except failures:
+            times.append(float("inf"))
+        except compiling.CompilationError as err:
+            if i == 0:
+                raise
+            warnings.warn(f"{key[0]}: config {config} does not compile here, passed over: {err}",
+                          stacklevel=2)
             times.append(float("inf"))
         except torch.OutOfMemoryError:
             return configs[0]
