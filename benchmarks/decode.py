@@ -108,7 +108,7 @@ from collections.abc import Callable
 import torch
 import transformers
 from printing import cpu_model, print_table
-from profiling import profiled
+from profiling import costliest, profiled
 
 from ember.config import ModelConfig
 from ember.data.sources import open_source
@@ -586,10 +586,6 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
     cuda = device.type == "cuda"
     kernels, wall, busy = profiled(generate, cuda)
     summed = sum(t for _, t in kernels)  # (more than busy where PDL's kernels overlap, waiting)
-    per: dict[str, tuple[int, float]] = {}
-    for name, t in kernels:
-        n, total = per.get(name, (0, 0.0))
-        per[name] = n + 1, total + t
     short = statistics.median(t for _, t in kernels) if kernels else 0.0
     print(
         f"anatomy of {who}, one call of {new_tokens} tokens: {len(kernels) / new_tokens:.0f} "
@@ -597,10 +593,7 @@ def anatomy(who: str, generate: Generate, new_tokens: int, device: torch.device)
         f"(their times summed {summed / new_tokens:.0f}, median {short:.1f} µs each) in "
         f"{wall * 1e6 / new_tokens:.0f} µs of wall: the device busy {busy * 1e-6 / wall:.0%} of the time"
     )
-    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:8]
-    print_table(["kernel", "calls a token", "µs a token", "share"],
-                [[name[:70], f"{n / new_tokens:.1f}", f"{t / new_tokens:.1f}", f"{t / max(summed, 1e-9):.0%}"]
-                 for name, (n, t) in top])  # fmt: skip
+    costliest(kernels, new_tokens, "a token")
 
 
 VARIANTS = ("compiled", "graphs", "compiled-graphs", "tuned-graphs", "fused-graphs", "fused-graphs-no-pdl",

@@ -1,6 +1,7 @@
 """The benchmarks' profile of one call: the kernels the device ran, and the wall time around them.
 
     kernels, wall, busy = profiled(lambda: generate(), cuda=True)  # [(kernel name, µs)], s, µs
+    costliest(kernels, tokens, "a token")                           # the table of the costliest kernels
 
 decode.py, gpu_train.py and serve.py (``--anatomy``) read it as where their time goes: the
 device's busy share of the wall, kernels per token or step, and their kinds.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 
 import torch
+from printing import print_table
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -36,3 +38,16 @@ def profiled(fn, cuda: bool) -> tuple[list[tuple[str, float]], float, float]:
         busy += max(0.0, end_us - max(start_us, reach))
         reach = max(reach, end_us)
     return [(e.name, e.time_range.elapsed_us()) for e in events], wall, busy
+
+
+def costliest(kernels: list[tuple[str, float]], units: int, unit: str, top: int = 8) -> None:
+    """The ``top`` kernels by their summed time: calls and µs per ``unit`` (``units`` of them in
+    the profile: tokens, steps) and their share of all the kernels' time."""
+    per: dict[str, tuple[int, float]] = {}
+    for name, t in kernels:
+        n, total = per.get(name, (0, 0.0))
+        per[name] = n + 1, total + t
+    summed = max(sum(t for _, t in kernels), 1e-9)
+    print_table(["kernel", f"calls {unit}", f"µs {unit}", "share"],
+                [[name[:70], f"{n / units:.1f}", f"{t / units:.1f}", f"{t / summed:.0%}"]
+                 for name, (n, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:top]])  # fmt: skip

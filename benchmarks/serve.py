@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 from printing import cpu_model, print_table
-from profiling import profiled
+from profiling import costliest, profiled
 
 from ember.config import ModelConfig, load_config
 from ember.data.tokenizer import Tokenizer
@@ -162,7 +162,7 @@ def serve_level(scheduler: Scheduler, requests, clients: int, warm: bool = False
 def anatomy(scheduler: Scheduler, attention: str, level: dict, clients: list[int], device) -> None:
     """The 64-client level (or the largest) once more under torch.profiler: the device's kernels
     per output token and its busy share of the wall, which says whether the host or the device
-    bounds the rate."""
+    bounds the rate, and the costliest kernels, which say what bounds the device."""
     c = 64 if 64 in clients else clients[-1]
     got = {}
     cuda = device.type == "cuda"
@@ -172,6 +172,7 @@ def anatomy(scheduler: Scheduler, attention: str, level: dict, clients: list[int
     print(f"anatomy of {attention} at {c} clients: {tokens:,} tokens in {wall:.2f} s under the profiler, "
           f"{len(kernels) / tokens:.0f} kernels and {busy / tokens * 1e6:.0f} µs of them an output token: "
           f"the device busy {busy / wall:.0%} of the wall")  # fmt: skip
+    costliest(kernels, tokens, "an output token")
 
 
 def code_tokenizer() -> Tokenizer:
