@@ -162,12 +162,15 @@ def test_softmax_matches_reference(shape, dtype):
     assert_near(outputs_and_grads(softmax, [x]), outputs_and_grads(softmax_ref, [x]))
 
 
-@pytest.mark.parametrize("long", [(16, 1, 1, 1, False), (16, 1, 3, 0, True), (32, 1, 2, 2, True)])
+@pytest.mark.parametrize("long", [(16, 1, 1, 1, False), (16, 1, 3, 0, True), (32, 1, 2, 2, True),
+                                  (16, 1, 0, 1, True), (32, 1, 0, 2, False)])
 def test_softmax_long_rows_loop(monkeypatch, long):
     """Rows longer than a block go by the two-pass loop: a block of 16 makes 37 columns three
     blocks, the last ragged (32: two); a row with -inf (masked) entries keeps finite outputs.
     Programs walk the rows: 2 "SMs" x 1 program for 3 rows (one program takes rows 0 and 2), one
-    program a row, and 2 x 2 programs for 3 rows (one idle); with and without L2 hints."""
+    program a row, and 2 x 2 programs for 3 rows (one idle); with and without L2 hints; and each
+    pass loading its next block itself (stages 0: the last prefetch past the row's end, the
+    backwards pass's before its start, masked)."""
     monkeypatch.setattr(softmax_module, "_MAX_BLOCK", 16)
     monkeypatch.setattr(softmax_module, "LONG", long)
     (x,) = leaves(torch.float32, (3, 37))

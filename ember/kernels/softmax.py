@@ -27,23 +27,28 @@ from ember.kernels import INTERPRET, fastest, kernel_op, pow2, sm_count, triton_
 _MAX_BLOCK = 8192  # the longest row one program holds in registers; longer rows loop
 
 # A longer row (a vocab row, 50,304 wide) by (columns a block, warps, stages, programs an SM; 0: a
-# program a row; L2 hints). The H200 timed the first, the road before, at 47% of the HBM bound
-# forward and backward (bf16, 4,096 rows): each block's loads waited for the last block's sums, and
-# a program a row kept 2-3 programs an SM going (64 and 40 registers for sm_90), up to 79 MB of
-# rows (the backward's y and dy) at a time, more than the 50 MB L2 that the second passes were
-# meant to read from. The others keep loads 2-3 blocks ahead (``tl.range``'s stages: cp.async
-# into 8-64 KB of shared memory, from ptxas for sm_90, no spills in bf16) and let 1-4 programs
-# an SM walk the rows, 132-528 rows at a time on an H100. The fourth lease's pick, (2048, 8, 3, 4),
-# reached 57%: its bound counts each tensor once, and with every second pass read from DRAM the
-# bytes are 8 tensors' for the 5 counted, so its second passes mostly missed L2. With hints the
-# first pass's loads ask L2 to keep the row (evict_last) and the second's loads and stores to go
-# first (evict_first): the row's second read, not the output nor the row already read twice,
-# holds L2 (``HINTS``). ``ember.kernels.fastest`` times each on the shape at hand and keeps the
-# fastest, as it does the norm backward's configs.
+# program a row; L2 hints); stages 0: each pass loads its next block into registers itself
+# (AHEAD). The H200 timed the first, the road before, at 47% of the HBM bound forward and
+# backward (bf16, 4,096 rows): each block's loads waited for the last block's sums, and a program
+# a row kept 2-3 programs an SM going (64 and 40 registers for sm_90), up to 79 MB of rows (the
+# backward's y and dy) at a time, more than the 50 MB L2 that the second passes were meant to
+# read from. The others keep loads 2-3 blocks ahead (``tl.range``'s stages: cp.async into 8-64 KB
+# of shared memory, from ptxas for sm_90, no spills in bf16) and let 1-4 programs an SM walk the
+# rows, 132-528 rows at a time on an H100. The fourth lease's pick, (2048, 8, 3, 4), reached 57%:
+# its bound counts each tensor once, and with every second pass read from DRAM the bytes are 8
+# tensors' for the 5 counted, so its second passes mostly missed L2. With hints the first pass's
+# loads ask L2 to keep the row (evict_last) and the second's loads and stores to go first
+# (evict_first): the row's second read, not the output nor the row already read twice, holds L2
+# (``HINTS``). Triton 3.6 (the leases' image) drops the hint from the staged loops' cp.async
+# copies (3.9 keeps it) and keeps it on plain loads and stores, so four hinted configs load one
+# block ahead by hand (stages 0: plain 16-byte loads, 40-80 registers, no spills), whose hints
+# hold under either. ``ember.kernels.fastest`` times each on the shape at hand and keeps the
+# fastest, as it does the norm backward's.
 LONG_CONFIGS = [(8192, 16, 1, 0, False), (8192, 16, 3, 0, False), (8192, 16, 3, 1, False),
                 (4096, 16, 3, 1, False), (4096, 16, 3, 2, False), (4096, 8, 4, 2, False),
                 (2048, 8, 3, 4, False), (8192, 16, 3, 1, True), (4096, 16, 3, 2, True), (4096, 8, 4, 2, True),
-                (2048, 8, 3, 4, True)]
+                (2048, 8, 3, 4, True), (8192, 16, 0, 1, True), (4096, 16, 0, 2, True), (4096, 8, 0, 2, True),
+                (2048, 8, 0, 4, True)]
 HINTS, NO_HINTS = {"KEEP": "evict_last", "DROP": "evict_first"}, {"KEEP": "", "DROP": ""}
 if INTERPRET:  # one config, two programs (the CPU's "SMs") walking the rows: numpy runs each in turn
     LONG_CONFIGS = [(_MAX_BLOCK, 4, 1, 1, True)]
@@ -62,32 +67,65 @@ def _softmax_fwd(X, Y, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _block(P, off, start, cols, N, other, POLICY: tl.constexpr):
+    """The row's block at ``start`` (none past N), with L2 eviction policy ``POLICY``."""
+    return tl.load(P + off + start + cols, mask=start + cols < N, other=other, eviction_policy=POLICY)
+
+
+@triton.jit
+def _block_before(P, off, start, cols, N, other, POLICY: tl.constexpr, BLOCK: tl.constexpr):
+    """``_block`` at start - BLOCK, none before the row's first (start a multiple of BLOCK: the
+    mask's columns stay in runs of 16, and the loads 16 bytes wide)."""
+    at = start - BLOCK + cols
+    return tl.load(P + off + at, mask=(at >= 0) & (at < N), other=other, eviction_policy=POLICY)
+
+
+@triton.jit
+def _online(m, s, x):
+    """Fold block x into the running max m and the sum s of exp(x - m), per lane; a lane that
+    saw only -inf keeps s = 0."""
+    m_new = tl.maximum(m, x)
+    safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, s * tl.exp(m - safe) + tl.exp(x - safe)
+
+
+@triton.jit
 def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):
+                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr, AHEAD: tl.constexpr):
     """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ...
     KEEP, DROP: the L2 eviction policies of the first pass's loads and of the second pass's
-    loads and stores ("" for the default)."""
+    loads and stores ("" for the default). AHEAD: each pass loads its next block into registers
+    before it works on this one (plain loads, which keep their L2 policy under any Triton),
+    instead of ``tl.range``'s stages (cp.async, whose copies Triton 3.6 issues without it)."""
     cols = tl.arange(0, BLOCK)
     blocks = tl.cdiv(N, BLOCK)
+    inf = float("-inf")
     for row in range(tl.program_id(0).to(tl.int64), R, tl.num_programs(0)):  # (int64: R x N may pass 2**31)
         off = row * N
-        # per lane: m the max seen, s the sum of exp(x - m); a lane that saw only -inf keeps s = 0
-        m = tl.full((BLOCK,), float("-inf"), ACC)
+        m = tl.full((BLOCK,), inf, ACC)
         s = tl.zeros((BLOCK,), ACC)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
-            x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf"),
-                        eviction_policy=KEEP).to(ACC)
-            m_new = tl.maximum(m, x)
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - safe) + tl.exp(x - safe)
-            m = m_new
+        if AHEAD:
+            x_next = _block(X, off, 0, cols, N, inf, KEEP)
+            for start in range(0, N, BLOCK):
+                x = x_next
+                x_next = _block(X, off, start + BLOCK, cols, N, inf, KEEP)
+                m, s = _online(m, s, x.to(ACC))
+        else:
+            for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+                m, s = _online(m, s, _block(X, off, start, cols, N, inf, KEEP).to(ACC))
         row_max = tl.max(m, axis=0)
         inv = 1.0 / tl.sum(s * tl.exp(m - row_max), axis=0)
-        for i in tl.range(0, blocks, num_stages=STAGES):  # backwards: the last blocks read, likeliest in L2
+        # backwards: the last blocks read, likeliest in L2
+        if AHEAD:
+            x_next = _block(X, off, (blocks - 1) * BLOCK, cols, N, inf, DROP)
+        for i in tl.range(0, blocks, num_stages=STAGES):
             start = (blocks - 1 - i) * BLOCK
-            x = tl.load(X + off + start + cols, mask=start + cols < N, other=float("-inf"),
-                        eviction_policy=DROP).to(ACC)
-            tl.store(Y + off + start + cols, (tl.exp(x - row_max) * inv).to(Y.dtype.element_ty),
+            if AHEAD:
+                x = x_next
+                x_next = _block_before(X, off, start, cols, N, inf, DROP, BLOCK)
+            else:
+                x = _block(X, off, start, cols, N, inf, DROP)
+            tl.store(Y + off + start + cols, (tl.exp(x.to(ACC) - row_max) * inv).to(Y.dtype.element_ty),
                      mask=start + cols < N, eviction_policy=DROP)
 
 
@@ -103,23 +141,41 @@ def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _softmax_bwd_long(Y, DY, DX, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr):
+                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr, AHEAD: tl.constexpr):
+    """dx = y * (dy - sum(y * dy)) over rows longer than a block: the sum, then dx backwards (as
+    the forward's second pass); KEEP, DROP, AHEAD as ``_softmax_fwd_long``'s."""
     cols = tl.arange(0, BLOCK)
     blocks = tl.cdiv(N, BLOCK)
     for row in range(tl.program_id(0).to(tl.int64), R, tl.num_programs(0)):  # (int64: R x N may pass 2**31)
         off = row * N
         acc = tl.zeros((BLOCK,), ACC)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
-            at, inside = off + start + cols, start + cols < N
-            y = tl.load(Y + at, mask=inside, other=0.0, eviction_policy=KEEP).to(ACC)
-            acc += y * tl.load(DY + at, mask=inside, other=0.0, eviction_policy=KEEP).to(ACC)
+        if AHEAD:
+            y_next, dy_next = _block(Y, off, 0, cols, N, 0.0, KEEP), _block(DY, off, 0, cols, N, 0.0, KEEP)
+            for start in range(0, N, BLOCK):
+                y, dy = y_next, dy_next
+                y_next = _block(Y, off, start + BLOCK, cols, N, 0.0, KEEP)
+                dy_next = _block(DY, off, start + BLOCK, cols, N, 0.0, KEEP)
+                acc += y.to(ACC) * dy.to(ACC)
+        else:
+            for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+                y, dy = _block(Y, off, start, cols, N, 0.0, KEEP), _block(DY, off, start, cols, N, 0.0, KEEP)
+                acc += y.to(ACC) * dy.to(ACC)
         dot = tl.sum(acc, axis=0)
-        for i in tl.range(0, blocks, num_stages=STAGES):  # backwards, as the forward's second pass
+        if AHEAD:
+            last = (blocks - 1) * BLOCK
+            y_next = _block(Y, off, last, cols, N, 0.0, DROP)
+            dy_next = _block(DY, off, last, cols, N, 0.0, DROP)
+        for i in tl.range(0, blocks, num_stages=STAGES):
             start = (blocks - 1 - i) * BLOCK
-            at, inside = off + start + cols, start + cols < N
-            y = tl.load(Y + at, mask=inside, other=0.0, eviction_policy=DROP).to(ACC)
-            dy = tl.load(DY + at, mask=inside, other=0.0, eviction_policy=DROP).to(ACC)
-            tl.store(DX + at, (y * (dy - dot)).to(DX.dtype.element_ty), mask=inside, eviction_policy=DROP)
+            if AHEAD:
+                y, dy = y_next, dy_next
+                y_next = _block_before(Y, off, start, cols, N, 0.0, DROP, BLOCK)
+                dy_next = _block_before(DY, off, start, cols, N, 0.0, DROP, BLOCK)
+            else:
+                y, dy = _block(Y, off, start, cols, N, 0.0, DROP), _block(DY, off, start, cols, N, 0.0, DROP)
+            dx = y.to(ACC) * (dy.to(ACC) - dot)
+            tl.store(DX + off + start + cols, dx.to(DX.dtype.element_ty), mask=start + cols < N,
+                     eviction_policy=DROP)
 
 
 def _launch(one, long, *tensors: Tensor) -> Tensor:
@@ -142,8 +198,9 @@ def _launch(one, long, *tensors: Tensor) -> Tensor:
         def run(config: tuple[int, int, int, int, bool]) -> None:
             block, warps, stages, per_sm, hints = config
             grid = (min(R, sms * per_sm) if per_sm else R,)
-            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=stages, PER_SM=per_sm, num_warps=warps,
-                       **(HINTS if hints else NO_HINTS))  # fmt: skip
+            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=max(stages, 1), PER_SM=per_sm,
+                       AHEAD=stages == 0, num_warps=warps, **(HINTS if hints else NO_HINTS))  # fmt: skip
+            # (stages 0: each pass a block ahead in registers, AHEAD; its loops are not staged)
 
         # timed once for N and the rows to a power of two (up to 4,096), so that a new row count
         # does not time every config again; a shape first met inside a CUDA graph's capture runs
