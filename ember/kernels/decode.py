@@ -57,8 +57,9 @@ ACTS = {"none": 0, "gelu": 1, "swiglu": 2}  # swiglu: w holds the gate's rows, t
 # (BLOCK_N, BLOCK_K, warps) on tensor cores, rows padded to 16 (DOT): int8.py's, less the two that
 # spill registers with a norm (ptxas, sm_90), and (16, 1024, 8): a 768-wide row in one step of the
 # loop, so all of a program's weight loads are in flight at once (an H200 spent 5.5 µs a product
-# at 3-12 steps of 256; no spills at 8 warps, but with SwiGLU's two products, which the tuner then
-# times as it times every config). The same with one row a program on the CUDA cores (FMA): no
+# at 3-12 steps of 256; with PDL's prefetch it spills, as every tl.dot tile with SwiGLU's two
+# products does, under Triton 3.6 and 3.9 alike: the tuner times them as it times every config).
+# The same with one row a program on the CUDA cores (FMA): no
 # padded rows, so for sm_90 (ptxas) GPT-2's products take 56-182 registers where tl.dot's take
 # 186-255, and SwiGLU's no longer spill: more programs an SM, and room beside a running kernel
 # for the next one's programs (PDL); and 4 or 8 outputs a program, so that a 768-wide output
@@ -334,9 +335,10 @@ def attend_head(QKV, KC, VC, POS, PAD, COS, SIN, O, spad, skb, skh, sks, scale, 
 # 64 slots a tile a 192-slot context is three DRAM round trips in turn (an H200: 8.2 µs a call).
 # A tile of the cache's whole width, up to 16,384 values (256 slots of hd 64, 128 of hd 128), is
 # read before the wait; slots past pos are masked, not read. ptxas for sm_90: 207 registers at 256
-# x 64 and 8 warps, no spills (256 x 128 spills). Chosen from the shape, not timed: a tuner's first
-# call comes at an empty cache (pos 0), where every tile times the same. The interpreter keeps
-# tiles of at most 64, so the tests walk several.
+# x 64 and 8 warps, no spills, under Triton 3.9; under 3.6 (the leases') 255 and 8 bytes of
+# spills at 12 key/value heads (16 warps: 128 and 56 bytes); 256 x 128 spills. Chosen from the
+# shape, not timed: a tuner's first call comes at an empty cache (pos 0), where every tile times
+# the same. The interpreter keeps tiles of at most 64, so the tests walk several.
 def attention_tile(width: int, hd: int) -> tuple[int, int]:
     """(held slots a tile, warps) for a cache ``width`` slots wide of ``hd``-wide heads."""
     slots = max(16, min(pow2(width), 64 if INTERPRET else 16384 // hd))
