@@ -89,6 +89,8 @@ def test_norm_configs_match_reference(monkeypatch):
     configs = norm.forward_configs(32)
     assert configs[0] == (norm.rows_per_program(32), 4) and len(configs) == 1 + len(norm.FORWARD_CONFIGS)
     assert norm.forward_configs(4096) == [(1, 8)]  # wide rows: the first alone
+    assert norm.backward_configs(1024, 4) == norm.BACKWARD_CONFIGS  # fewer warps: at most 32 values a thread
+    assert norm.backward_configs(2048, 4) == [c for c in norm.BACKWARD_CONFIGS if c[2] != 0.25]
     kernel, ref, _, _ = NORMS["add_layer"]
     x, r = leaves(torch.float32, (37, 20), (37, 20))
     w, b = leaves(torch.float32, (20,), (20,))

@@ -185,6 +185,13 @@ def forward_configs(block: int) -> list[tuple[int, int]]:
     return [first] + [(r, w) for r, w in FORWARD_CONFIGS if r * block <= 64 * 32 * w and (r, w) != first]
 
 
+def backward_configs(block: int, warps: int) -> list[tuple[int, int, float]]:
+    """``BACKWARD_CONFIGS`` for rows of ``block`` values at ``warps`` warps a row: those with
+    fewer warps than the row's only where a thread then holds at most 32 of a row's values (at
+    768 wide all; at 2,048 the 2-warp config alone)."""
+    return [c for c in BACKWARD_CONFIGS if c[2] >= 1 or max(1, int(warps * c[2])) * 32 * 32 >= block]
+
+
 def _launch_args(x: Tensor) -> dict:
     """Refuse a device Triton can't run on; one row's block, its warps, the accumulation dtype."""
     ok, why = triton_ready(x.device)
@@ -255,7 +262,7 @@ def _norm_backward_launch(dy: Tensor, dh: Tensor | None, h: Tensor, weight: Tens
         return programs, dw, db
 
     key = ("norm_backward", min(pow2(M), 65536), N, h.dtype, rms, dh is not None, w is not None, has_bias)
-    config = BACKWARD or fastest(key, BACKWARD_CONFIGS, run, h.device)
+    config = BACKWARD or fastest(key, backward_configs(args["BLOCK"], warps), run, h.device)
     programs, dw, db = run(config)
     dw_sum, db_sum = (h.new_empty(N if has else 0, dtype=out) for has in (w is not None, has_bias))
     if w is not None or has_bias:

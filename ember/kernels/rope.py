@@ -109,7 +109,8 @@ def _rope_launch(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inverse: bool) 
         )  # fmt: skip
 
     if B and T:
-        key = ("rope", B, min(pow2(T), 65536), H, HK, hd, q.dtype, q.stride(2), k.stride(2))
+        # timed once for a power of two of rows and of positions, not again at every new batch size
+        key = ("rope", pow2(B), min(pow2(T), 65536), H, HK, hd, q.dtype, q.stride(2), k.stride(2))
         run(CONFIG or fastest(key, CONFIGS, run, q.device))
     return qo, ko
 
