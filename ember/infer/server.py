@@ -163,7 +163,7 @@ class EngineLoop:
                 self.errors += 1
                 s = self.scheduler
                 for request in dict.fromkeys([*s.running, *s.waiting, *s.unread]):  # (unread ones may run)
-                    self.scheduler.cancel(request)
+                    s.cancel(request)
                     request.job.report(ApiError(500, f"the engine failed: {e!r}", "server_error"))
                 continue
             now = time.monotonic()

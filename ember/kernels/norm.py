@@ -123,8 +123,9 @@ def _sum_partials(PW, PB, DW, DB, P, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr
         tl.store(DB + cols, db.to(DB.dtype.element_ty), mask=cols < N)
 
 
-# The forward's configs, (rows a program, warps), where a thread holds at most 64 values. The H200 timed the
-# first, 4 rows of 768 and 4 warps (rows_per_program()), as it timed one row a program. The others
+# The forward's configs, (rows a program, warps); forward_configs() offers those where a thread
+# holds at most 64 values. The H200 timed the first, 4 rows of 768 and 4 warps
+# (rows_per_program(), row_warps()), as it timed one row a program. The others
 # give each warp fewer or more values of a row (1-2 warps a program: a row's sums stay in one
 # warp's shuffles, with no round through shared memory; 8 rows of 8 warps: more of a row's loads
 # in flight a program). ``ember.kernels.fastest`` times them on the shape at hand and keeps the
@@ -181,8 +182,13 @@ def forward_configs(block: int) -> list[tuple[int, int]]:
     """The forward's (rows a program, warps) for rows of ``block`` values: the first runs
     untimed (``fastest``); those of ``FORWARD_CONFIGS`` that give a thread at most 64 values
     join it (at 768 wide all, at 2,048 three, past 2,048 none)."""
-    first = (rows_per_program(block), min(16, max(4, block // 512)))
+    first = (rows_per_program(block), row_warps(block))
     return [first] + [(r, w) for r, w in FORWARD_CONFIGS if r * block <= 64 * 32 * w and (r, w) != first]
+
+
+def row_warps(block: int) -> int:
+    """The warps a program of rows of ``block`` values runs with: 4, or one per 512 values, up to 16."""
+    return min(16, max(4, block // 512))
 
 
 def backward_configs(block: int, warps: int) -> list[tuple[int, int, float]]:
@@ -201,7 +207,7 @@ def _launch_args(x: Tensor) -> dict:
     if block > 65536:
         raise ValueError(f"the norm kernels hold a row in registers: {x.size(-1)} columns is too many")
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-    return dict(ACC=acc, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+    return dict(ACC=acc, BLOCK=block, num_warps=row_warps(block))
 
 
 def _acc(x: Tensor) -> torch.dtype:
