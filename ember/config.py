@@ -372,8 +372,8 @@ class ServeConfig(_Section, key="serve"):
     prefix_caching: bool = opt(True, "share the KV blocks of common prompt prefixes between requests")
     device: str = opt("cpu", "where the model runs (cpu, cuda, cuda:1, ...)")
     threads: int = opt(0, "engine's torch threads on a CPU; 0 = every core but one (for the HTTP loop)", ge=0)
-    paged_attention: str = opt("gather", "gather: copy a row's blocks, then SDPA; flex: FlexAttention reads the pool in place; triton: ember's paged-attention kernel reads it through the block tables", choices=("gather", "flex", "triton"))  # fmt: skip # noqa: E501
-    batch_invariant: bool = opt(False, "a request's tokens the same bits in any batch: products in one fixed order (ember.kernels.invariant); needs paged_attention=triton; slower")  # fmt: skip # noqa: E501
+    paged_attention: str = opt("auto", "auto: triton on CUDA, gather elsewhere (and for Mamba layers); gather: copy a row's blocks, then SDPA; flex: FlexAttention reads the pool in place; triton: ember's paged-attention kernel reads it through the block tables", choices=("auto", "gather", "flex", "triton"))  # fmt: skip # noqa: E501
+    batch_invariant: bool = opt(False, "a request's tokens the same bits in any batch: products in one fixed order (ember.kernels.invariant); needs paged_attention=triton (auto picks it); slower")  # fmt: skip # noqa: E501
     async_steps: bool = opt(False, "plan and launch each step before the last one's ids are read back, so the host's work runs under the device's (vLLM's async scheduling); an id that ends a sequence costs one token of work past its end")  # fmt: skip # noqa: E501
     decode_buckets: list[int] = opt([1, 2, 4, 8, 16, 32, 64], "decode-only steps padded to these batch sizes, others to a multiple of a quarter of a power of two of tokens; CUDA graphs on a GPU (flex and triton; [] = off)")  # fmt: skip # noqa: E501
 
@@ -405,7 +405,7 @@ class Config:
         serve = self.serve
         message = (f"serve.batch_invariant needs serve.paged_attention=triton, not {serve.paged_attention}: "
                    "that kernel's sums run in one order whatever the batch; gather's and flex's do not")
-        ok = not serve.batch_invariant or serve.paged_attention == "triton"
+        ok = not serve.batch_invariant or serve.paged_attention in ("triton", "auto")
         _require(ok, "serve.batch_invariant", message)
 
 

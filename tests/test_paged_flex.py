@@ -226,3 +226,21 @@ def test_scheduler_flex_and_buckets_equal_gather_with_preemptions(engine):  # no
     assert preemptions["flex"] > 0 and preemptions["async"] > 0
     with pytest.raises(EmberError, match="serve.paged_attention=dense"):
         Scheduler(engine, num_blocks=40, paged_attention="dense")
+    assert isinstance(Scheduler(engine, num_blocks=8).cache, PagedKVCache)  # auto on a CPU: gather
+
+
+def test_auto_attends_by_triton_on_cuda_and_by_gather_elsewhere(monkeypatch):
+    """``serve.paged_attention=auto`` (the default): ember's kernel where the leases measured it
+    fastest (CUDA with Triton, attention-only models); gather on a CPU or with Mamba layers;
+    triton whenever the server is batch-invariant; a named road as named."""
+    from ember import kernels
+    from ember.infer.paged import attention_road
+
+    for device in ("cpu", "cuda", "cuda:1"):
+        want = "triton" if device != "cpu" and kernels.HAS_TRITON else "gather"
+        assert attention_road("auto", device, False, False) == want
+        assert attention_road("auto", device, True, False) == "gather"  # Mamba: no padded steps
+        assert attention_road("auto", device, False, True) == "triton"
+        assert attention_road("flex", device, False, False) == "flex"
+    monkeypatch.setattr(kernels, "_ready", lambda kind: (False, "Triton is not installed"))
+    assert attention_road("auto", "cuda", False, False) == "gather"

@@ -17,16 +17,17 @@ manager, prefix caching and copy-on-write.
 Design choices:
 
 - **Pool buffers are sized on the first ``attend``** from the keys received (engine.py's rule).
-- **Two ways to attend** (``serve.paged_attention``, the ``PAGED_ATTENTION`` registry). ``gather``
-  (the default): each layer writes the step's new keys into their slots, gathers each
+- **Three ways to attend** (``serve.paged_attention``, the ``PAGED_ATTENTION`` registry;
+  ``attention_road`` resolves ``auto``: ``triton`` on CUDA, ``gather`` elsewhere). ``gather``
+  (the CPU's): each layer writes the step's new keys into their slots, gathers each
   sequence's slots (``index_select``) and runs SDPA; all decoding sequences go as one padded
   batch. Plain PyTorch, the same on every device, and the reference. ``flex``
   (``FlexPagedKVCache``): one FlexAttention call per layer reads the pool in place, a
   ``mask_mod`` mapping a physical slot to its logical position through an inverse block table
   and a block mask built from the tables (PyTorch's ``_paged_attention``, gpt-fast). On the
   2-core CPU gather is faster (tiny model, a decode step of 16 sequences on one thread: 1.9 ms
-  against 5.2 ms with flex compiled and warm), so it stays the default; docs/serve.md has the
-  GPU comparison to run.
+  against 5.2 ms with flex compiled and warm). ``triton`` (``TritonPagedKVCache``): ember's
+  paged kernel reads the pool through the block tables; the fastest on an H200 (docs/serve.md).
 - **Prefix keys are chained hashes** (parent key + own tokens), so equal keys mean equal whole
   prefixes; sharing stops one token short of the prompt, whose logits start the answer. Only a
   partly filled last block after ``fork`` can be written by two sequences: it is copied on the
@@ -591,3 +592,19 @@ class TritonPagedKVCache(PagedKVCache):
 
 # serve.paged_attention
 PAGED_ATTENTION = {"gather": PagedKVCache, "flex": FlexPagedKVCache, "triton": TritonPagedKVCache}
+
+
+def attention_road(choice: str, device: torch.device | str, recurrent: bool, batch_invariant: bool) -> str:
+    """``serve.paged_attention``, with ``auto`` resolved: ``triton`` for a batch-invariant server
+    (the one road whose sums keep one order), else on CUDA for an attention-only model where
+    Triton is ready (two H200 leases at 64 clients: 11.3x and 9.3x the sequential batch-1
+    engine, where gather made 4.9x and flex 1.5x), else ``gather`` (a CPU, where the kernels run
+    only interpreted, and Mamba layers, whose state padded steps cannot carry)."""
+    if choice != "auto":
+        return choice
+    if batch_invariant:
+        return "triton"
+    from ember.kernels import triton_ready
+
+    cuda = torch.device(device).type == "cuda"
+    return "triton" if cuda and not recurrent and triton_ready(device)[0] else "gather"

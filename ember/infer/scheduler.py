@@ -56,6 +56,7 @@ from ember.infer.paged import (
     BlockManager,
     PagedKVCache,
     PagedSequence,
+    attention_road,
     blocks_for,
     to_device,
 )
@@ -204,16 +205,17 @@ class Scheduler:
         max_batch_tokens: int = 512,
         max_seqs: int = 64,
         prefix_caching: bool = True,
-        paged_attention: str = "gather",
+        paged_attention: str = "auto",
         decode_buckets: tuple[int, ...] | None = None,
         batch_invariant: bool = False,
         async_steps: bool = False,
     ):
+        self.recurrent = "mamba" in layer_mixers(engine.model.cfg)  # Mamba layers: state slots (docstring)
+        paged_attention = attention_road(paged_attention, engine.device, self.recurrent, batch_invariant)
         if paged_attention not in PAGED_ATTENTION:
-            choices = ", ".join(PAGED_ATTENTION)
+            choices = ", ".join(["auto", *PAGED_ATTENTION])
             raise EmberError(f"serve.paged_attention={paged_attention}: choose one of {choices}")
         kind = PAGED_ATTENTION[paged_attention]
-        self.recurrent = "mamba" in layer_mixers(engine.model.cfg)  # Mamba layers: state slots (docstring)
         if self.recurrent and kind.graphed:
             raise EmberError(
                 f"serve.paged_attention={paged_attention} is for attention-only models: its padded steps "
