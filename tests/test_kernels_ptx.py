@@ -104,7 +104,7 @@ lower(rope._rope_kernel, dict(Q=bf, K=bf, QO=bf, KO=bf, COS="*fp32", SIN="*fp32"
       dict(INVERSE=True, ACC=tl.float32, HALF=32, BLOCK_T=1, BLOCK_H=16, BLOCK_HK=16, BLOCK_D=32,
            LOADS_FIRST=True), 1)  # the tuner's smallest tile: one position, one warp
 # a vocab row: the two-pass loops, pipelined
-LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, PER_SM=1, AHEAD=False)
+LONG = dict(ACC=tl.float32, BLOCK=8192, STAGES=3, AHEAD=False)
 for hints in (softmax.NO_HINTS, softmax.HINTS):
     fwd = lower(softmax._softmax_fwd_long, dict(X=bf, Y=bf, R=i32, N=i32), {**LONG, **hints}, 16,
                 aligned=True)

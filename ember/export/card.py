@@ -16,7 +16,6 @@ says so), ``datasets`` (the run's source specs) and ``metrics``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,19 +23,7 @@ import yaml
 
 from ember.data.manifest import read_manifest
 from ember.errors import EmberError
-
-
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+from ember.report.report import md_table, read_json
 
 
 def _architecture(m: dict, n_params: int, kind: str) -> str:
@@ -50,7 +37,7 @@ def _architecture(m: dict, n_params: int, kind: str) -> str:
         ["positions · norm · MLP", f"{m['pos']} · {m['norm']} · {m['mlp']}"],
         ["tied embeddings", str(m["tie_embeddings"]).lower()],
     ]
-    return _table(["", ""], rows)
+    return md_table(["", ""], rows)
 
 
 def _data(cfg: dict, manifest: dict) -> str:
@@ -67,7 +54,7 @@ def _data(cfg: dict, manifest: dict) -> str:
     text = (
         f"Sources: {sources}. Tokenizer: {tok.get('kind', cfg['data']['tokenizer'])}, "
         f"{tok.get('vocab_size', cfg['data']['vocab_size']):,} tokens. Splits (`ember data prepare`):\n\n"
-        + _table(["split", "documents", "bytes", "tokens"], rows)
+        + md_table(["split", "documents", "bytes", "tokens"], rows)
     )
     if rules.get("test"):
         text += f"\n\nThe test split: {rules['test']}."
@@ -95,7 +82,7 @@ def _training(cfg: dict, summary: dict, env: dict) -> str:
     ]
     if summary.get("best_val_loss") is not None:
         rows.append(["best validation loss", f"{summary['best_val_loss']:.4f} (step {summary['best_step']})"])
-    return _table(["", ""], rows)
+    return md_table(["", ""], rows)
 
 
 def _evaluation(results: dict) -> tuple[str, list[str]]:
@@ -116,7 +103,7 @@ def _evaluation(results: dict) -> tuple[str, list[str]]:
         rows.append([f"`{name}`", f"{r['bpb']:.4f} bits/byte{interval}, perplexity {r['ppl']:.2f}", measured])
         metrics |= {"bits_per_byte", "perplexity"}
     note = "Brackets: 95% interval over documents (bits/byte) or Wilson interval (accuracy)."
-    return _table(["data", "result", "measured on"], rows) + f"\n\n{note}", sorted(metrics)
+    return md_table(["data", "result", "measured on"], rows) + f"\n\n{note}", sorted(metrics)
 
 
 def run_record(run_dir: Path) -> dict:
@@ -127,8 +114,8 @@ def run_record(run_dir: Path) -> dict:
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
         raise EmberError(f"cannot read {run_dir / 'config.yaml'} for the model card ({e})") from None
-    summary, env = _read(run_dir / "summary.json"), _read(run_dir / "env.json")
-    results = _read(run_dir / "eval.json").get("results", {})
+    summary, env = (read_json(run_dir / name) or {} for name in ("summary.json", "env.json"))
+    results = (read_json(run_dir / "eval.json") or {}).get("results", {})
     try:
         manifest = read_manifest(cfg["data"]["dir"]) if summary else {}
     except EmberError:

@@ -91,7 +91,7 @@ def _online(m, s, x):
 
 @triton.jit
 def _softmax_fwd_long(X, Y, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr, AHEAD: tl.constexpr):
+                      KEEP: tl.constexpr, DROP: tl.constexpr, AHEAD: tl.constexpr):
     """Rows longer than a block, two passes each; a program takes rows pid, pid + programs, ...
     KEEP, DROP: the L2 eviction policies of the first pass's loads and of the second pass's
     loads and stores ("" for the default). AHEAD: each pass loads its next block into registers
@@ -141,7 +141,7 @@ def _softmax_bwd(Y, DY, DX, N, ACC: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _softmax_bwd_long(Y, DY, DX, R, N, ACC: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                      PER_SM: tl.constexpr, KEEP: tl.constexpr, DROP: tl.constexpr, AHEAD: tl.constexpr):
+                      KEEP: tl.constexpr, DROP: tl.constexpr, AHEAD: tl.constexpr):
     """dx = y * (dy - sum(y * dy)) over rows longer than a block: the sum, then dx backwards (as
     the forward's second pass); KEEP, DROP, AHEAD as ``_softmax_fwd_long``'s."""
     cols = tl.arange(0, BLOCK)
@@ -198,8 +198,8 @@ def _launch(one, long, *tensors: Tensor) -> Tensor:
         def run(config: tuple[int, int, int, int, bool]) -> None:
             block, warps, stages, per_sm, hints = config
             grid = (min(R, sms * per_sm) if per_sm else R,)
-            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=max(stages, 1), PER_SM=per_sm,
-                       AHEAD=stages == 0, num_warps=warps, **(HINTS if hints else NO_HINTS))  # fmt: skip
+            long[grid](*rows, out, R, N, ACC=acc, BLOCK=block, STAGES=max(stages, 1), AHEAD=stages == 0,
+                       num_warps=warps, **(HINTS if hints else NO_HINTS))  # fmt: skip
             # (stages 0: each pass a block ahead in registers, AHEAD; its loops are not staged)
 
         # timed once for N and the rows to a power of two (up to 4,096), so that a new row count

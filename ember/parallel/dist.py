@@ -39,7 +39,6 @@ from ember.errors import ConfigError, EmberError
 class DistEnv:
     rank: int
     world_size: int
-    local_rank: int
     device: torch.device
     mesh: object | None = None  # DeviceMesh when world_size > 1: ("pp"?, data dims..., "tp"?)
     tp: int = 1  # ranks that split each block's matrices (tensor parallel)
@@ -70,9 +69,6 @@ class DistEnv:
         return self.world_size > 1
 
 
-_ENV: DistEnv | None = None
-
-
 def wants_cuda(name: str) -> bool:
     """Whether ``train.device=name`` runs on CUDA: ``cuda``, or ``auto`` where a GPU is visible."""
     return name == "cuda" or (name == "auto" and torch.cuda.is_available())
@@ -89,7 +85,6 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
 
 def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
     """Join the process group described by torchrun's environment (or run alone)."""
-    global _ENV
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -121,8 +116,7 @@ def init_distributed(parallel_cfg, device_name: str = "auto") -> DistEnv:
         dp_mesh = mesh[dp] if len(names) > len(dp) else mesh
     elif tp > 1 or pp > 1:  # so alone tp = pp = 1 (the config checks ge=1)
         raise ConfigError(f"parallel.tp={tp} × parallel.pp={pp} needs {tp * pp} ranks: launch with --nproc {tp * pp}")  # fmt: skip # noqa: E501
-    _ENV = DistEnv(rank, world_size, local_rank, device, mesh, tp, dp_mesh, pp)
-    return _ENV
+    return DistEnv(rank, world_size, device, mesh, tp, dp_mesh, pp)
 
 
 _ERROR_LINE = re.compile(r"^(ember: error: |[\w.]+(Error|Exception): )")  # a rank's own account of failing
@@ -157,10 +151,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def destroy_distributed() -> None:
-    global _ENV
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _ENV = None
 
 
 def get_rank() -> int:

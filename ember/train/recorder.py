@@ -38,7 +38,6 @@ class Recorder:
 
     def __init__(self, model: torch.nn.Module, keep: bool, backward: bool = True):
         self.keep, self.backward, self.events, self.first = keep, backward, [], None
-        self.last_input: dict[str, dict] = {}
         self.previous: dict | None = None  # statistics of the tensor seen before the current one
         self.handles = []
         for name, module in model.named_modules():
