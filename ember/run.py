@@ -104,11 +104,25 @@ def run_config(run_dir: Path):
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Every record of ``metrics.jsonl``, in order (empty if there is none)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    return (
-        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    )
+    """Every record of ``metrics.jsonl``, in order (empty if there is none), past any line that
+    does not parse: ``metrics_lines``."""
+    return metrics_lines(run_dir)[0]
+
+
+def metrics_lines(run_dir: Path) -> tuple[list[dict], int]:
+    """(``metrics.jsonl``'s records, how many lines did not parse): a line torn by a crash or a
+    full disk mid-write is skipped, so a resume or a report still reads the rest."""
+    path, records, bad = Path(run_dir) / "metrics.jsonl", [], 0
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
+    for line in filter(str.strip, lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records, bad
 
 
 def record_eval(run_dir: Path, results: dict) -> None:

@@ -75,6 +75,19 @@ def links(report: Path) -> list[str]:
     return re.findall(r"\]\(([^)]+)\)", report.read_text())
 
 
+def test_a_torn_metrics_line_is_skipped_on_resume_and_counted(tmp_path):
+    """A crash or a full disk mid-write leaves half a line: a resume keeps the records up to its
+    checkpoint and drops the torn one, where the strict reader raised a traceback."""
+    from ember.run import metrics_lines
+    from ember.train.metrics import MetricsLog
+
+    lines = [json.dumps({"step": s, "loss": 5.0 - s}) for s in (1, 2, 3)] + ['{"step": 4, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
+    assert [r["step"] for r in metrics_lines(tmp_path)[0]] == [1, 2, 3] and metrics_lines(tmp_path)[1] == 1
+    MetricsLog(tmp_path, enabled=True, truncate_after=2).file.close()
+    assert metrics_lines(tmp_path) == ([{"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0}], 0)
+
+
 def test_single_run_report(tmp_path):
     run = make_run(tmp_path, "tiny")
     results = {"val (data/tiny)": {"val_loss": 4.5, "val_ppl": 90.0, "val_bpb": 1.75}}

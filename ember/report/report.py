@@ -34,6 +34,7 @@ import yaml
 from ember.atomic import output_dir, write_text_atomic
 from ember.data.manifest import MANIFEST, read_manifest
 from ember.errors import DataError, EmberError
+from ember.run import metrics_lines
 
 REPORT = "report.md"
 PLOTS = "plots"
@@ -107,17 +108,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
         raise EmberError(
             f"{path} is not an ember run directory (no metrics.jsonl); run `ember train CONFIG` first"
         )
-    records, bad = [], 0
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
+    records, bad = metrics_lines(path)
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_loss" in r]
     tasks = [r for r in records if "task_accuracy" in r or "pair_accuracy" in r]
