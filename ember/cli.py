@@ -271,14 +271,13 @@ def cmd_generate(args) -> int:
     *sampling_args("sampling seed (each turn adds its number)"),
 )
 def cmd_chat(args) -> int:
-    import yaml
-
     from ember.infer.engine import Engine
+    from ember.run import saved_config
 
     sampling = _sampling(args)
     engine = Engine.from_run(args.run)
     config = Path(args.run) / "config.yaml"
-    task = config.is_file() and (yaml.safe_load(config.read_text()) or {}).get("train", {}).get("task")
+    task = config.is_file() and saved_config(config)["train"].get("task")
     chat = task in ("sft", "dpo", "grpo")
     kind = "a chat model: turns in the chat format" if chat else "a base model: it continues your text"
     print(f"ember chat with {args.run} ({kind}). Empty line or Ctrl-D to quit.")

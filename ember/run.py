@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import re
 import shutil
 import warnings
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
@@ -82,9 +84,11 @@ def checkpoint_step(run_dir: Path, ckpt: str) -> int | None:
     ``last`` (from summary.json), None where it is unknown (``best``, an unfinished run)."""
     if ckpt in ("last", "best"):
         summary = Path(run_dir) / "summary.json"
-        if ckpt == "last" and summary.is_file():
-            return json.loads(summary.read_text()).get("step")
-        return None
+        try:
+            step = json.loads(summary.read_text()).get("step") if ckpt == "last" else None
+        except (OSError, ValueError, AttributeError):  # missing or damaged: unknown
+            return None
+        return step if isinstance(step, int) else None
     return int(ckpt.removeprefix("step-"))
 
 
@@ -98,9 +102,27 @@ def write_json(path: Path, obj) -> None:
 def run_config(run_dir: Path):
     """The run's own config (its config.yaml), as the trainer wrote it."""
     path = Path(run_dir) / "config.yaml"
+    saved_config(path)  # (an empty or damaged file would load as the defaults)
+    return load_config(str(path), [])
+
+
+def saved_config(path: Path) -> dict:
+    """A config YAML that ``ember train`` wrote (a run's config.yaml, config-resume-*.yaml), as
+    a plain mapping; EmberError where it is missing, does not parse, or lacks its sections."""
+    path = Path(path)
     if not path.is_file():
         raise EmberError(f"{path} not found: give a run directory that `ember train` wrote")
-    return load_config(str(path), [])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise EmberError(f"cannot read {path} ({e}); `ember train` writes it") from None
+    sections = ("data", "model", "train")
+    if not (isinstance(data, dict) and all(isinstance(data.get(k), dict) for k in sections)):
+        raise EmberError(
+            f"{path} is damaged: not the config `ember train` writes (a mapping with data, model and train "
+            "sections); restore it, or `ember config show` the preset the run was trained from and save that"
+        )
+    return data
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -301,7 +323,10 @@ def load_run(
 
 
 # DCP wraps load failures in CheckpointException, a BaseException subclass
-CHECKPOINT_ERRORS = (OSError, ValueError, RuntimeError, KeyError, CheckpointException)
+# (a torn DCP metadata file raises UnpicklingError; a torn tensor file EOFError)
+CHECKPOINT_ERRORS = (
+    OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError, CheckpointException
+)
 
 
 def committed(folder: Path) -> Path:
@@ -316,8 +341,13 @@ def committed(folder: Path) -> Path:
 
 
 def unreadable(folder: Path, e: BaseException) -> EmberError:
+    for failure in getattr(e, "failures", {}).values():  # a CheckpointException: each rank's (error, stack)
+        e = failure[0] if isinstance(failure, tuple) else failure
+        break
+    text = [line for line in str(e).splitlines() if line.strip()]  # (its message held a rank's traceback)
+    reason = type(e).__name__ + (f": {text[-1].strip()[:200]}" if text else "")
     return EmberError(
-        f"checkpoint {folder} cannot be read ({type(e).__name__}: {str(e)[:200]}); if it is damaged, "
+        f"checkpoint {folder} cannot be read ({reason}); if it is damaged, "
         "delete it to resume from the one before (a different model or optimizer needs a new run)"
     )
 

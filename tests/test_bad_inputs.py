@@ -36,6 +36,15 @@ def ws(tiny_data, tmp_path_factory):
         shutil.copy(run / name, imported / name)
     shutil.copytree(run / "model", imported / "model")
     export_hf(run, root / "hf")
+    [step] = (run / "checkpoints").glob("step-*")  # damaged copies of the run, one damage each
+    for name, damaged, text in [("cfg-empty", "config.yaml", ""), ("cfg-list", "config.yaml", "- a\n"),
+                                ("cfg-torn", "config.yaml", "run:\n  name: tiny\n"),
+                                ("meta-list", f"checkpoints/{step.name}/meta.json", "[]"),
+                                ("meta-torn", f"checkpoints/{step.name}/.metadata", None),
+                                ("tensors-torn", f"checkpoints/{step.name}/__0_0.distcp", None)]:  # fmt: skip
+        shutil.copytree(run, root / "runs" / name)
+        path = root / "runs" / name / damaged
+        path.write_text(text) if text is not None else path.write_bytes(path.read_bytes()[:40])
     for name, key, value in [("hf-vocab", "vocab_size", 1024), ("hf-heads", "num_attention_heads", 8)]:
         shutil.copytree(root / "hf", root / name)
         config = json.loads((root / name / "config.json").read_text())
@@ -84,6 +93,8 @@ def _tree(*roots: Path) -> dict:
 D, R = "data.dir={data}", "run.out_dir={ws}/out"  # the shared corpus; runs would go to out/
 T = ["tiny", D, "data.val_fraction=0.1", R, "train.device=cpu"]  # a config that trains as is
 S = ["tiny", D, "data.val_fraction=0.1", "--out", "{ws}/sweep"]  # a sweep of it
+RESUME = ["tiny", D, "data.val_fraction=0.1", "run.out_dir={ws}/runs", "train.device=cpu",
+          "train.max_steps=4", "train.eval_every=0", "train.resume=auto"]  # the fixture run, renamed
 
 CASES = [
     # --- the command line itself: verbs, nouns, options ---
@@ -351,6 +362,16 @@ CASES = [
     (["import", "hf", "{ws}/hf", "--out", "{ws}/foreign", "--force"], ""),
     (["data", "prepare", "tiny", "data.dir={ws}/foreign", "--force"], ""),
     (["bench", "comm", "--out", "/proc/c"], ""),
+    # --- a run whose files were damaged after training (a crash, a full disk, a hand edit) ---
+    (["eval", "{ws}/runs/cfg-empty"], "config.yaml is damaged"),
+    (["eval", "{ws}/runs/cfg-torn"], "config.yaml is damaged"),
+    (["export", "{ws}/runs/cfg-list", "--to", "hf", "{ws}/x-hf"], "config.yaml is damaged"),
+    (["export", "{ws}/runs/cfg-list", "--to", "gguf", "{ws}/x.gguf"], "config.yaml is damaged"),
+    (["quantize", "{ws}/runs/cfg-list", "--report"], "config.yaml is damaged"),
+    (["train", *RESUME, "run.name=cfg-empty"], "config.yaml is damaged"),
+    (["train", *RESUME, "run.name=meta-list"], "meta.json is not the record"),
+    (["train", *RESUME, "run.name=meta-torn"], "cannot be read (UnpicklingError"),
+    (["train", *RESUME, "run.name=tensors-torn"], "cannot be read (EOFError)"),  # not the rank's stack
     # --- serve: address and device, before the model loads (tests/test_server_robust.py has the rest) ---
     (["serve", "{run}", "serve.device=tpu"], "serve.device=tpu"),
     (["serve", "{run}", "serve.device=cuda:99"], "serve.device=cuda:99"),
@@ -365,7 +386,7 @@ def places(ws, tiny_data):
 
 
 def _id(case) -> str:
-    return " ".join(a for a in case[0] if a not in T[1:] + S[1:])[:80] or "(nothing)"
+    return " ".join(a for a in case[0] if a not in T[1:] + S[1:] + RESUME[1:])[:80] or "(nothing)"
 
 
 @pytest.mark.parametrize("argv, message", CASES, ids=[_id(c) for c in CASES])

@@ -76,3 +76,14 @@ def test_an_imported_run_gets_a_card_that_says_what_is_not_recorded(run, tmp_pat
     front, body = card(tmp_path / "hf")
     assert front["datasets"] == [] and front["metrics"] == []
     assert "## Training\n\nNot recorded" in body and "## Evaluation\n\nNot evaluated yet" in body
+
+
+def test_a_summary_missing_its_figures_says_so_instead_of_failing():
+    """A damaged or older summary.json (no step, tokens or loss) still makes a card."""
+    from ember.export.card import _training
+
+    train = {"task": "lm", "optimizer": "adamw", "lr": 1e-3, "batch_tokens": 4096, "seq_len": 64}
+    train["precision"] = "fp32"
+    text = _training({"train": train}, {"elapsed_s": "?", "best_val_loss": 2.5}, {})
+    assert "| steps | not recorded |" in text and "| last train loss | not recorded |" in text
+    assert "| wall time | not recorded |" in text and "2.5000 (step ?)" in text

@@ -24,6 +24,7 @@ import yaml
 from ember.data.manifest import read_manifest
 from ember.errors import EmberError
 from ember.report.report import md_table, read_json
+from ember.run import saved_config
 
 
 def _architecture(m: dict, n_params: int, kind: str) -> str:
@@ -69,20 +70,28 @@ def _training(cfg: dict, summary: dict, env: dict) -> str:
     hardware = f"{env.get('world_size', 1)} × {device}" + (
         f" ({env['cpu_threads']} threads)" if env.get("device") == "cpu" else ""
     )
+    minutes = summary.get("elapsed_s")
+    minutes = minutes / 60 if isinstance(minutes, (int, float)) else None
     rows = [
-        ["steps", f"{summary['step']:,}"],
-        ["tokens", f"{summary['tokens']:,}"],
-        ["wall time", f"{summary.get('elapsed_s', 0) / 60:.1f} min"],
+        ["steps", _number(summary.get("step"), ",")],
+        ["tokens", _number(summary.get("tokens"), ",")],
+        ["wall time", _number(minutes, ".1f", " min")],
         ["hardware", hardware],
         ["software", f"ember {env.get('ember', '?')}, torch {env.get('torch', '?')}"],
         ["task · optimizer", f"{t['task']} · {t['optimizer']} (lr {t['lr']:g})"],
         ["batch", f"{t['batch_tokens']:,} tokens of {t['seq_len']}-token rows"],
         ["precision", t["precision"]],
-        ["last train loss", f"{summary['loss']:.4f}"],
+        ["last train loss", _number(summary.get("loss"), ".4f")],
     ]
-    if summary.get("best_val_loss") is not None:
-        rows.append(["best validation loss", f"{summary['best_val_loss']:.4f} (step {summary['best_step']})"])
+    if isinstance(summary.get("best_val_loss"), (int, float)):
+        best = f"{summary['best_val_loss']:.4f} (step {summary.get('best_step', '?')})"
+        rows.append(["best validation loss", best])
     return md_table(["", ""], rows)
+
+
+def _number(value, spec: str, unit: str = "") -> str:
+    """``value`` in ``spec``; "not recorded" where summary.json lacks it (a damaged record)."""
+    return f"{value:{spec}}{unit}" if isinstance(value, (int, float)) else "not recorded"
 
 
 def _evaluation(results: dict) -> tuple[str, list[str]]:
@@ -110,10 +119,7 @@ def run_record(run_dir: Path) -> dict:
     """What a card is made of, read once from ``run_dir``: ``config`` (config.yaml), ``summary``,
     ``env``, ``results`` (eval.json's), ``manifest`` and the data ``sources`` (each empty when the
     run has none). The GGUF writer summarises the same record in its metadata."""
-    try:
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise EmberError(f"cannot read {run_dir / 'config.yaml'} for the model card ({e})") from None
+    cfg = saved_config(run_dir / "config.yaml")
     summary, env = (read_json(run_dir / name) or {} for name in ("summary.json", "env.json"))
     results = (read_json(run_dir / "eval.json") or {}).get("results", {})
     try:

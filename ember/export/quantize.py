@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from ember.atomic import build_dir, check_target, write_text_atomic
 from ember.data.tokenizer import SPECIALS_FILE
@@ -29,7 +28,7 @@ from ember.infer.engine import Engine
 from ember.infer.evaluate import score, split_text
 from ember.infer.sampling import Sampling
 from ember.model.quant import QuantSpec, quantize, weight_bytes
-from ember.run import QUANT_FILE, export_weights, load_run, read_spec, run_tokenizer
+from ember.run import QUANT_FILE, export_weights, load_run, read_spec, run_tokenizer, saved_config
 
 
 def quantize_run(run: str | Path, spec: QuantSpec, out: str | Path, force: bool = False) -> Path:
@@ -72,11 +71,10 @@ def report(
     if read_spec(run / "model") is not None:
         raise EmberError(f"{run} is already quantized; --report compares a float run with its quantized ones")
     base, tokenizer = load_run(run)
-    try:
-        config = yaml.safe_load((run / "config.yaml").read_text(encoding="utf-8"))
-        data_dir, seq_len = config["data"]["dir"], config["train"]["seq_len"]
-    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError) as e:
-        raise EmberError(f"cannot read the data dir from {run / 'config.yaml'} ({e})") from None
+    config = saved_config(run / "config.yaml")
+    data_dir, seq_len = config["data"].get("dir"), config["train"].get("seq_len")
+    if not isinstance(data_dir, str) or not isinstance(seq_len, int):
+        raise EmberError(f"{run / 'config.yaml'} names no data.dir or train.seq_len; restore its config")
     tokens, strata = split_text(data_dir, "test")
     token_bytes = torch.tensor(tokenizer.token_byte_lengths(base.cfg.vocab_size))
     docs = np.split(tokens, np.flatnonzero(tokens == tokenizer.eos_id) + 1)

@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 
 from ember.data.chat import chat_ids, render
 from ember.data.loader import TokenDataset
@@ -43,7 +42,7 @@ from ember.errors import EmberError
 from ember.infer.classify import evaluate_classifier_run, print_classification
 from ember.infer.engine import Engine
 from ember.infer.sampling import Sampling
-from ember.run import load_run, model_kind, record_eval
+from ember.run import load_run, model_kind, record_eval, saved_config
 from ember.stats import wilson_interval
 
 SPLITS = ("train", "val", "test")  # train: to compare like with like (use --max-windows)
@@ -264,10 +263,7 @@ def evaluate_run(
             raise EmberError(f"{run_dir} is an image classifier: evaluate it on --split train, val or test")
         return evaluate_classifier_run(run_dir, ckpt, splits or ["val"])
     model, tokenizer = load_run(run_dir, ckpt)
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise EmberError(f"cannot read {run_dir / 'config.yaml'} ({e}); `ember train` writes it") from None
+    config = saved_config(run_dir / "config.yaml")
     seq_len = seq_len or config["train"]["seq_len"]
     if seq_len > model.cfg.max_seq_len:
         raise EmberError(f"--seq-len {seq_len} is beyond the model's max_seq_len {model.cfg.max_seq_len}")

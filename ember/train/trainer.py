@@ -73,7 +73,7 @@ from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distribut
 from ember.parallel.parallelize import compile_mode, parallelize, unwrap
 from ember.parallel.pipeline import pipeline_grad_norm
 from ember.report.report import write_report
-from ember.run import export_weights, latest_checkpoint
+from ember.run import export_weights, latest_checkpoint, saved_config
 from ember.train.checkpoint import load_checkpoint, save_checkpoint
 from ember.train.dynamics import Dynamics
 from ember.train.layout import check_layout, compile_scope
@@ -374,7 +374,7 @@ class Trainer:
         saved = max(run.glob("config-resume-step-*.yaml"), default=run / "config.yaml")
         if not saved.is_file():
             return  # a checkpoint folder outside its run: nothing to compare with
-        old = yaml.safe_load(saved.read_text())
+        old = saved_config(saved)
         new = yaml.safe_load(config_to_yaml(replace(self.cfg, model=self.model_cfg)))
         changed = {
             f"{section}.{k}": (old[section][k], v)
