@@ -20,6 +20,7 @@ replaced: losing a run to a mistyped path is the one error that cannot be undone
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -58,7 +59,8 @@ LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?P<stage>tmp|old)-(?P<pid>\d+)")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write to a temp file beside ``path``, fsync, then rename over ``path``."""
+    """Write to a temp file beside ``path``, fsync, then rename over ``path``. A folder that
+    cannot be written (read-only, full, not ours) is an EmberError naming it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -67,8 +69,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # (on a read-only folder this fails too: keep the first error)
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise EmberError(
+                f"cannot write {path} ({e.strerror or e}); copy the run or output to a folder you can write"
+            ) from None
         raise
 
 

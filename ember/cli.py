@@ -510,7 +510,7 @@ def cmd_quantize(args) -> int:
     for scheme in args.scheme or ["int8-weight", "int8-dynamic", "int4-weight"]:
         groups = [args.group_size] if args.group_size else GROUP_SIZES if scheme == "int4-weight" else [32]
         specs += [QuantSpec(scheme, g, head=not args.float_head) for g in groups]
-    print_report(report(args.run, specs, args.max_windows), Path(args.run))
+    print_report(report(args.run, specs, args.max_windows, sweep=not args.group_size), Path(args.run))
     return 0
 
 

@@ -365,6 +365,7 @@ def read_checkpoint_weights(folder: Path, model: torch.nn.Module) -> None:
     is whole and on one device (``load_run --ckpt STEP``); the training state is left out."""
     folder = committed(folder)
     try:
+        dcp.FileSystemReader(str(folder)).read_metadata()  # a torn one fails here, before DCP logs its stack
         state = {"model": get_model_state_dict(model)}
         with quiet_dcp():
             dcp.load(state, checkpoint_id=str(folder), no_dist=True)

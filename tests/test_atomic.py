@@ -17,6 +17,18 @@ def test_write_text_atomic_replaces_and_leaves_no_temp(tmp_path):
     assert path.read_text() == "two" and os.listdir(tmp_path) == ["a.json"]
 
 
+def test_a_folder_that_cannot_be_written_is_an_ember_error_and_the_first_cause(tmp_path, monkeypatch):
+    """A read-only or full folder: one EmberError naming the file, not the temp file's cleanup
+    failing in turn (which hid the first error behind a second traceback)."""
+    def refuse(path, *args, **kwargs):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(os, "fsync", refuse)
+    monkeypatch.setattr(os, "unlink", refuse)
+    with pytest.raises(EmberError, match=r"cannot write .*a.json \(Read-only file system\)"):
+        write_text_atomic(tmp_path / "a.json", "one")
+
+
 def test_publish_replaces_an_existing_directory(tmp_path):
     target = tmp_path / "model"
     for text in ("v1", "v2"):

@@ -199,12 +199,13 @@ def test_float_head_and_records_from_before_the_int8_head(run, tmp_path):
 
 def test_report_measures_fp32_and_each_scheme(run, capsys):
     args = ["quantize", str(run), "--report", "--scheme", "int8-weight", "--scheme", "int4-weight"]
-    assert main([*args, "--group-size", "32", "--max-windows", "6"]) == 0
+    assert main([*args, "--max-windows", "6"]) == 0  # int4's default sweep: groups of 32, 64 and 128
     text = capsys.readouterr().out
     assert "int8-weight" in text and "int4-weight g32" in text and "greedy agreement" in text
+    assert "int4-weight g128: left out (int4-weight: 64 input features" in text  # tiny is 64 wide
     record = json.loads((run / "quantize.json").read_text())
     rows = record["rows"]
-    assert list(rows) == ["fp32", "int8-weight", "int4-weight g32"]
+    assert list(rows) == ["fp32", "int8-weight", "int4-weight g32", "int4-weight g64"]
     assert rows["fp32"]["agree"] == 1.0 and rows["fp32"]["bpb_change"] == 0.0
     assert rows["int8-weight"]["bytes"] < 0.6 * rows["fp32"]["bytes"]
     assert rows["int4-weight g32"]["bytes"] < rows["int8-weight"]["bytes"]

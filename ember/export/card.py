@@ -121,7 +121,8 @@ def run_record(run_dir: Path) -> dict:
     run has none). The GGUF writer summarises the same record in its metadata."""
     cfg = saved_config(run_dir / "config.yaml")
     summary, env = (read_json(run_dir / name) or {} for name in ("summary.json", "env.json"))
-    results = (read_json(run_dir / "eval.json") or {}).get("results", {})
+    results = (read_json(run_dir / "eval.json") or {}).get("results")
+    results = results if isinstance(results, dict) else {}
     try:
         manifest = read_manifest(cfg["data"]["dir"]) if summary else {}
     except EmberError:

@@ -102,7 +102,8 @@ def _groups(in_features: int, group_size: int) -> int:
     """Groups per row of ``in_features`` inputs, or an EmberError if they do not split evenly."""
     if in_features % group_size:
         raise EmberError(
-            f"int4-weight: {in_features} input features do not split into groups of {group_size}"
+            f"int4-weight: {in_features} input features do not split into groups of {group_size}; "
+            "choose a group size that divides them (`ember quantize --group-size`, train.qat_group_size)"
         )
     return in_features // group_size
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import math
 import os
 import platform
@@ -72,8 +71,8 @@ from ember.model.vision import build_model
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import compile_mode, parallelize, unwrap
 from ember.parallel.pipeline import pipeline_grad_norm
-from ember.report.report import write_report
-from ember.run import export_weights, latest_checkpoint, saved_config
+from ember.report.report import read_json, write_report
+from ember.run import export_weights, latest_checkpoint, saved_config, write_json
 from ember.train.checkpoint import load_checkpoint, save_checkpoint
 from ember.train.dynamics import Dynamics
 from ember.train.layout import check_layout, compile_scope
@@ -401,7 +400,7 @@ class Trainer:
         cfg = replace(self.cfg, model=self.model_cfg)
         name = "config.yaml" if self.resume_from is None else f"config-resume-{self.resume_from.name}.yaml"
         (self.run_dir / name).write_text(config_to_yaml(cfg))  # the first leg's config.yaml is kept
-        (self.run_dir / "env.json").write_text(json.dumps(_env_record(self.env), indent=2) + "\n")
+        write_json(self.run_dir / "env.json", _env_record(self.env))
         if self.tokenizer is not None and self.tokenizer_file is None:  # grown by the chat tokens
             self.tokenizer.save(self.run_dir / TOKENIZER)
         elif self.tokenizer is not None:  # (an image task has none)
@@ -428,7 +427,7 @@ class Trainer:
         t, env = self.cfg.train, self.env
         if self.done:  # a larger budget needs train.resume_allow_changes=true
             print0(f"{self.run_dir} spent its budget at step {self.step}: nothing to do")
-            return json.loads((self.run_dir / "summary.json").read_text())
+            return read_json(self.run_dir / "summary.json") or {"step": self.step, "tokens": self.tokens}
         print0(
             f"training {self.n_params / 1e6:.2f}M parameters on {env.world_size} × {env.device.type}, "
             f"{t.batch_tokens:,} {self.units[0]}/step ({self.grad_accum} micro-steps of "
@@ -791,7 +790,7 @@ class Trainer:
                 "skipped_steps": self.skipped,
                 "n_params": self.n_params,
             }
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            write_json(self.run_dir / "summary.json", summary)
             if self.cfg.train.report:  # (matplotlib's import and the plots: most of a tiny run's end)
                 self._write_report()
         done = f"done: step {self.step}, {self.tokens:,} {self.units[0]}"
