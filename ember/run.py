@@ -276,7 +276,8 @@ def load_run(
     and loads only where the caller takes one (``images``)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise EmberError(f"run directory {run_dir} does not exist")
+        what = "is a file, not a run directory" if run_dir.exists() else "does not exist"
+        raise EmberError(f"run directory {run_dir} {what}: give the folder `ember train` wrote")
     config_path = run_dir / "model" / "model_config.json"
     if not config_path.is_file():
         raise EmberError(

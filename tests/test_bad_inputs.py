@@ -364,6 +364,7 @@ CASES = [
     (["bench", "comm", "--out", "/proc/c"], ""),
     # --- a run whose files were damaged after training (a crash, a full disk, a hand edit) ---
     (["eval", "{ws}/runs/cfg-empty"], "config.yaml is damaged"),
+    (["generate", "{ws}/text.txt", "--prompt", "a"], "is a file, not a run directory"),
     (["eval", "{ws}/runs/cfg-torn"], "config.yaml is damaged"),
     (["export", "{ws}/runs/cfg-list", "--to", "hf", "{ws}/x-hf"], "config.yaml is damaged"),
     (["export", "{ws}/runs/cfg-list", "--to", "gguf", "{ws}/x.gguf"], "config.yaml is damaged"),
