@@ -370,7 +370,7 @@ CASES = [
     (["export", "{ws}/runs/cfg-list", "--to", "gguf", "{ws}/x.gguf"], "config.yaml is damaged"),
     (["quantize", "{ws}/runs/cfg-list", "--report"], "config.yaml is damaged"),
     (["train", *RESUME, "run.name=cfg-empty"], "config.yaml is damaged"),
-    (["train", *RESUME, "run.name=meta-list"], "meta.json is not the record"),
+    (["train", *RESUME, "run.name=meta-list"], "meta.json is not the record a save writes (no step)"),
     (["train", *RESUME, "run.name=meta-torn"], "cannot be read (UnpicklingError"),
     (["train", *RESUME, "run.name=tensors-torn"], "cannot be read (EOFError)"),  # not the rank's stack
     # --- serve: address and device, before the model loads (tests/test_server_robust.py has the rest) ---

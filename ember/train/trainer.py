@@ -318,6 +318,9 @@ class Trainer:
         meta = load_checkpoint(self.resume_from, self.model, self.optimizer, only=self.adapters)
         for group, kept in zip(self.optimizer.param_groups, mine, strict=True):
             group.update(kept)
+        if not {"tokens", "elapsed"} <= meta.keys():
+            raise EmberError(f"{self.resume_from}/meta.json lacks tokens or elapsed, which a save writes; "
+                             "delete the checkpoint to resume from the one before")  # fmt: skip
         self.step, self.tokens = meta["step"], meta["tokens"]
         self.elapsed_before = meta["elapsed"]
         self.best_val, self.best_step = meta.get("best_val", math.inf), meta.get("best_step", -1)
