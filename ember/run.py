@@ -83,13 +83,18 @@ def checkpoint_step(run_dir: Path, ckpt: str) -> int | None:
     """The training step that ``--ckpt`` names: a step folder's number, the final step for
     ``last`` (from summary.json), None where it is unknown (``best``, an unfinished run)."""
     if ckpt in ("last", "best"):
-        summary = Path(run_dir) / "summary.json"
-        try:
-            step = json.loads(summary.read_text()).get("step") if ckpt == "last" else None
-        except (OSError, ValueError, AttributeError):  # missing or damaged: unknown
-            return None
-        return step if isinstance(step, int) else None
+        step = (read_json(Path(run_dir) / "summary.json") or {}).get("step") if ckpt == "last" else None
+        return step if isinstance(step, int) else None  # (missing or damaged: unknown)
     return int(ckpt.removeprefix("step-"))
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; None if it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def write_json(path: Path, obj) -> None:
@@ -342,9 +347,9 @@ def committed(folder: Path) -> Path:
 
 
 def unreadable(folder: Path, e: BaseException) -> EmberError:
-    for failure in getattr(e, "failures", {}).values():  # a CheckpointException: each rank's (error, stack)
+    failure = next(iter(getattr(e, "failures", {}).values()), None)  # CheckpointException: (error, stack)s
+    if failure is not None:
         e = failure[0] if isinstance(failure, tuple) else failure
-        break
     text = [line for line in str(e).splitlines() if line.strip()]  # (its message held a rank's traceback)
     reason = type(e).__name__ + (f": {text[-1].strip()[:200]}" if text else "")
     return EmberError(

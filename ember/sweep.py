@@ -50,8 +50,8 @@ from pathlib import Path
 
 from ember.atomic import check_target, mark, output_dir, write_text_atomic
 from ember.errors import ConfigError, EmberError
-from ember.report.report import md_table, plot_series, read_json
-from ember.run import latest_checkpoint, read_metrics, write_json
+from ember.report.report import md_table, plot_series
+from ember.run import latest_checkpoint, read_json, read_metrics, write_json
 from ember.stats import CONFIDENCE, permutation_test, summarize, welch
 
 SWEEP_JSON = "sweep.json"

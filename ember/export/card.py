@@ -23,8 +23,8 @@ import yaml
 
 from ember.data.manifest import read_manifest
 from ember.errors import EmberError
-from ember.report.report import md_table, read_json
-from ember.run import saved_config
+from ember.report.report import md_table
+from ember.run import read_json, saved_config
 
 
 def _architecture(m: dict, n_params: int, kind: str) -> str:

@@ -34,7 +34,7 @@ import yaml
 from ember.atomic import output_dir, write_text_atomic
 from ember.data.manifest import MANIFEST, read_manifest
 from ember.errors import DataError, EmberError
-from ember.run import metrics_lines
+from ember.run import metrics_lines, read_json
 
 REPORT = "report.md"
 PLOTS = "plots"
@@ -78,15 +78,6 @@ class Run:
 
 
 # ---------------------------------------------------------------- reading a run
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``; None if it is missing, unreadable or not an object."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _num(value) -> float | None:

@@ -55,8 +55,8 @@ class MetricsLog:
         self.enabled = enabled
         path = Path(run_dir) / "metrics.jsonl"
         if enabled and truncate_after is not None and path.exists():
-            steps = [(r, r.get("step", 0)) for r in read_metrics(run_dir)]
-            keep = [r for r, step in steps if isinstance(step, int) and step <= truncate_after]
+            records = read_metrics(run_dir)
+            keep = [r for r in records if isinstance(s := r.get("step", 0), int) and s <= truncate_after]
             write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
         self.file = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8") if enabled else None
         self.tb = None

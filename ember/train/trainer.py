@@ -58,7 +58,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
 
 import ember
-from ember.atomic import check_target, mark
+from ember.atomic import check_target, mark, write_text_atomic
 from ember.config import config_to_yaml
 from ember.data.chat import chat_ids
 from ember.data.manifest import TOKENIZER
@@ -71,8 +71,8 @@ from ember.model.vision import build_model
 from ember.parallel.dist import Watchdog, all_reduce, barrier, destroy_distributed, init_distributed, print0
 from ember.parallel.parallelize import compile_mode, parallelize, unwrap
 from ember.parallel.pipeline import pipeline_grad_norm
-from ember.report.report import read_json, write_report
-from ember.run import export_weights, latest_checkpoint, saved_config, write_json
+from ember.report.report import write_report
+from ember.run import export_weights, latest_checkpoint, read_json, saved_config, write_json
 from ember.train.checkpoint import load_checkpoint, save_checkpoint
 from ember.train.dynamics import Dynamics
 from ember.train.layout import check_layout, compile_scope
@@ -402,7 +402,7 @@ class Trainer:
         mark(self.run_dir, "run")  # created, and known as a run to the next writer (ember/atomic.py)
         cfg = replace(self.cfg, model=self.model_cfg)
         name = "config.yaml" if self.resume_from is None else f"config-resume-{self.resume_from.name}.yaml"
-        (self.run_dir / name).write_text(config_to_yaml(cfg))  # the first leg's config.yaml is kept
+        write_text_atomic(self.run_dir / name, config_to_yaml(cfg))  # the first leg's config.yaml is kept
         write_json(self.run_dir / "env.json", _env_record(self.env))
         if self.tokenizer is not None and self.tokenizer_file is None:  # grown by the chat tokens
             self.tokenizer.save(self.run_dir / TOKENIZER)
